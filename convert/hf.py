@@ -1,0 +1,144 @@
+"""Hugging Face Llama/Qwen state dicts to :class:`specjax.model.Params`.
+
+HF stores linear weights as ``[out, in]``; specjax keeps ``[in, out]`` so a
+projection is ``x @ w``. Embedding and LM head stay ``[V, d]``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from tqdm.auto import tqdm
+
+from specjax.checkpoint import CheckpointError
+from specjax.config import ModelConfig
+from specjax.model import LayerParams, Params
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor an HF checkpoint of ``cfg`` must hold, in HF layout."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (q, d),
+            p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d),
+            p + "self_attn.o_proj.weight": (d, q),
+            p + "mlp.gate_proj.weight": (f, d),
+            p + "mlp.up_proj.weight": (f, d),
+            p + "mlp.down_proj.weight": (d, f),
+        }
+        if cfg.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+        if cfg.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (cfg.head_dim,),
+                       p + "self_attn.k_norm.weight": (cfg.head_dim,)}
+    return shapes
+
+
+def check_state(cfg: ModelConfig, state: dict[str, np.ndarray], source: str) -> None:
+    """Refuse missing, extra or mis-shaped tensors, naming each."""
+    want = expected_shapes(cfg)
+    have = dict(state)
+    # Tied checkpoints sometimes still carry a copy of the head: it must equal the embedding.
+    if cfg.tie_word_embeddings and "lm_head.weight" in have:
+        head = have.pop("lm_head.weight")
+        if not np.array_equal(head, have.get("model.embed_tokens.weight")):
+            raise CheckpointError(
+                f"{source}: tie_word_embeddings=true but lm_head.weight differs from "
+                "model.embed_tokens.weight; fix tie_word_embeddings in config.json")
+    missing = sorted(set(want) - set(have))
+    extra = sorted(set(have) - set(want))
+    if missing:
+        raise CheckpointError(f"{source}: {len(missing)} tensors missing from the checkpoint, "
+                              f"e.g. {missing[:5]}; is it complete and does config.json match it?")
+    if extra:
+        raise CheckpointError(f"{source}: {len(extra)} unexpected tensors, e.g. {extra[:5]}; "
+                              "the checkpoint does not match config.json (wrong layer count, "
+                              "architecture or an unsupported feature)")
+    bad = [f"{k}: {tuple(have[k].shape)} != {v}" for k, v in want.items()
+           if tuple(have[k].shape) != v]
+    if bad:
+        raise CheckpointError(f"{source}: shape mismatch against config.json: {bad[:5]}")
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (name, fp32 array) over every ``*.safetensors`` shard in ``path``."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files; specjax converts safetensors "
+                              "checkpoints (re-save with `model.save_pretrained(dir)`)")
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        absent = sorted(s for s in shards if not (path / s).exists())
+        if absent:
+            raise CheckpointError(f"{path}: shards listed in model.safetensors.index.json are "
+                                  f"missing: {absent}")
+    for file in files:
+        try:
+            with safe_open(file, framework="flax") as f:
+                for name in f.keys():
+                    yield name, _to_f32(f, name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{file}: cannot read safetensors ({e}); the file is truncated "
+                                  "or corrupt, download it again") from e
+
+
+def _to_f32(f, name: str) -> np.ndarray:
+    # The numpy framework cannot represent bfloat16; the flax one can (ml_dtypes).
+    return np.asarray(f.get_tensor(name), dtype=np.float32)
+
+
+def load_hf_state(path: Path, progress: bool = True) -> dict[str, np.ndarray]:
+    """All tensors of an HF folder as fp32 numpy arrays."""
+    state = {}
+    for name, arr in tqdm(iter_safetensors(path), desc="read safetensors", unit="tensor",
+                          disable=not progress):
+        state[name] = arr
+    return state
+
+
+def params_from_hf_state(cfg: ModelConfig, state: dict[str, np.ndarray], source: str,
+                         dtype=np.float32) -> Params:
+    """Map a checked HF state dict onto the :class:`Params` pytree (numpy leaves)."""
+    check_state(cfg, state, source)
+
+    def get(name: str, transpose: bool = False) -> np.ndarray:
+        a = state[name]
+        return np.ascontiguousarray(a.T if transpose else a).astype(dtype)
+
+    def opt(name: str) -> np.ndarray | None:
+        return get(name) if name in state else None
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        layers.append(LayerParams(
+            attn_norm=get(p + "input_layernorm.weight"),
+            wq=get(a + "q_proj.weight", True), wk=get(a + "k_proj.weight", True),
+            wv=get(a + "v_proj.weight", True), wo=get(a + "o_proj.weight", True),
+            mlp_norm=get(p + "post_attention_layernorm.weight"),
+            w_gate=get(p + "mlp.gate_proj.weight", True), w_up=get(p + "mlp.up_proj.weight", True),
+            w_down=get(p + "mlp.down_proj.weight", True),
+            bq=opt(a + "q_proj.bias"), bk=opt(a + "k_proj.bias"), bv=opt(a + "v_proj.bias"),
+            q_norm=opt(a + "q_norm.weight"), k_norm=opt(a + "k_norm.weight"),
+        ))
+    return Params(
+        embed=get("model.embed_tokens.weight"), layers=tuple(layers),
+        final_norm=get("model.norm.weight"),
+        lm_head=None if cfg.tie_word_embeddings else get("lm_head.weight"),
+    )

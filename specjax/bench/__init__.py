@@ -1,0 +1,1 @@
+"""Benchmarks behind ``specjax bench``; each writes JSON and a plot."""

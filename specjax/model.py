@@ -1,0 +1,235 @@
+"""Llama / Qwen2 / Qwen3 decoder as pure functions over pytrees.
+
+Layout conventions (the converters in ``specjax.convert`` produce these):
+
+* linear weights are ``[in, out]`` so a projection is ``x @ w``;
+* the embedding and the LM head are ``[V, d]``: a vocabulary entry is a
+  contiguous row, which is what the shortlist heads gather;
+* the KV cache is preallocated, one ``[B, S, Hkv, Dh]`` buffer per layer, and
+  ``lengths[b]`` rows of batch row ``b`` are committed.
+
+The forward pass takes explicit positions and a mask over the block of new
+tokens, so the same function runs a prefill, one decode step, or a draft tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from specjax.config import ModelConfig
+
+
+def _pytree(cls):
+    """Frozen dataclass registered as a pytree; every field is a child."""
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
+
+
+@_pytree
+class LayerParams:
+    attn_norm: Array  # [d]
+    wq: Array  # [d, Hq*Dh]
+    wk: Array  # [d, Hkv*Dh]
+    wv: Array  # [d, Hkv*Dh]
+    wo: Array  # [Hq*Dh, d]
+    mlp_norm: Array  # [d]
+    w_gate: Array  # [d, F]
+    w_up: Array  # [d, F]
+    w_down: Array  # [F, d]
+    bq: Array | None = None  # [Hq*Dh], Qwen2
+    bk: Array | None = None  # [Hkv*Dh]
+    bv: Array | None = None  # [Hkv*Dh]
+    q_norm: Array | None = None  # [Dh], Qwen3
+    k_norm: Array | None = None  # [Dh]
+
+
+@_pytree
+class Params:
+    embed: Array  # [V, d]
+    layers: tuple[LayerParams, ...]
+    final_norm: Array  # [d]
+    lm_head: Array | None = None  # [V, d]; None when tied to `embed`.
+
+    @property
+    def head(self) -> Array:
+        """The LM head as [V, d], whether tied or not."""
+        return self.embed if self.lm_head is None else self.lm_head
+
+
+@_pytree
+class KVCache:
+    k: tuple[Array, ...]  # per layer [B, S, Hkv, Dh]
+    v: tuple[Array, ...]  # per layer [B, S, Hkv, Dh]
+    lengths: Array  # [B] int32; rows >= lengths[b] hold no committed entry.
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[1]
+
+
+def init_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
+    """Zeroed cache with ``capacity`` rows per batch row; all lengths 0."""
+    shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+    return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                   lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    """RMSNorm in fp32, cast back before the scale (as HF Llama does)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Array:
+    """[Dh/2] inverse frequencies, with llama3 scaling when configured."""
+    dh = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = jnp.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
+    """Rotate-half RoPE. x: [B, T, H, Dh]; positions: [B, T]."""
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+    cos = jnp.concatenate([jnp.cos(ang)] * 2, -1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(ang)] * 2, -1)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rot * sin).astype(x.dtype)
+
+
+def cache_mask(lengths: Array, block_mask: Array, capacity: int) -> Array:
+    """Which cache rows each new token may attend to.
+
+    Args:
+      lengths: [B] committed rows per batch row (the causal prefix).
+      block_mask: [B, T, T] bool; ``block_mask[b, i, j]`` lets new token i see
+        new token j (causal for a sequence, the ancestor mask for a tree).
+      capacity: S, the cache rows.
+    Returns:
+      [B, T, S] bool: the prefix, plus the new block where it is written
+      (rows ``lengths[b] .. lengths[b]+T``).
+    """
+    t = block_mask.shape[-1]
+    rel = jnp.arange(capacity)[None, :] - lengths[:, None]  # [B, S]
+    in_block = (rel >= 0) & (rel < t)
+    idx = jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :], block_mask.shape[:2] + (capacity,))
+    from_block = jnp.take_along_axis(block_mask, idx, axis=-1)
+    return (rel < 0)[:, None, :] | (in_block[:, None, :] & from_block)
+
+
+def _write_rows(buf: Array, lengths: Array, new: Array) -> Array:
+    """Write new [B, T, ...] into buf [B, S, ...] at rows lengths[b] + (0..T-1).
+
+    Callers size S so every write lands in range (see ``DecodeBuffers``);
+    out-of-range rows would be dropped, never clamped onto live rows.
+    """
+    b, t = new.shape[:2]
+    rows = lengths[:, None] + jnp.arange(t)[None, :]
+    return buf.at[jnp.arange(b)[:, None], rows].set(new.astype(buf.dtype), mode="drop")
+
+
+def _attention(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array, inv_freq: Array,
+               k_buf: Array, v_buf: Array, lengths: Array, mask: Array):
+    b, t, _ = x.shape
+    dh = cfg.head_dim
+    q = x @ lp.wq
+    k = x @ lp.wk
+    v = x @ lp.wv
+    if lp.bq is not None:
+        q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
+    q = q.reshape(b, t, cfg.num_heads, dh)
+    k = k.reshape(b, t, cfg.num_kv_heads, dh)
+    v = v.reshape(b, t, cfg.num_kv_heads, dh)
+    if lp.q_norm is not None:
+        q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    k_buf = _write_rows(k_buf, lengths, k)
+    v_buf = _write_rows(v_buf, lengths, v)
+
+    q = q.reshape(b, t, cfg.num_kv_heads, cfg.q_per_kv, dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_buf, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(dh)
+    # A finite fill keeps fully masked rows (padding queries) NaN-free.
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_buf.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_buf).reshape(b, t, cfg.num_heads * dh)
+    return out @ lp.wo, k_buf, v_buf
+
+
+def forward_hidden(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
+                   cache: KVCache, block_mask: Array | None = None,
+                   tap_layers: tuple[int, ...] = ()) -> tuple[Array, KVCache, tuple[Array, ...]]:
+    """Run the decoder over a block of new tokens.
+
+    Args:
+      tokens: [B, T] int token ids.
+      positions: [B, T] RoPE positions (prefix length + depth for a tree).
+      cache: K/V rows are written at ``cache.lengths[b] + i``; ``lengths`` is
+        *not* advanced here, because only the caller knows how many new rows
+        are accepted.
+      block_mask: [B, T, T] bool visibility among the new tokens; None means
+        causal.
+      tap_layers: indices of decoder layers whose *output* hidden states to
+        return (EAGLE-3 fuses three of them); layer -1 is the embedding.
+    Returns:
+      (hidden [B, T, d] after the final norm, updated cache, taps [B, T, d] each).
+    """
+    b, t = tokens.shape
+    if block_mask is None:
+        block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    mask = cache_mask(cache.lengths, block_mask, cache.capacity)
+    inv_freq = rope_inv_freq(cfg)
+    x = params.embed[tokens]
+    taps = {-1: x} if -1 in tap_layers else {}
+    ks, vs = [], []
+    for i, lp in enumerate(params.layers):
+        h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+        attn, k_buf, v_buf = _attention(cfg, lp, h, positions, inv_freq, cache.k[i], cache.v[i],
+                                        cache.lengths, mask)
+        ks.append(k_buf)
+        vs.append(v_buf)
+        x = x + attn
+        h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+        x = x + (jax.nn.silu(h @ lp.w_gate) * (h @ lp.w_up)) @ lp.w_down
+        if i in tap_layers:
+            taps[i] = x
+    hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    cache = KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths)
+    return hidden, cache, tuple(taps[i] for i in tap_layers)
+
+
+def lm_head(params: Params, hidden: Array) -> Array:
+    """Full-vocabulary logits in fp32. hidden: [..., d] -> [..., V]."""
+    return jnp.einsum("...d,vd->...v", hidden, params.head, preferred_element_type=jnp.float32)
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def forward(params: Params, cfg: ModelConfig, tokens: Array, positions: Array, cache: KVCache,
+            block_mask: Array | None = None) -> tuple[Array, KVCache]:
+    """Logits [B, T, V] (fp32) for every new token, and the written cache."""
+    hidden, cache, _ = forward_hidden(params, cfg, tokens, positions, cache, block_mask)
+    return lm_head(params, hidden), cache

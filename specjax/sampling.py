@@ -1,0 +1,85 @@
+"""Turning logits into the target's sampling distribution, and drawing from it.
+
+The split between static and traced settings avoids recompiles: whether to
+sample at all, and the top-k width, change the program; temperature and top-p
+are values carried as arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is chosen. ``temperature == 0`` means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 disables top-k.
+    top_p: float = 1.0  # 1.0 disables nucleus filtering.
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def static(self) -> StaticSampling:
+        return StaticSampling(greedy=self.greedy, top_k=self.top_k, use_top_p=self.top_p < 1.0)
+
+    def dynamic(self) -> dict[str, Array]:
+        t = self.temperature if self.temperature > 0 else 1.0
+        return {"temperature": jnp.float32(t), "top_p": jnp.float32(self.top_p)}
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticSampling:
+    """The jit-static part of a :class:`SamplingConfig`."""
+
+    greedy: bool
+    top_k: int
+    use_top_p: bool
+
+
+def filter_logits(logits: Array, s: StaticSampling, temperature: Array, top_p: Array) -> Array:
+    """Scaled, top-k and top-p filtered logits [..., V]; dropped entries are -inf."""
+    logits = logits.astype(jnp.float32) / temperature
+    if s.top_k:
+        kth = jax.lax.top_k(logits, s.top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if s.use_top_p:
+        sorted_desc = -jnp.sort(-logits, axis=-1)
+        probs = jax.nn.softmax(sorted_desc, axis=-1)
+        # Keep a token if the mass strictly before it is < top_p: the smallest
+        # set reaching top_p, and always the most likely token.
+        before = jnp.cumsum(probs, axis=-1) - probs
+        kept = jnp.where(before < top_p, sorted_desc, jnp.inf)
+        threshold = jnp.min(kept, axis=-1, keepdims=True)
+        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+    return logits
+
+
+def target_probs(logits: Array, s: StaticSampling, temperature: Array, top_p: Array) -> Array:
+    """The distribution sampling draws from, [..., V] (one-hot argmax if greedy)."""
+    if s.greedy:
+        return jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=jnp.float32)
+    return jax.nn.softmax(filter_logits(logits, s, temperature, top_p), axis=-1)
+
+
+def sample(key: Array, logits: Array, s: StaticSampling, temperature: Array,
+           top_p: Array) -> Array:
+    """One token per row. logits: [B, V] -> [B] int32."""
+    if s.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    filtered = filter_logits(logits, s, temperature, top_p)
+    return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)

@@ -1,0 +1,43 @@
+"""Tiny random transformers checkpoints for parity tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+}
+
+
+def make_hf_model(family: str, seed: int = 0, **overrides):
+    """A random-weight transformers model (fp32, eval mode)."""
+    config_cls, model_cls = FAMILIES[family]
+    kwargs = dict(BASE, **overrides)
+    if family == "qwen3":
+        kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+    torch.manual_seed(seed)
+    config = config_cls(**kwargs)
+    model = model_cls(config).eval()
+    # Random init leaves norms at 1 and biases at 0; perturb them so the test
+    # sees whether they are applied at all.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def make_hf_checkpoint(path: Path, family: str, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random model as an HF folder (config.json + safetensors)."""
+    model = make_hf_model(family, seed, **overrides)
+    model.save_pretrained(path)
+    return Path(path)
