@@ -7,10 +7,10 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from specjax.convert.hf import load_hf_state, params_from_hf_state
 
 from specjax.checkpoint import CheckpointError, save_target, write_atomically
 from specjax.config import ModelConfig
+from specjax.convert.hf import load_hf_state, params_from_hf_state
 
 # Tokenizer files copied verbatim from an HF folder when present.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

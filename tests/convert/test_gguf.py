@@ -1,0 +1,207 @@
+"""GGUF reader: parity with transformers' GGUF loader, synthetic round trips, refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from specjax.convert.gguf import GGUFError, read_gguf, save_gguf_tokenizer
+from specjax.defaults import smollm2_gguf_path
+from tests.tiny import make_hf_model
+
+CONFIG_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+               "tie_word_embeddings", "bos_token_id", "eos_token_id", "hidden_act", "rms_norm_eps"]
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="module")
+def smollm2_read(smollm2):
+    return read_gguf(smollm2, progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(smollm2_hf):
+    """transformers' own GGUF load of SmolLM2: (config, {name: float32 array})."""
+    return smollm2_hf.config, {k: v.numpy() for k, v in smollm2_hf.state_dict().items()}
+
+
+def test_smollm2_matches_transformers(smollm2_read, hf_reference):
+    config, state = smollm2_read
+    hf_config, hf_state = hf_reference
+    assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
+    for key in CONFIG_KEYS:
+        assert config[key] == getattr(hf_config, key), key
+    assert config["rope_theta"] == hf_config.rope_parameters["rope_theta"]
+    assert "rope_scaling" not in config
+    assert config["vocab_size"] == 49152 and config["tie_word_embeddings"]
+    # Tied: transformers lists lm_head.weight as an alias of the embedding; we leave it out.
+    assert set(state) == set(hf_state) - {"lm_head.weight"}
+    for name, ref in hf_state.items():
+        if name in state:
+            assert state[name].dtype == np.float32 and state[name].shape == ref.shape, name
+            np.testing.assert_array_equal(state[name], ref, err_msg=name)
+
+
+def test_smollm2_tokenizer(smollm2, tmp_path):
+    save_gguf_tokenizer(smollm2, tmp_path)
+    saved = AutoTokenizer.from_pretrained(tmp_path)
+    ref = AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
+    text = "Speculative decoding drafts tokens, then verifies them: 123 ÄÖ 日本 🙂."
+    assert saved(text)["input_ids"] == ref(text)["input_ids"]
+    assert saved.chat_template and saved.chat_template == ref.chat_template
+    msgs = [{"role": "user", "content": "Hi!"}]
+    assert saved.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == (
+        ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    )
+
+
+def test_missing_and_non_gguf_files(tmp_path):
+    with pytest.raises(GGUFError, match="not found"):
+        read_gguf(tmp_path / "nope.gguf")
+    with pytest.raises(GGUFError, match="directory"):
+        read_gguf(tmp_path)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(np.random.default_rng(0).bytes(4096))
+    with pytest.raises(GGUFError, match="not a GGUF file"):
+        read_gguf(junk)
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(GGUFError, match="not a GGUF file"):
+        read_gguf(tmp_path / "empty.gguf")
+    with pytest.raises(GGUFError, match="not found"):
+        save_gguf_tokenizer(tmp_path / "nope.gguf", tmp_path / "tok")
+
+
+@pytest.mark.parametrize("fraction", ["1MB", "half"])
+def test_truncated_gguf(smollm2, tmp_path, fraction):
+    size = 2**20 if fraction == "1MB" else smollm2.stat().st_size // 2
+    cut = tmp_path / "cut.gguf"
+    with open(smollm2, "rb") as f:
+        cut.write_bytes(f.read(size))
+    with pytest.raises(GGUFError, match="truncated or corrupt|is truncated") as e:
+        read_gguf(cut, progress=False)
+    assert "Re-download" in str(e.value)
+
+
+# ---------------------------------------------------------------- synthetic GGUF files
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py's LlamaModel.permute (HF rotate_half -> pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape
+    )
+
+
+def _write_gguf(path: Path, model, arch: str, drop=(), rope_freqs=None) -> Path:
+    """Write ``model`` as llama.cpp's converter would: F32, GGUF names, Q/K permuted for llama."""
+    c = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_vocab_size(c.vocab_size)
+    w.add_bos_token_id(c.bos_token_id)
+    w.add_eos_token_id(c.eos_token_id)
+    if arch == "llama":
+        w.add_rope_dimension_count(c.head_dim)
+    if arch == "qwen3":
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+    arch_enum = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    name_map = gguf.get_tensor_name_map(arch_enum, c.num_hidden_layers)
+    for hf_name, t in model.state_dict().items():
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        base, suffix = hf_name.rsplit(".", 1)
+        name = f"{name_map.get_name(base)}.{suffix}"
+        data = t.numpy()
+        if arch == "llama" and "q_proj" in hf_name:
+            data = _llama_cpp_permute(data, c.num_attention_heads)
+        elif arch == "llama" and "k_proj" in hf_name:
+            data = _llama_cpp_permute(data, c.num_key_value_heads)
+        if name not in drop:
+            w.add_tensor(name, np.ascontiguousarray(data))
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [
+        ("llama", {"rope_parameters": LLAMA3_ROPE, "max_position_embeddings": 32768}),
+        ("qwen2", {"tie_word_embeddings": True}),
+        ("qwen3", {"head_dim": 8}),  # head_dim != hidden_size / heads.
+    ],
+)
+def test_synthetic_round_trip(tmp_path, arch, overrides):
+    model = make_hf_model(arch, **overrides)
+    c = model.config
+    rope_freqs = None
+    if "rope_parameters" in overrides:
+        # llama.cpp stores Llama-3 scaling as per-frequency divisors of the default inv_freq.
+        d = c.head_dim
+        base = 1.0 / LLAMA3_ROPE["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](c, "cpu")
+        rope_freqs = (base / scaled).numpy().astype(np.float32)
+    path = _write_gguf(tmp_path / f"{arch}.gguf", model, arch, rope_freqs=rope_freqs)
+    config, state = read_gguf(path, progress=False)
+
+    assert config["model_type"] == arch
+    for key in CONFIG_KEYS:
+        # Qwen2Config has no head_dim attribute; rms_norm_eps went through float32 in the file.
+        ref = getattr(c, key, c.hidden_size // c.num_attention_heads)
+        assert config[key] == (pytest.approx(ref, rel=1e-6) if key == "rms_norm_eps" else ref), key
+    hf_state = {k: v.numpy() for k, v in model.state_dict().items()}
+    if c.tie_word_embeddings:
+        del hf_state["lm_head.weight"]
+    assert set(state) == set(hf_state)
+    for name, ref in hf_state.items():
+        np.testing.assert_array_equal(state[name], ref, err_msg=name)
+    if rope_freqs is not None:
+        expect = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+        assert config["rope_scaling"] == pytest.approx(expect)
+    else:
+        assert "rope_scaling" not in config
+
+
+def test_missing_tensor_and_unsupported_architecture(tmp_path):
+    model = make_hf_model("llama")
+    path = _write_gguf(tmp_path / "m.gguf", model, "llama", drop={"blk.1.ffn_up.weight"})
+    with pytest.raises(GGUFError, match=r"lacks 1 required tensors.*blk\.1\.ffn_up\.weight"):
+        read_gguf(path, progress=False)
+
+    w = gguf.GGUFWriter(str(tmp_path / "gemma.gguf"), "gemma3")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFError, match="'gemma3' is not supported.*llama, qwen2, qwen3"):
+        read_gguf(tmp_path / "gemma.gguf")

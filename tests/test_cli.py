@@ -1,0 +1,49 @@
+"""The `specjax` command line, run as a user would."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specjax.cli import main
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specjax.cli", *args], capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_generate_json(smollm2_dir):
+    r = _cli("generate", "--model", str(smollm2_dir), "--prompt", "Name a colour.",
+             "--max-new-tokens", "8", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) == {"text", "tokens", "stats"}
+    assert isinstance(out["text"], str) and 1 <= len(out["tokens"]) <= 8
+    assert {"new_tokens", "wall_s", "tokens_per_s"} <= set(out["stats"])
+
+
+def test_convert_refusals_are_one_line_errors(tmp_path, tiny_llama, capsys):
+    assert main(["convert", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    (tmp_path / "out").mkdir()
+    assert main(["convert", str(tiny_llama), str(tmp_path / "out")]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(["convert", str(tiny_llama), str(tmp_path / "out"), "--overwrite"]) == 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--max-new-tokens", "9000"], "exceeds the model's context"),
+])
+def test_generate_bad_input(smollm2_dir, capsys, args, message):
+    assert main(["generate", "--model", str(smollm2_dir), "--prompt", "hi", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_generate_missing_model(tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"]) == 2
+    assert "specjax convert" in capsys.readouterr().err
