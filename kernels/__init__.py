@@ -1,0 +1,1 @@
+"""Pallas kernels, each with a plain-jnp reference beside it (installed as ``specjax.kernels``)."""

@@ -85,9 +85,8 @@ def encode_prompts(target: Target, prompts: str | list[str] | list[list[int]], c
             if chat:
                 msgs = ([{"role": "system", "content": system}] if system else []) + [
                     {"role": "user", "content": p}]
-                out = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-                ids.append(list(out["input_ids"] if isinstance(out, dict) or hasattr(
-                    out, "keys") else out))
+                ids.append(list(tok.apply_chat_template(msgs, add_generation_prompt=True,
+                                                        tokenize=True, return_dict=False)))
             else:
                 ids.append(tok.encode(p))
     else:
@@ -122,7 +121,8 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
         the same function from Python (for comparison and debugging).
     Returns:
       :class:`GenerationResult` with texts, new token ids and ``stats``
-      (new_tokens, prefill_s, decode_s, wall_s, tokens_per_s).
+      (new_tokens, prefill_s, decode_s, wall_s, tokens_per_s, decode_tokens_per_s).
+      The first call for a new shape bucket includes compilation in its times.
     """
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     if mode not in ("compiled", "eager"):

@@ -1,0 +1,1 @@
+"""optax training of drafters, routers and online adapters (installed as ``specjax.train``)."""
