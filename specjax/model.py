@@ -180,6 +180,23 @@ def _attention(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array, in
     return out @ lp.wo, k_buf, v_buf
 
 
+def decoder_layer(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array,
+                  inv_freq: Array, k_buf: Array, v_buf: Array, lengths: Array,
+                  mask: Array) -> tuple[Array, Array, Array]:
+    """One pre-norm decoder layer; the target's layers and the drafter's share it.
+
+    x: [B, T, d]; k_buf/v_buf: this layer's [B, S, Hkv, Dh] cache, returned with
+    the T new rows written at ``lengths[b] + i``; mask: [B, T, S] from
+    :func:`cache_mask`.
+    """
+    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    attn, k_buf, v_buf = _attention(cfg, lp, h, positions, inv_freq, k_buf, v_buf, lengths, mask)
+    x = x + attn
+    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+    x = x + (jax.nn.silu(h @ lp.w_gate) * (h @ lp.w_up)) @ lp.w_down
+    return x, k_buf, v_buf
+
+
 def forward_hidden(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
                    cache: KVCache, block_mask: Array | None = None,
                    tap_layers: tuple[int, ...] = ()) -> tuple[Array, KVCache, tuple[Array, ...]]:
@@ -207,14 +224,10 @@ def forward_hidden(params: Params, cfg: ModelConfig, tokens: Array, positions: A
     taps = {-1: x} if -1 in tap_layers else {}
     ks, vs = [], []
     for i, lp in enumerate(params.layers):
-        h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-        attn, k_buf, v_buf = _attention(cfg, lp, h, positions, inv_freq, cache.k[i], cache.v[i],
+        x, k_buf, v_buf = decoder_layer(cfg, lp, x, positions, inv_freq, cache.k[i], cache.v[i],
                                         cache.lengths, mask)
         ks.append(k_buf)
         vs.append(v_buf)
-        x = x + attn
-        h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-        x = x + (jax.nn.silu(h @ lp.w_gate) * (h @ lp.w_up)) @ lp.w_down
         if i in tap_layers:
             taps[i] = x
     hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
