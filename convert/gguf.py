@@ -271,15 +271,43 @@ def read_gguf(
 
 def save_gguf_tokenizer(path: str | os.PathLike, out_dir: str | os.PathLike) -> None:
     """Write the GGUF's tokenizer as HF files (tokenizer.json, tokenizer_config.json, chat
-    template) to ``out_dir``, converted by transformers' GGUF tokenizer loader."""
-    from transformers import AutoTokenizer  # Heavy import; only this function needs it.
+    template) to ``out_dir``.
 
-    p = _check_file(path)  # Same messages as read_gguf; transformers parses the file itself.
+    The metadata is read with gguf-py and handed to transformers' GGUF tokenizer
+    builders. ``AutoTokenizer.from_pretrained(gguf_file=...)`` would do the same
+    but its GGUF reader imports torch, which is only a test dependency here.
+    """
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
+
+    reader = _open(path)
+    arch = _meta(reader, "general.architecture")
+    grouped = {
+        group: {name: _meta(reader, f"tokenizer.{key}") for key, name in renames.items()
+                if f"tokenizer.{key}" in reader.fields}
+        for group, renames in GGUF_TOKENIZER_MAPPING.items()
+    }
+    tokenizer, config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if "tokens" not in tokenizer:
+        raise GGUFError(f"{path}: no tokenizer.ggml.tokens metadata; the file carries no "
+                        "tokenizer. Provide the model's HF tokenizer files instead.")
+    if tokenizer.get("tokenizer_type") == "llama":
+        # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise.
+        config.setdefault("add_bos_token", True)
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+        token_id = _meta(reader, f"tokenizer.ggml.{key}", None)
+        if token_id is not None:
+            config[name] = tokenizer["tokens"][int(token_id)]
     try:
-        tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        backend, extra = convert_gguf_tokenizer(arch, tokenizer)
+        tok = PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
     except Exception as e:
         raise GGUFError(
-            f"transformers could not build a tokenizer from {str(p)!r} "
+            f"transformers could not build a tokenizer from {str(path)!r} "
             f"({type(e).__name__}: {e}). Provide the model's HF tokenizer files instead."
         ) from e
     tok.save_pretrained(str(out_dir))

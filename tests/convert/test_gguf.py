@@ -59,6 +59,8 @@ def test_smollm2_tokenizer(smollm2, tmp_path):
     ref = AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
     text = "Speculative decoding drafts tokens, then verifies them: 123 ÄÖ 日本 🙂."
     assert saved(text)["input_ids"] == ref(text)["input_ids"]
+    assert saved.decode(saved(text)["input_ids"]) == ref.decode(ref(text)["input_ids"])
+    assert (saved.bos_token_id, saved.eos_token_id) == (ref.bos_token_id, ref.eos_token_id)
     assert saved.chat_template and saved.chat_template == ref.chat_template
     msgs = [{"role": "user", "content": "Hi!"}]
     assert saved.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == (
