@@ -25,14 +25,14 @@ from jax import Array
 from specjax.config import ModelConfig
 
 
-def _pytree(cls):
+def pytree_dataclass(cls):
     """Frozen dataclass registered as a pytree; every field is a child."""
     cls = dataclasses.dataclass(frozen=True)(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
 
 
-@_pytree
+@pytree_dataclass
 class LayerParams:
     attn_norm: Array  # [d]
     wq: Array  # [d, Hq*Dh]
@@ -50,7 +50,7 @@ class LayerParams:
     k_norm: Array | None = None  # [Dh]
 
 
-@_pytree
+@pytree_dataclass
 class Params:
     embed: Array  # [V, d]
     layers: tuple[LayerParams, ...]
@@ -63,7 +63,7 @@ class Params:
         return self.embed if self.lm_head is None else self.lm_head
 
 
-@_pytree
+@pytree_dataclass
 class KVCache:
     k: tuple[Array, ...]  # per layer [B, S, Hkv, Dh]
     v: tuple[Array, ...]  # per layer [B, S, Hkv, Dh]
@@ -124,12 +124,13 @@ def cache_mask(lengths: Array, block_mask: Array, capacity: int) -> Array:
 
     Args:
       lengths: [B] committed rows per batch row (the causal prefix).
-      block_mask: [B, T, T] bool; ``block_mask[b, i, j]`` lets new token i see
-        new token j (causal for a sequence, the ancestor mask for a tree).
+      block_mask: [B, T, R] bool over the R rows ``lengths[b] + j`` past the
+        prefix: ``block_mask[b, i, j]`` lets new token i see row j of that
+        block (causal for a sequence, the ancestor mask for a tree; R = T
+        unless a drafter expands some nodes of a larger tree).
       capacity: S, the cache rows.
     Returns:
-      [B, T, S] bool: the prefix, plus the new block where it is written
-      (rows ``lengths[b] .. lengths[b]+T``).
+      [B, T, S] bool: the prefix, plus the visible rows of the block.
     """
     t = block_mask.shape[-1]
     rel = jnp.arange(capacity)[None, :] - lengths[:, None]  # [B, S]
@@ -139,19 +140,18 @@ def cache_mask(lengths: Array, block_mask: Array, capacity: int) -> Array:
     return (rel < 0)[:, None, :] | (in_block[:, None, :] & from_block)
 
 
-def _write_rows(buf: Array, lengths: Array, new: Array) -> Array:
-    """Write new [B, T, ...] into buf [B, S, ...] at rows lengths[b] + (0..T-1).
+def _write_rows(buf: Array, rows: Array, new: Array) -> Array:
+    """Write new [B, T, ...] into buf [B, S, ...] at rows[b, i].
 
-    Callers size S so every write lands in range (see ``DecodeBuffers``);
-    out-of-range rows would be dropped, never clamped onto live rows.
+    Callers size S so every write lands in range; an out-of-range row is
+    dropped, never clamped onto a live row.
     """
-    b, t = new.shape[:2]
-    rows = lengths[:, None] + jnp.arange(t)[None, :]
+    b = new.shape[0]
     return buf.at[jnp.arange(b)[:, None], rows].set(new.astype(buf.dtype), mode="drop")
 
 
 def _attention(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array, inv_freq: Array,
-               k_buf: Array, v_buf: Array, lengths: Array, mask: Array):
+               k_buf: Array, v_buf: Array, rows: Array, mask: Array):
     b, t, _ = x.shape
     dh = cfg.head_dim
     q = x @ lp.wq
@@ -167,8 +167,8 @@ def _attention(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array, in
         k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
-    k_buf = _write_rows(k_buf, lengths, k)
-    v_buf = _write_rows(v_buf, lengths, v)
+    k_buf = _write_rows(k_buf, rows, k)
+    v_buf = _write_rows(v_buf, rows, v)
 
     q = q.reshape(b, t, cfg.num_kv_heads, cfg.q_per_kv, dh)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k_buf, preferred_element_type=jnp.float32)
@@ -181,16 +181,17 @@ def _attention(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array, in
 
 
 def decoder_layer(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array,
-                  inv_freq: Array, k_buf: Array, v_buf: Array, lengths: Array,
+                  inv_freq: Array, k_buf: Array, v_buf: Array, rows: Array,
                   mask: Array) -> tuple[Array, Array, Array]:
     """One pre-norm decoder layer; the target's layers and the drafter's share it.
 
     x: [B, T, d]; k_buf/v_buf: this layer's [B, S, Hkv, Dh] cache, returned with
-    the T new rows written at ``lengths[b] + i``; mask: [B, T, S] from
-    :func:`cache_mask`.
+    new token i written at row ``rows[b, i]``; mask: [B, T, S] from
+    :func:`cache_mask`. ``lp.attn_norm`` may be None: EAGLE-1 drafters feed their
+    fc output to the attention without a norm.
     """
-    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-    attn, k_buf, v_buf = _attention(cfg, lp, h, positions, inv_freq, k_buf, v_buf, lengths, mask)
+    h = x if lp.attn_norm is None else rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    attn, k_buf, v_buf = _attention(cfg, lp, h, positions, inv_freq, k_buf, v_buf, rows, mask)
     x = x + attn
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
     x = x + (jax.nn.silu(h @ lp.w_gate) * (h @ lp.w_up)) @ lp.w_down
@@ -199,7 +200,8 @@ def decoder_layer(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array,
 
 def forward_hidden(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
                    cache: KVCache, block_mask: Array | None = None,
-                   tap_layers: tuple[int, ...] = ()) -> tuple[Array, KVCache, tuple[Array, ...]]:
+                   tap_layers: tuple[int, ...] = (),
+                   write_rows: Array | None = None) -> tuple[Array, KVCache, tuple[Array, ...]]:
     """Run the decoder over a block of new tokens.
 
     Args:
@@ -208,10 +210,13 @@ def forward_hidden(params: Params, cfg: ModelConfig, tokens: Array, positions: A
       cache: K/V rows are written at ``cache.lengths[b] + i``; ``lengths`` is
         *not* advanced here, because only the caller knows how many new rows
         are accepted.
-      block_mask: [B, T, T] bool visibility among the new tokens; None means
-        causal.
+      block_mask: [B, T, R] bool visibility of the block rows past the prefix
+        (see :func:`cache_mask`); None means causal among the new tokens.
       tap_layers: indices of decoder layers whose *output* hidden states to
         return (EAGLE-3 fuses three of them); layer -1 is the embedding.
+      write_rows: [B, T] cache rows for the new tokens; default
+        ``lengths[b] + i``. A drafter expanding tree nodes writes node j at
+        ``lengths[b] + j`` and passes a ``block_mask`` over those tree rows.
     Returns:
       (hidden [B, T, d] after the final norm, updated cache, taps [B, T, d] each).
     """
@@ -219,13 +224,15 @@ def forward_hidden(params: Params, cfg: ModelConfig, tokens: Array, positions: A
     if block_mask is None:
         block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     mask = cache_mask(cache.lengths, block_mask, cache.capacity)
+    if write_rows is None:
+        write_rows = cache.lengths[:, None] + jnp.arange(t)[None, :]
     inv_freq = rope_inv_freq(cfg)
     x = params.embed[tokens]
     taps = {-1: x} if -1 in tap_layers else {}
     ks, vs = [], []
     for i, lp in enumerate(params.layers):
         x, k_buf, v_buf = decoder_layer(cfg, lp, x, positions, inv_freq, cache.k[i], cache.v[i],
-                                        cache.lengths, mask)
+                                        write_rows, mask)
         ks.append(k_buf)
         vs.append(v_buf)
         if i in tap_layers:

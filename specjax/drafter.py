@@ -1,0 +1,197 @@
+"""EAGLE-1/2 drafter: ``fc([embedding(x_t), feature_{t-1}])`` then one decoder layer.
+
+Alignment (EAGLE's): drafter row t consumes token x_t together with the
+target's final-norm hidden state at t-1 (the state that predicted x_t), and
+outputs a predicted feature for position t, which the target's LM head turns
+into a distribution over x_{t+1}. Deeper draft steps feed the drafter's own
+predicted feature in place of the target's.
+
+The embedding and the LM head are the target's, frozen and never stored in a
+drafter checkpoint. Training uses the Flax NNX module :class:`EagleDrafter`;
+inference uses the pure functions over :class:`DrafterParams` split out of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import Array
+
+from specjax import checkpoint as ckpt
+from specjax.config import ModelConfig
+from specjax.model import (
+    KVCache,
+    LayerParams,
+    cache_mask,
+    decoder_layer,
+    init_cache,
+    pytree_dataclass,
+    rope_inv_freq,
+)
+
+FORMAT = "specjax-drafter"
+# Target fields a drafter is tied to: its layer mirrors them and it reads the
+# target's embedding / head and final hidden states.
+MATCH_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_heads", "num_kv_heads",
+                "head_dim", "intermediate_size")
+
+
+class DrafterMismatchError(ValueError):
+    """The drafter was built for a different target."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """Static drafter architecture; the decoder layer is shaped like the target's."""
+
+    target: ModelConfig  # the layer's shapes, RoPE and norms; num_layers is ignored
+    input_norm: bool = False  # EAGLE-1 drops the layer's input RMSNorm
+    fc_bias: bool = True
+
+    def check_target(self, cfg: ModelConfig, what: str = "drafter") -> None:
+        """Refuse a target whose width, vocabulary or family differs, naming each field."""
+        bad = [f"{f}: {what} {getattr(self.target, f)} vs target {getattr(cfg, f)}"
+               for f in MATCH_FIELDS if getattr(self.target, f) != getattr(cfg, f)]
+        if bad:
+            raise DrafterMismatchError(
+                f"the {what} was built for a different target ({'; '.join(bad)}); use a "
+                "drafter trained for this target or train one with `specjax train drafter`")
+
+    def to_json(self) -> dict:
+        return {"target": self.target.to_json(), "input_norm": self.input_norm,
+                "fc_bias": self.fc_bias}
+
+    @classmethod
+    def from_json(cls, d: dict) -> DrafterConfig:
+        return cls(target=ModelConfig.from_json(d["target"]), input_norm=d["input_norm"],
+                   fc_bias=d["fc_bias"])
+
+
+@pytree_dataclass
+class DrafterParams:
+    fc: Array  # [2d, d]; input rows are [embedding(x_t); feature_{t-1}]
+    layer: LayerParams  # attn_norm is None when not cfg.input_norm
+    fc_bias: Array | None = None  # [d]
+
+
+def drafter_hidden(dp: DrafterParams, cfg: DrafterConfig, embed: Array, tokens: Array,
+                   features: Array, positions: Array, cache: KVCache,
+                   block_mask: Array | None = None,
+                   write_rows: Array | None = None) -> tuple[Array, KVCache]:
+    """Predicted features for a block of new drafter rows.
+
+    Args:
+      embed: [V, d] the target's embedding.
+      tokens: [B, T] x_t; features: [B, T, d] the feature at t-1 (the target's
+        final-norm hidden state, or the drafter's own prediction when drafting).
+      positions: [B, T] RoPE positions; cache: the drafter's one-layer cache.
+      block_mask, write_rows: as in :func:`specjax.model.forward_hidden`.
+    Returns:
+      (hidden [B, T, d], cache with the new rows written; lengths unchanged).
+    """
+    b, t = tokens.shape
+    x = jnp.concatenate([embed[tokens].astype(features.dtype), features], axis=-1) @ dp.fc
+    if dp.fc_bias is not None:
+        x = x + dp.fc_bias
+    if block_mask is None:
+        block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    if write_rows is None:
+        write_rows = cache.lengths[:, None] + jnp.arange(t)[None, :]
+    mask = cache_mask(cache.lengths, block_mask, cache.capacity)
+    x, k, v = decoder_layer(cfg.target, dp.layer, x, positions, rope_inv_freq(cfg.target),
+                            cache.k[0], cache.v[0], write_rows, mask)
+    return x, dataclasses.replace(cache, k=(k,), v=(v,))
+
+
+def init_drafter_cache(cfg: DrafterConfig, batch: int, capacity: int,
+                       dtype=jnp.float32) -> KVCache:
+    """The drafter's own one-layer KV cache."""
+    return init_cache(dataclasses.replace(cfg.target, num_layers=1), batch, capacity, dtype)
+
+
+class EagleDrafter(nnx.Module):
+    """Trainable drafter. ``params()`` gives the pytree the pure functions take."""
+
+    def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs,
+                 init_layer: LayerParams | None = None):
+        t = cfg.target
+        d, f = t.hidden_size, t.intermediate_size
+        q, kv = t.num_heads * t.head_dim, t.num_kv_heads * t.head_dim
+        self.cfg = cfg
+        init = nnx.initializers.normal(0.02)
+        self.fc = nnx.Param(init(rngs.params(), (2 * d, d)))
+        self.fc_bias = nnx.Param(jnp.zeros((d,))) if cfg.fc_bias else None
+        if init_layer is None:
+            shapes = dict(wq=(d, q), wk=(d, kv), wv=(d, kv), wo=(q, d), w_gate=(d, f),
+                          w_up=(d, f), w_down=(f, d))
+            weights = {k: init(rngs.params(), s) for k, s in shapes.items()}
+            norms = {"attn_norm": jnp.ones((d,)), "mlp_norm": jnp.ones((d,))}
+            if t.attention_bias:
+                norms |= {"bq": jnp.zeros((q,)), "bk": jnp.zeros((kv,)), "bv": jnp.zeros((kv,))}
+            if t.qk_norm:
+                norms |= {"q_norm": jnp.ones((t.head_dim,)), "k_norm": jnp.ones((t.head_dim,))}
+            init_layer = LayerParams(**weights, **norms)
+        # One nnx.Param per LayerParams field; a None field stays None.
+        fields = {f.name: getattr(init_layer, f.name) for f in dataclasses.fields(LayerParams)}
+        if not cfg.input_norm:
+            fields["attn_norm"] = None
+        self.layer = nnx.Dict({k: nnx.Param(jnp.asarray(v, jnp.float32))
+                               for k, v in fields.items() if v is not None})
+
+    def params(self) -> DrafterParams:
+        layer = LayerParams(**{f.name: (self.layer[f.name][...] if f.name in self.layer else None)
+                               for f in dataclasses.fields(LayerParams)})
+        return DrafterParams(fc=self.fc[...], layer=layer,
+                             fc_bias=None if self.fc_bias is None else self.fc_bias[...])
+
+    def __call__(self, embed: Array, tokens: Array, features: Array) -> Array:
+        """Teacher-forced training pass over whole sequences: [B, T] -> hidden [B, T, d]."""
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        cache = init_drafter_cache(self.cfg, b, t, features.dtype)
+        hidden, _ = drafter_hidden(self.params(), self.cfg, embed, tokens, features, positions,
+                                   cache)
+        return hidden
+
+
+def save_drafter(out: Path, cfg: DrafterConfig, dp: DrafterParams, *, meta: dict | None = None,
+                 overwrite: bool = False) -> Path:
+    """Write a drafter folder (orbax tensors + manifest); atomic like conversion."""
+    flat = {"fc": dp.fc, **{f"layer.{f.name}": getattr(dp.layer, f.name)
+                            for f in dataclasses.fields(LayerParams)
+                            if getattr(dp.layer, f.name) is not None}}
+    if dp.fc_bias is not None:
+        flat["fc_bias"] = dp.fc_bias
+    flat = {k: np.asarray(v) for k, v in flat.items()}
+
+    def build(tmp: Path) -> None:
+        ckpt.save_params(tmp, flat)
+        manifest = {"format": FORMAT, "version": ckpt.VERSION, "config": cfg.to_json(),
+                    "meta": meta or {},
+                    "tensors": {k: [list(v.shape), str(v.dtype)] for k, v in flat.items()}}
+        (tmp / ckpt.MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+    return ckpt.write_atomically(Path(out), build, overwrite=overwrite)
+
+
+def load_drafter(path: Path, target_cfg: ModelConfig | None = None,
+                 dtype: str | None = None) -> tuple[DrafterConfig, DrafterParams, dict]:
+    """(config, params, meta) of a drafter folder; refuses one built for another target."""
+    manifest = ckpt.read_manifest(Path(path), FORMAT)
+    cfg = DrafterConfig.from_json(manifest["config"])
+    if target_cfg is not None:
+        cfg.check_target(target_cfg)
+    flat = ckpt.restore_params(Path(path), manifest["tensors"])
+    if dtype is not None:
+        flat = jax.tree.map(lambda a: a.astype(jnp.dtype(dtype)), flat)
+    layer = LayerParams(**{f.name: flat.get(f"layer.{f.name}") for f in dataclasses.fields(
+        LayerParams)})
+    return cfg, DrafterParams(fc=flat["fc"], layer=layer, fc_bias=flat.get("fc_bias")), \
+        manifest["meta"]
+
