@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -11,11 +12,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import drafter as drafter_lib
 from specjax.checkpoint import load_target
 from specjax.config import ModelConfig
 from specjax.decode import PAD, bucket, decode_loop, decode_step_jit, prefill
+from specjax.drafter import DrafterConfig, DrafterParams
 from specjax.model import Params
 from specjax.sampling import SamplingConfig
+from specjax.speculative import (
+    Engine,
+    TreeSpec,
+    draft_phase_jit,
+    spec_loop,
+    spec_prefill,
+    verify_phase_jit,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,16 +112,35 @@ def encode_prompts(target: Target, prompts: str | list[str] | list[list[int]], c
     return ids
 
 
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+    """A loaded drafter, checked against the target it will serve."""
+
+    cfg: DrafterConfig
+    params: DrafterParams
+    path: Path | None = None
+    meta: dict | None = None
+
+
+def load_drafter(path: str | Path, target: Target, dtype: str | None = None) -> Drafter:
+    """Load a drafter folder; refuses one built for a target of another shape."""
+    dtype = dtype or str(target.params.embed.dtype)
+    cfg, params, meta = drafter_lib.load_drafter(Path(path), target.cfg, dtype)
+    return Drafter(cfg=cfg, params=params, path=Path(path), meta=meta)
+
+
 def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
              max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, key: jax.Array | None = None, chat: bool = True,
              system: str | None = None, stop_on_eos: bool = True,
-             mode: Literal["compiled", "eager"] = "compiled") -> GenerationResult:
+             mode: Literal["compiled", "eager"] = "compiled", drafter: Drafter | None = None,
+             tree: TreeSpec | None = None) -> GenerationResult:
     """Generate continuations of one or more prompts.
 
-    Vanilla decoding is the default strategy. Speculative strategies are keyword
-    options (drafter, vocabulary head, tree, verifier) layered on the same
-    call: leaving them unset always means exact vanilla decoding.
+    Without a ``drafter`` this is vanilla decoding. With one, it is speculative
+    decoding: the drafter proposes a ``tree`` of tokens and the target verifies
+    it over the full vocabulary, so greedy output equals vanilla greedy output
+    and sampled output has the target's distribution.
 
     Args:
       prompts: text (rendered with the chat template when ``chat``) or token ids.
@@ -118,57 +148,113 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
       temperature: 0 for greedy; > 0 samples, with ``top_k``/``top_p`` filtering.
       seed, key: the PRNG key is ``key`` if given, else ``PRNGKey(seed)``.
       mode: "compiled" runs the decode in one ``lax.while_loop``; "eager" steps
-        the same function from Python (for comparison and debugging).
+        the same functions from Python (for comparison, debugging and per-phase
+        timing).
+      drafter: from :func:`load_drafter`; None for vanilla decoding.
+      tree: the draft tree (default ``TreeSpec()``, a small EAGLE-2 tree).
     Returns:
       :class:`GenerationResult` with texts, new token ids and ``stats``
-      (new_tokens, prefill_s, decode_s, wall_s, tokens_per_s, decode_tokens_per_s).
-      The first call for a new shape bucket includes compilation in its times.
+      (new_tokens, prefill_s, decode_s, wall_s, tokens_per_s, decode_tokens_per_s;
+      speculative runs add accept_lengths, mean_accepted_length (tokens
+      committed per target forward, the bonus token included), draft_s and
+      verify_s (eager mode only)). The first call for a new shape bucket
+      includes compilation in its times.
     """
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     if mode not in ("compiled", "eager"):
         raise ValueError(f"mode must be 'compiled' or 'eager', got {mode!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if drafter is None and tree is not None:
+        raise ValueError("a draft tree needs a drafter; pass drafter=load_drafter(...)")
+    if drafter is not None:
+        drafter.cfg.check_target(target.cfg)
+        tree = tree or TreeSpec()
     cfg = target.cfg
     ids = encode_prompts(target, prompts, chat, system)
     longest = max(map(len, ids))
-    if longest + max_new_tokens > cfg.max_position_embeddings:
+    # A speculative step may write a whole tree past the last committed token.
+    spare = 1 if tree is None else max(tree.num_nodes, tree.workspace, tree.max_depth + 1)
+    if longest + max_new_tokens + spare > cfg.max_position_embeddings:
         raise ValueError(
-            f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
+            f"prompt of {longest} tokens + max_new_tokens={max_new_tokens}"
+            f"{'' if tree is None else f' + a {spare}-node draft tree'} exceeds the model's "
             f"context of {cfg.max_position_embeddings}; shorten the prompt or lower "
             "max_new_tokens")
     p_len, out_len = bucket(longest), bucket(max_new_tokens)
-    # One spare row: the step that finishes a row still writes one K/V row.
-    capacity = p_len + out_len + 1
+    capacity = p_len + out_len + spare
     prompt = np.zeros((len(ids), p_len), np.int32)
     for i, p in enumerate(ids):
         prompt[i, : len(p)] = p
     eos = jnp.asarray(target.eos_ids if stop_on_eos else [-2], jnp.int32)
     dyn = sampling.dynamic()
-    static = sampling.static()
     key = jax.random.PRNGKey(seed) if key is None else key
-
-    t0 = time.perf_counter()
-    state = prefill(target.params, cfg, jnp.asarray(prompt), jnp.asarray([len(p) for p in ids]),
-                    key, jnp.int32(max_new_tokens), eos, **dyn, sampling=static, out_len=out_len,
-                    capacity=capacity)
-    jax.block_until_ready(state)
-    t1 = time.perf_counter()
-    if mode == "compiled":
-        state = decode_loop(target.params, cfg, state, eos, **dyn, sampling=static)
-    else:
-        while not bool(jnp.all(state.done)):
-            state = decode_step_jit(target.params, cfg, state, eos, **dyn, sampling=static)
-    out = np.asarray(state.out)
-    t2 = time.perf_counter()
+    run = _vanilla if drafter is None else partial(_speculative, drafter=drafter, tree=tree)
+    out, stats = run(target, jnp.asarray(prompt), jnp.asarray([len(p) for p in ids]), key,
+                     jnp.int32(max_new_tokens), eos, dyn, sampling, mode, out_len, capacity)
 
     tokens = [[int(t) for t in row if t != PAD] for row in out]
     texts = ([target.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
              if target.tokenizer is not None else [""] * len(tokens))
     new = sum(map(len, tokens))
-    stats = {
-        "new_tokens": new, "prompt_tokens": [len(p) for p in ids], "prefill_s": t1 - t0,
-        "decode_s": t2 - t1, "wall_s": t2 - t0, "tokens_per_s": new / (t2 - t0),
-        "decode_tokens_per_s": (new - len(ids)) / max(t2 - t1, 1e-9), "mode": mode,
+    stats |= {
+        "new_tokens": new, "prompt_tokens": [len(p) for p in ids],
+        "wall_s": stats["prefill_s"] + stats["decode_s"],
+        "tokens_per_s": new / (stats["prefill_s"] + stats["decode_s"]),
+        "decode_tokens_per_s": (new - len(ids)) / max(stats["decode_s"], 1e-9), "mode": mode,
     }
     return GenerationResult(texts=texts, tokens=tokens, stats=stats)
+
+
+def _vanilla(target, prompt, prompt_lens, key, max_new, eos, dyn, sampling, mode, out_len,
+             capacity):
+    static = sampling.static()
+    t0 = time.perf_counter()
+    state = prefill(target.params, target.cfg, prompt, prompt_lens, key, max_new, eos, **dyn,
+                    sampling=static, out_len=out_len, capacity=capacity)
+    jax.block_until_ready(state)
+    t1 = time.perf_counter()
+    if mode == "compiled":
+        state = decode_loop(target.params, target.cfg, state, eos, **dyn, sampling=static)
+    else:
+        while not bool(jnp.all(state.done)):
+            state = decode_step_jit(target.params, target.cfg, state, eos, **dyn,
+                                    sampling=static)
+    out = np.asarray(state.out)
+    return out, {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1}
+
+
+def _speculative(target, prompt, prompt_lens, key, max_new, eos, dyn, sampling, mode, out_len,
+                 capacity, *, drafter: Drafter, tree: TreeSpec):
+    eng = Engine(cfg=target.cfg, dcfg=drafter.cfg, tree=tree, sampling=sampling.static())
+    p, dp = target.params, drafter.params
+    t0 = time.perf_counter()
+    state = spec_prefill(p, dp, prompt, prompt_lens, key, max_new, eos, **dyn, eng=eng,
+                         out_len=out_len, capacity=capacity)
+    jax.block_until_ready(state)
+    t1 = time.perf_counter()
+    draft_s = verify_s = 0.0
+    if mode == "compiled":
+        state = spec_loop(p, dp, state, eos, **dyn, eng=eng)
+    else:
+        while not bool(jnp.all(state.done)):
+            ta = time.perf_counter()
+            drafted = jax.block_until_ready(draft_phase_jit(p, dp, state, dyn["temperature"],
+                                                            eng=eng))
+            tb = time.perf_counter()
+            state = jax.block_until_ready(verify_phase_jit(p, dp, state, *drafted, eos, **dyn,
+                                                           eng=eng))
+            draft_s += tb - ta
+            verify_s += time.perf_counter() - tb
+    out = np.asarray(state.out)
+    steps = np.asarray(state.steps)
+    lens = np.asarray(state.accept_lens)
+    accept = [lens[b, : steps[b]].tolist() for b in range(len(steps))]
+    flat = [n for row in accept for n in row]
+    stats = {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1,
+             "accept_lengths": accept, "target_forwards": int(steps.sum()),
+             "mean_accepted_length": float(np.mean(flat)) if flat else 0.0,
+             "tree": dataclasses.asdict(tree),
+             "draft_s": draft_s if mode == "eager" else None,
+             "verify_s": verify_s if mode == "eager" else None}
+    return out, stats

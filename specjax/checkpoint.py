@@ -98,10 +98,13 @@ def restore_params(dir_: Path, shapes: dict[str, tuple[list[int], str]]) -> dict
     """Restore a flat dict written by :func:`save_params` given its manifest shapes."""
     abstract = {k: jax.ShapeDtypeStruct(tuple(s), jnp.dtype(d)) for k, (s, d) in shapes.items()}
     try:
-        return ocp.StandardCheckpointer().restore(Path(dir_).absolute() / "params", abstract)
+        flat = ocp.StandardCheckpointer().restore(Path(dir_).absolute() / "params", abstract)
     except Exception as e:  # orbax raises many types; all mean the same thing here.
         raise CheckpointError(f"{dir_}: cannot restore tensors ({type(e).__name__}: {e}); the "
                               "checkpoint is corrupt, convert it again") from e
+    # orbax hands back host numpy arrays; put them on the device once here, not
+    # on every jitted call that takes them.
+    return jax.device_put(flat)
 
 
 def save_target(dir_: Path, cfg: ModelConfig, params: Params, source: str) -> None:

@@ -1,0 +1,63 @@
+"""Greedy speculative decoding equals greedy vanilla decoding, token for token."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import specjax
+from specjax.speculative import TreeSpec
+from tests.speculative.conftest import PROMPTS
+
+TREES = {
+    "chain": TreeSpec("chain", depth=4),
+    "static": TreeSpec("static", paths=((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),
+    "eagle2": TreeSpec("eagle2", depth=4, top_k=3, total_tokens=10),
+}
+
+
+@pytest.fixture(scope="module")
+def vanilla(tiny_target):
+    return specjax.generate(tiny_target, PROMPTS, max_new_tokens=48, stop_on_eos=False).tokens
+
+
+@pytest.mark.parametrize("name", list(TREES))
+def test_greedy_equals_vanilla(tiny_target, fitted_drafter, vanilla, name):
+    res = specjax.generate(tiny_target, PROMPTS, max_new_tokens=48, stop_on_eos=False,
+                           drafter=fitted_drafter, tree=TREES[name])
+    assert res.tokens == vanilla
+    lens = [n for row in res.stats["accept_lengths"] for n in row]
+    assert sum(map(sum, res.stats["accept_lengths"])) == res.stats["new_tokens"] - len(PROMPTS)
+    # The fitted drafter must make the test exercise multi-token acceptance.
+    assert max(lens) >= 3 and res.stats["mean_accepted_length"] > 1.5, lens
+
+
+def test_eager_equals_compiled(tiny_target, fitted_drafter, vanilla):
+    res = specjax.generate(tiny_target, PROMPTS, max_new_tokens=48, stop_on_eos=False,
+                           drafter=fitted_drafter, tree=TREES["eagle2"], mode="eager")
+    assert res.tokens == vanilla
+    assert res.stats["draft_s"] > 0 and res.stats["verify_s"] > 0
+
+
+def test_stops_on_eos_and_budget(tiny_target, fitted_drafter, vanilla):
+    import dataclasses
+
+    eos = vanilla[0][9]
+    t = dataclasses.replace(tiny_target,
+                            cfg=dataclasses.replace(tiny_target.cfg, eos_token_ids=(eos,)))
+    got = specjax.generate(t, PROMPTS, max_new_tokens=48, drafter=fitted_drafter,
+                           tree=TREES["chain"]).tokens
+    for row, ref in zip(got, vanilla, strict=True):
+        cut = ref.index(eos) + 1 if eos in ref else len(ref)
+        assert row == ref[:cut]
+    short = specjax.generate(tiny_target, PROMPTS, max_new_tokens=7, stop_on_eos=False,
+                             drafter=fitted_drafter, tree=TREES["eagle2"]).tokens
+    assert short == [r[:7] for r in vanilla]
+
+
+def test_mean_accepted_length_counts_the_bonus(tiny_target, fitted_drafter):
+    res = specjax.generate(tiny_target, PROMPTS[:1], max_new_tokens=30, stop_on_eos=False,
+                           drafter=fitted_drafter, tree=TREES["chain"])
+    lens = res.stats["accept_lengths"][0]
+    assert res.stats["mean_accepted_length"] == pytest.approx(np.mean(lens))
+    assert res.stats["target_forwards"] == len(lens) and min(lens) >= 1
