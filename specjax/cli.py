@@ -24,6 +24,25 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                    help="cast parameters at load (default: as stored)")
 
 
+def _add_tree(p: argparse.ArgumentParser) -> None:
+    from specjax.speculative import TreeSpec
+
+    d = TreeSpec()
+    p.add_argument("--tree", default=d.kind, choices=["eagle2", "chain"],
+                   help=f"draft tree (default {d.kind})")
+    p.add_argument("--tree-depth", type=int, default=d.depth, help="draft levels")
+    p.add_argument("--tree-top-k", type=int, default=d.top_k, help="EAGLE-2 beam width")
+    p.add_argument("--tree-tokens", type=int, default=d.total_tokens,
+                   help="EAGLE-2 draft tokens per step (the tree budget; root excluded)")
+
+
+def _tree(args: argparse.Namespace):
+    from specjax.speculative import TreeSpec
+
+    return TreeSpec(kind=args.tree, depth=args.tree_depth, top_k=args.tree_top_k,
+                    total_tokens=args.tree_tokens)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -42,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     g.add_argument("--system", default=None, help="system message for the chat template")
     g.add_argument("--mode", default="compiled", choices=["compiled", "eager"])
+    g.add_argument("--drafter", default=None,
+                   help="drafter folder, or 'none' for vanilla decoding (default: the shipped "
+                        "drafter with the default model, vanilla with --model)")
+    _add_tree(g)
     g.add_argument("--json", action="store_true",
                    help='print one JSON object {"text", "tokens", "stats"}')
 
@@ -53,7 +76,21 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--repeats", type=int, default=3)
     bd.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     bd.add_argument("--out", default="results/bench_decode.json")
+    from specjax.train.cli import add_train_parser
+
+    add_train_parser(sub)
     return parser
+
+
+def _resolve_drafter(args: argparse.Namespace, target):
+    """The drafter the flags ask for, or None for vanilla decoding."""
+    import specjax
+    from specjax.defaults import default_drafter_dir
+
+    if args.drafter == "none" or (args.drafter is None and args.model is not None):
+        return None
+    path = Path(args.drafter) if args.drafter is not None else default_drafter_dir()
+    return specjax.load_drafter(path, target)
 
 
 def _resolve_model(path: str | None) -> Path:
@@ -84,10 +121,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "generate":
         target = specjax.load(_resolve_model(args.model), dtype=args.dtype)
         prompts = args.prompt if len(args.prompt) > 1 else args.prompt[0]
+        drafter = _resolve_drafter(args, target)
         res = specjax.generate(
             target, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=not args.no_chat,
-            system=args.system, mode=args.mode)
+            system=args.system, mode=args.mode, drafter=drafter,
+            tree=None if drafter is None else _tree(args))
         if args.json:
             single = isinstance(prompts, str)
             print(json.dumps({"text": res.text if single else res.texts,
@@ -103,6 +142,10 @@ def _run(args: argparse.Namespace) -> int:
                          repeats=args.repeats, with_hf=not args.no_hf, out=Path(args.out),
                          dtype=args.dtype)
         return 0
+    if args.command == "train":
+        from specjax.train.cli import run_train
+
+        return run_train(args)
     raise AssertionError(args)
 
 

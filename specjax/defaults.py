@@ -58,3 +58,12 @@ def ensure_default_target(progress: bool = True) -> Path:
     if progress:
         print(f"converting {src.name} once into {out}", file=sys.stderr)
     return convert(src, out, overwrite=out.exists(), progress=progress)
+
+
+def default_drafter_dir() -> Path:
+    """The EAGLE drafter shipped for the default target (trained by ``specjax train drafter``)."""
+    path = Path(__file__).parent / "assets" / "drafters" / DEFAULT_MODEL_NAME
+    if not (path / "specjax.json").exists():
+        raise FileNotFoundError(f"no shipped drafter at {path}; pass --drafter PATH or "
+                                "--drafter none")
+    return path

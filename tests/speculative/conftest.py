@@ -23,21 +23,9 @@ def tiny_target(tiny_llama, tmp_path_factory):
                                         progress=False))
 
 
-@pytest.fixture(scope="session")
-def fitted_drafter(tiny_target):
-    """An EAGLE drafter trained for a few hundred steps on the target's own greedy text.
-
-    Random tiny targets fall into short cycles that a drafter learns quickly, so
-    speculative steps accept several tokens and exercise deep paths. A random
-    target has nothing to generalise from, so the training text includes the
-    continuations of the prompts the tests use: this fixture exercises the
-    machinery, not the drafter's quality.
-    """
-    t = tiny_target
-    rs = np.random.RandomState(0)
-    prompts = PROMPTS + [rs.randint(3, 256, rs.randint(3, 9)).tolist() for _ in range(13)]
-    seqs = [p + g for p, g in zip(prompts, specjax.generate(
-        t, prompts, max_new_tokens=64, stop_on_eos=False).tokens, strict=True)]
+def fit_drafter(target, seqs: list[list[int]], steps: int = 300) -> Drafter:
+    """Train an EAGLE drafter on the target's own features over ``seqs`` (teacher-forced)."""
+    t = target
     n = max(map(len, seqs))
     tokens = np.zeros((len(seqs), n), np.int32)
     mask = np.zeros((len(seqs), n), bool)
@@ -66,6 +54,22 @@ def fitted_drafter(tiny_target):
         opt.update(model, grads)
         return loss
 
-    for _ in range(300):
+    for _ in range(steps):
         step(model, opt)
     return Drafter(cfg=model.cfg, params=model.params())
+
+
+@pytest.fixture(scope="session")
+def fitted_drafter(tiny_target):
+    """An EAGLE drafter fitted to the tiny target's own greedy text.
+
+    Random tiny targets fall into short cycles that a drafter learns quickly, so
+    speculative steps accept several tokens and exercise deep paths. A random
+    target has nothing to generalise from, so the training text includes the
+    continuations of the prompts the tests use: this fixture exercises the
+    machinery, not the drafter's quality.
+    """
+    rs = np.random.RandomState(0)
+    prompts = PROMPTS + [rs.randint(3, 256, rs.randint(3, 9)).tolist() for _ in range(13)]
+    gens = specjax.generate(tiny_target, prompts, max_new_tokens=64, stop_on_eos=False).tokens
+    return fit_drafter(tiny_target, [p + g for p, g in zip(prompts, gens, strict=True)])
