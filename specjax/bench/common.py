@@ -1,0 +1,176 @@
+"""Shared benchmark pieces: bandwidth measurement, weight bytes, machine info, output files."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.model import Params
+
+MB = 2**20
+
+
+def best_time(fn: Callable[[], Any], runs: int) -> float:
+    """Fastest of ``runs`` calls, in seconds (the least disturbed by other load)."""
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def measure_bandwidth(read_mb: int = 512, copy_mb: int = 256, runs: int = 5) -> dict[str, float]:
+    """Measure main-memory bandwidth in this process, in GB/s (1e9 bytes/s).
+
+    ``read_gb_s``: a jitted ``jnp.sum`` over a ``read_mb`` float32 array, which streams
+    every byte once like a decode matvec does; ``copy_gb_s``: ``np.copyto`` of a
+    ``copy_mb`` array, counting bytes read + written. Arrays should exceed the
+    last-level cache (e.g. 260 MiB L3 on some Xeons), or the figure is cache bandwidth.
+    """
+    # Separate scopes so each buffer is freed before the next is allocated.
+    return {"read_gb_s": _read_gb_s(read_mb, runs), "copy_gb_s": _copy_gb_s(copy_mb, runs),
+            "read_mb": read_mb, "copy_mb": copy_mb, "runs": runs}
+
+
+def _read_gb_s(mb: int, runs: int) -> float:
+    x = jnp.ones((mb * MB // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()  # compile, and fault the pages in
+    return x.nbytes / best_time(lambda: total(x).block_until_ready(), runs) / 1e9
+
+
+def _copy_gb_s(mb: int, runs: int) -> float:
+    src = np.ones((mb * MB // 4,), np.float32)
+    dst = np.zeros_like(src)
+    np.copyto(dst, src)  # touch every destination page before timing
+    return 2 * src.nbytes / best_time(lambda: np.copyto(dst, src), runs) / 1e9
+
+
+def decode_weight_bytes(params: Params) -> int:
+    """Parameter bytes one decode step reads.
+
+    Every matrix is read in full except the input embedding, of which one row is
+    gathered per token. A tied head is the embedding, read once in full as the head.
+    """
+    total = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(params))
+    if params.lm_head is not None:
+        total -= int(params.embed.nbytes) - int(params.embed[0].nbytes)
+    return total
+
+
+def _versions(names: Sequence[str]) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in names:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _caches() -> dict[str, str]:
+    """Cache sizes of CPU 0 by level/type, e.g. {"L3": "266240K"} (Linux sysfs)."""
+    out = {}
+    for d in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            kind = (d / "type").read_text().strip()
+            key = f"L{(d / 'level').read_text().strip()}" + ("i" if kind == "Instruction" else
+                                                            "d" if kind == "Data" else "")
+            out[key] = (d / "size").read_text().strip()
+        except OSError:
+            continue
+    return out
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU, memory, library versions and JAX backend: what a figure depends on."""
+    mem_gb = None
+    try:
+        mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError):
+        pass
+    return {
+        "cpu_model": _cpu_model(), "nproc": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "caches": _caches(), "mem_gb": mem_gb, "platform": platform.platform(),
+        "python": platform.python_version(),
+        "versions": _versions(["jax", "jaxlib", "numpy", "torch", "transformers", "specjax"]),
+        "jax_backend": jax.default_backend(), "jax_devices": [str(d) for d in jax.devices()],
+        "xla_flags": os.environ.get("XLA_FLAGS"),
+    }
+
+
+def _jsonable(x: Any) -> Any:
+    """NaN/inf become null so the file is strict JSON; numpy scalars become Python ones."""
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, Path):
+        return str(x)
+    return x
+
+
+def write_json(path: Path, result: dict[str, Any]) -> Path:
+    """Write ``result`` as indented JSON, creating parent folders."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_jsonable(result), indent=1) + "\n")
+    return path
+
+
+def bar_plot(path: Path, series: dict[str, Sequence[float | None]], labels: Sequence[str], *,
+             title: str, ylabel: str, hline: tuple[float, str] | None = None) -> Path:
+    """Grouped bars (one group per label, one bar per series) with an optional line.
+
+    A ``None`` value leaves its bar out (e.g. a figure that was not measured).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; must precede pyplot's import
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    width = 0.8 / max(1, len(series))
+    xs = np.arange(len(labels))
+    for i, (name, values) in enumerate(series.items()):
+        vals = [np.nan if v is None else v for v in values]
+        bars = ax.bar(xs + (i - (len(series) - 1) / 2) * width, vals, width, label=name)
+        ax.bar_label(bars, labels=["" if v is None else f"{v:.1f}" for v in values],
+                     fontsize=8, padding=2)
+    if hline is not None:
+        ax.axhline(hline[0], color="k", linestyle="--", linewidth=1, label=hline[1])
+    ax.set_xticks(xs, labels)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
