@@ -134,7 +134,7 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
              top_p: float = 1.0, seed: int = 0, key: jax.Array | None = None, chat: bool = True,
              system: str | None = None, stop_on_eos: bool = True,
              mode: Literal["compiled", "eager"] = "compiled", drafter: Drafter | None = None,
-             tree: TreeSpec | None = None) -> GenerationResult:
+             tree: TreeSpec | None = None, assume_q_one: bool = False) -> GenerationResult:
     """Generate continuations of one or more prompts.
 
     Without a ``drafter`` this is vanilla decoding. With one, it is speculative
@@ -152,6 +152,8 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
         timing).
       drafter: from :func:`load_drafter`; None for vanilla decoding.
       tree: the draft tree (default ``TreeSpec()``, a small EAGLE-2 tree).
+      assume_q_one: EAGLE's verification shortcut for sampled drafts (see
+        :class:`specjax.speculative.Engine`); off by default.
     Returns:
       :class:`GenerationResult` with texts, new token ids and ``stats``
       (new_tokens, prefill_s, decode_s, wall_s, tokens_per_s, decode_tokens_per_s;
@@ -189,7 +191,8 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
     eos = jnp.asarray(target.eos_ids if stop_on_eos else [-2], jnp.int32)
     dyn = sampling.dynamic()
     key = jax.random.PRNGKey(seed) if key is None else key
-    run = _vanilla if drafter is None else partial(_speculative, drafter=drafter, tree=tree)
+    run = _vanilla if drafter is None else partial(_speculative, drafter=drafter, tree=tree,
+                                                   assume_q_one=assume_q_one)
     out, stats = run(target, jnp.asarray(prompt), jnp.asarray([len(p) for p in ids]), key,
                      jnp.int32(max_new_tokens), eos, dyn, sampling, mode, out_len, capacity)
 
@@ -225,8 +228,9 @@ def _vanilla(target, prompt, prompt_lens, key, max_new, eos, dyn, sampling, mode
 
 
 def _speculative(target, prompt, prompt_lens, key, max_new, eos, dyn, sampling, mode, out_len,
-                 capacity, *, drafter: Drafter, tree: TreeSpec):
-    eng = Engine(cfg=target.cfg, dcfg=drafter.cfg, tree=tree, sampling=sampling.static())
+                 capacity, *, drafter: Drafter, tree: TreeSpec, assume_q_one: bool):
+    eng = Engine(cfg=target.cfg, dcfg=drafter.cfg, tree=tree, sampling=sampling.static(),
+                 assume_q_one=assume_q_one)
     p, dp = target.params, drafter.params
     t0 = time.perf_counter()
     state = spec_prefill(p, dp, prompt, prompt_lens, key, max_new, eos, **dyn, eng=eng,

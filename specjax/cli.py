@@ -129,9 +129,12 @@ def _run(args: argparse.Namespace) -> int:
             tree=None if drafter is None else _tree(args))
         if args.json:
             single = isinstance(prompts, str)
+            stats = dict(res.stats)
+            if single and "accept_lengths" in stats:
+                stats["accept_lengths"] = stats["accept_lengths"][0]
             print(json.dumps({"text": res.text if single else res.texts,
                               "tokens": res.tokens[0] if single else res.tokens,
-                              "stats": res.stats}))
+                              "stats": stats}))
         else:
             print("\n\n".join(res.texts))
         return 0

@@ -133,6 +133,10 @@ class Engine:
     dcfg: DrafterConfig
     tree: TreeSpec
     sampling: StaticSampling
+    # EAGLE's shortcut: verify every child with the point-mass rule (q treated as
+    # one) even when children were sampled from q. Still exact, but it accepts
+    # less often than SpecInfer/Sequoia's rule; only ever on request.
+    assume_q_one: bool = False
 
 
 def _is_eos(tok: Array, eos_ids: Array) -> Array:
@@ -225,12 +229,12 @@ def verify_phase(params: Params, dparams: DrafterParams, state: SpecState, tree:
     else:
         probs = target_probs(logits, eng.sampling, temperature, top_p)
         acc = verify_sampling(sub, tree.tokens, tree.parent, tree.valid, probs, tree.draft_dist,
-                              sampled=tree.sampled)
+                              sampled=tree.sampled, assume_q_one=eng.assume_q_one)
     k = acc.num_accepted
     tcache = compact_cache(tcache, acc.path, k, t)
 
     # Drafter catch-up: rows L+1.. re-read the accepted drafts with target features.
-    d = eng.tree.max_depth
+    d = min(eng.tree.max_depth, t - 1)  # the longest path a tree of T nodes can accept
     cu_tokens = _row_gather(tree.tokens, acc.path[:, 1:d + 1])
     cu_feats = _row_gather(hidden, acc.path[:, :d])
     dcache = dataclasses.replace(dcache, lengths=lengths + 1)

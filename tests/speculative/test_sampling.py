@@ -91,6 +91,20 @@ def test_two_tokens_follow_the_target(small_vocab, exact, name):
     assert pvalue(counts, exact) > 1e-3
 
 
+def test_eagle_q_one_shortcut_is_exact_but_accepts_less(small_vocab, exact):
+    """EAGLE's point-mass rule on sampled drafts: the distribution holds, acceptance drops."""
+    target, drafter = small_vocab
+    res = specjax.generate(target, [PROMPT] * N, max_new_tokens=3, temperature=TEMP,
+                           stop_on_eos=False, drafter=drafter, tree=TREES["chain-sampled"],
+                           seed=7, assume_q_one=True)
+    toks = np.asarray(res.tokens)
+    counts = np.zeros((V, V))
+    np.add.at(counts, (toks[:, 1], toks[:, 2]), 1)
+    assert pvalue(counts, exact) > 1e-3
+    _, mal = sample_second_third(target, drafter, TREES["chain-sampled"])
+    assert res.stats["mean_accepted_length"] < mal - 0.02
+
+
 def test_a_verifier_with_the_wrong_q_fails(small_vocab, exact, monkeypatch):
     """The same test must reject a biased verifier: here one that ignores the drafter's q."""
     target, drafter = small_vocab
