@@ -20,10 +20,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def convert(src: str | Path, out: str | Path, *, overwrite: bool = False,
             dtype: str = "float32", progress: bool = True) -> Path:
-    """Convert an HF Llama/Qwen folder or a ``.gguf`` file into a specjax folder.
+    """Convert an HF Llama/Qwen folder, a ``.gguf`` file or an EAGLE drafter folder.
 
     Args:
-      src: an HF folder (config.json + ``*.safetensors``) or a GGUF file.
+      src: an HF folder (config.json + ``*.safetensors``), a GGUF file, or an
+        EAGLE-1/2/3 drafter folder (``fc.*`` + one layer; see ``convert.eagle``).
       out: the folder to create; refused if it exists unless ``overwrite``.
       dtype: parameter dtype to store ("float32" or "bfloat16").
     Returns:
@@ -35,6 +36,11 @@ def convert(src: str | Path, out: str | Path, *, overwrite: bool = False,
     if not src.exists():
         raise CheckpointError(f"{src}: no such file or folder")
     if src.is_dir():
+        from specjax.convert.eagle import convert_eagle_folder, eagle_kind
+
+        if eagle_kind(src) is not None:  # an EAGLE-1/2 or EAGLE-3 drafter, not a target
+            return convert_eagle_folder(src, out, overwrite=overwrite, dtype=dtype,
+                                        progress=progress)
         if not (src / "config.json").exists():
             raise CheckpointError(f"{src}: no config.json; expected an HF model folder "
                                   "(config.json + *.safetensors) or a .gguf file")

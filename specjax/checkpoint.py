@@ -107,15 +107,27 @@ def restore_params(dir_: Path, shapes: dict[str, tuple[list[int], str]]) -> dict
     return jax.device_put(flat)
 
 
-def save_target(dir_: Path, cfg: ModelConfig, params: Params, source: str) -> None:
-    """Write params and the manifest (last) into an existing folder."""
-    flat = flatten_params(params)
+def save_tree(dir_: Path, flat: dict[str, Any], fmt: str, config: dict[str, Any],
+              **extra: Any) -> None:
+    """Write a flat dict of arrays and then its manifest (last) into an existing folder."""
+    flat = {k: np.asarray(v) for k, v in flat.items()}
     save_params(dir_, flat)
-    manifest = {
-        "format": FORMAT, "version": VERSION, "source": source, "config": cfg.to_json(),
-        "tensors": {k: [list(v.shape), str(v.dtype)] for k, v in flat.items()},
-    }
+    manifest = {"format": fmt, "version": VERSION, "config": config, **extra,
+                "tensors": {k: [list(v.shape), str(v.dtype)] for k, v in flat.items()}}
     (Path(dir_) / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def write_checkpoint(out: Path, flat: dict[str, Any], fmt: str, config: dict[str, Any], *,
+                     meta: dict | None = None, overwrite: bool = False) -> Path:
+    """A whole checkpoint folder (tensors + manifest), written atomically."""
+    return write_atomically(Path(out), lambda tmp: save_tree(tmp, flat, fmt, config,
+                                                             meta=meta or {}),
+                            overwrite=overwrite)
+
+
+def save_target(dir_: Path, cfg: ModelConfig, params: Params, source: str) -> None:
+    """Write a target's params and manifest into an existing folder."""
+    save_tree(dir_, flatten_params(params), FORMAT, cfg.to_json(), source=source)
 
 
 def read_manifest(dir_: Path, fmt: str = FORMAT) -> dict[str, Any]:

@@ -14,12 +14,10 @@ inference uses the pure functions over :class:`DrafterParams` split out of it.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax import Array
 
@@ -168,16 +166,8 @@ def save_drafter(out: Path, cfg: DrafterConfig, dp: DrafterParams, *, meta: dict
                             if getattr(dp.layer, f.name) is not None}}
     if dp.fc_bias is not None:
         flat["fc_bias"] = dp.fc_bias
-    flat = {k: np.asarray(v) for k, v in flat.items()}
-
-    def build(tmp: Path) -> None:
-        ckpt.save_params(tmp, flat)
-        manifest = {"format": FORMAT, "version": ckpt.VERSION, "config": cfg.to_json(),
-                    "meta": meta or {},
-                    "tensors": {k: [list(v.shape), str(v.dtype)] for k, v in flat.items()}}
-        (tmp / ckpt.MANIFEST).write_text(json.dumps(manifest, indent=1))
-
-    return ckpt.write_atomically(Path(out), build, overwrite=overwrite)
+    return ckpt.write_checkpoint(out, flat, FORMAT, cfg.to_json(), meta=meta,
+                                 overwrite=overwrite)
 
 
 def load_drafter(path: Path, target_cfg: ModelConfig | None = None,

@@ -150,8 +150,13 @@ def _write_rows(buf: Array, rows: Array, new: Array) -> Array:
     return buf.at[jnp.arange(b)[:, None], rows].set(new.astype(buf.dtype), mode="drop")
 
 
-def _attention(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array, inv_freq: Array,
-               k_buf: Array, v_buf: Array, rows: Array, mask: Array):
+def attention(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array, inv_freq: Array,
+              k_buf: Array, v_buf: Array, rows: Array, mask: Array):
+    """GQA self-attention of new tokens over the cache; K/V rows written at ``rows``.
+
+    x: [B, T, in] (in = d, or 2d for an EAGLE-3 layer); only the attention
+    fields of ``lp`` are read. Returns (out [B, T, d], k_buf, v_buf).
+    """
     b, t, _ = x.shape
     dh = cfg.head_dim
     q = x @ lp.wq
@@ -191,7 +196,7 @@ def decoder_layer(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array,
     fc output to the attention without a norm.
     """
     h = x if lp.attn_norm is None else rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-    attn, k_buf, v_buf = _attention(cfg, lp, h, positions, inv_freq, k_buf, v_buf, rows, mask)
+    attn, k_buf, v_buf = attention(cfg, lp, h, positions, inv_freq, k_buf, v_buf, rows, mask)
     x = x + attn
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
     x = x + (jax.nn.silu(h @ lp.w_gate) * (h @ lp.w_up)) @ lp.w_down
