@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--repeats", type=int, default=3)
     bd.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     bd.add_argument("--out", default="results/bench_decode.json")
+    from specjax.bench.breakdown import add_breakdown_args
+    from specjax.bench.spec import add_spec_args
+
+    add_spec_args(bsub.add_parser(
+        "spec", help="Spec-Bench subset: MAL, speedup, greedy equality (JSON + plot)"))
+    add_breakdown_args(bsub.add_parser(
+        "breakdown", help="time breakdown of one draft step (JSON + stacked bars)"))
     from specjax.train.cli import add_train_parser
 
     add_train_parser(sub)
@@ -144,6 +151,16 @@ def _run(args: argparse.Namespace) -> int:
         run_decode_bench(_resolve_model(args.model), max_new_tokens=args.max_new_tokens,
                          repeats=args.repeats, with_hf=not args.no_hf, out=Path(args.out),
                          dtype=args.dtype)
+        return 0
+    if args.command == "bench" and args.bench == "spec":
+        from specjax.bench.spec import run_spec_from_args
+
+        run_spec_from_args(args)
+        return 0
+    if args.command == "bench" and args.bench == "breakdown":
+        from specjax.bench.breakdown import run_breakdown_from_args
+
+        run_breakdown_from_args(args)
         return 0
     if args.command == "train":
         from specjax.train.cli import run_train

@@ -122,12 +122,12 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def _jsonable(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
     """NaN/inf become null so the file is strict JSON; numpy scalars become Python ones."""
     if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
+        return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if isinstance(x, np.generic):
         x = x.item()
     if isinstance(x, float) and not math.isfinite(x):
@@ -140,7 +140,7 @@ def _jsonable(x: Any) -> Any:
 def write_json(path: Path, result: dict[str, Any]) -> Path:
     """Write ``result`` as indented JSON, creating parent folders."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_jsonable(result), indent=1) + "\n")
+    path.write_text(json.dumps(jsonable(result), indent=1) + "\n")
     return path
 
 

@@ -1,0 +1,227 @@
+"""``specjax bench spec`` and ``specjax bench breakdown``: the machinery on a tiny random
+Llama in CI, the real SmolLM2 run under ``-m bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+
+import specjax
+from specjax.bench import spec as spec_bench
+from specjax.bench.breakdown import (
+    add_breakdown_args,
+    expansion_counts,
+    run_breakdown,
+    tree_from_spec_json,
+)
+from specjax.bench.spec import (
+    add_spec_args,
+    first_mismatch,
+    load_questions,
+    monotone_fit,
+    partial_path,
+    resolve_questions,
+    run_spec_bench,
+    select_questions,
+    tree_from_args,
+    warmup_tokens,
+)
+from specjax.decode import bucket
+from specjax.speculative import TreeSpec
+from tests.tiny import make_hf_checkpoint
+
+GRID = (TreeSpec("chain", depth=2), TreeSpec("eagle2", depth=2, top_k=2, total_tokens=3))
+PROMPTS = [{"question_id": 7, "task": "qa", "ids": [1, 17, 42, 99, 5]},
+           {"question_id": 9, "task": "rag", "ids": [1, 60, 61, 62, 63, 64, 65, 66, 67, 68]}]
+# One calibration prompt in the evaluation's shape buckets: the chosen tree's compiled loop
+# is then shared with the evaluation (compiles dominate this test's time).
+CALIB = [[1, 5, 6, 7, 200, 201]]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("spec_bench")
+    return specjax.convert(make_hf_checkpoint(tmp / "hf", "llama"), tmp / "sj", progress=False)
+
+
+def _finite_positive(x) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+def test_helpers(tmp_path, monkeypatch):
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
+    assert first_mismatch([1, 2], [1, 2, 3]) == 2
+    for n in (1, 8, 16, 17, 100, 128, 129):
+        w = warmup_tokens(n)
+        assert min(n, 2) <= w <= n and bucket(w) == bucket(n)
+    assert monotone_fit([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert monotone_fit([2.0, 5.0]) == [2.0, 5.0]
+    assert partial_path(tmp_path / "r" / "b.json") == tmp_path / "r" / "b.partial.jsonl"
+    assert expansion_counts(TreeSpec("eagle2", depth=4, top_k=3, total_tokens=8)) == {1: 1, 3: 3}
+    assert expansion_counts(TreeSpec("chain", depth=3)) == {1: 3}
+
+    # Questions: explicit path, then the environment variable; a clear error when missing.
+    lines = [{"question_id": i, "category": c, "turns": [f"q{i}", "second"]}
+             for i, c in enumerate(["writing", "coding", "qa", "qa", "qa", "rag"], 1)]
+    f = tmp_path / "question.jsonl"
+    f.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    with pytest.raises(FileNotFoundError, match="Spec-Bench questions not found"):
+        resolve_questions(tmp_path / "missing.jsonl")
+    monkeypatch.setenv("SPECJAX_SPEC_BENCH", str(f))
+    assert resolve_questions() == f
+    qs = load_questions(resolve_questions())
+    assert [q.task for q in qs[:2]] == ["mt_bench", "mt_bench"] and qs[0].text == "q1"
+    chosen = select_questions(qs, ["mt_bench", "qa"], 2)
+    assert [q.question_id for q in chosen] == [1, 2, 3, 4]
+    calib = select_questions(qs, ["qa"], 1, last=True, exclude=frozenset({3, 4}))
+    assert [q.question_id for q in calib] == [5]
+    with pytest.raises(ValueError, match="no questions for task 'nope'"):
+        select_questions(qs, ["nope"], 1)
+
+    # Flags: the CLI attaches these in one line each.
+    p = argparse.ArgumentParser()
+    add_spec_args(p)
+    assert tree_from_args(p.parse_args([])) is None
+    a = p.parse_args(["--tree", "chain", "--tree-depth", "3", "--per-task", "2"])
+    assert tree_from_args(a) == TreeSpec("chain", depth=3) and a.per_task == 2
+    with pytest.raises(ValueError, match="need --tree"):
+        tree_from_args(p.parse_args(["--tree-depth", "3"]))
+    b = argparse.ArgumentParser()
+    add_breakdown_args(b)
+    assert tree_from_args(b.parse_args([])) == TreeSpec()
+
+
+def test_spec_bench_pipeline_on_a_tiny_model(tiny_model, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "res" / "bench_spec.json"
+    kw = dict(per_task=1, max_new_tokens=8, tree=None, questions=None, out=out, grid=GRID,
+              latency_sizes=(1, 4), runs=2, calib_max_new_tokens=8, prompts=PROMPTS,
+              calib_prompts=CALIB, eager_per_task=1, stop_on_eos=False)
+
+    # Interrupt the first run inside the second prompt: the partial file keeps the rest.
+    real_call = spec_bench._Runner.__call__
+
+    def interrupted(self, method, ids):
+        if ids == PROMPTS[1]["ids"]:
+            raise KeyboardInterrupt
+        return real_call(self, method, ids)
+
+    monkeypatch.setattr(spec_bench._Runner, "__call__", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_spec_bench(tiny_model, "random", **kw)
+    kinds = [json.loads(x)["kind"] for x in partial_path(out).read_text().splitlines()]
+    assert kinds == ["selection", "prompt"]
+
+    # Resume; corrupt the second prompt's speculative tokens to exercise the mismatch path.
+    monkeypatch.setattr(spec_bench._Runner, "__call__", real_call)
+    real_record = spec_bench._method_record
+
+    def corrupt(res, compiles):
+        rec = real_record(res, compiles)
+        if "mal" in rec and "draft_s" not in rec:  # speculative compiled
+            rec["tokens"] = rec["tokens"][:3] + [(rec["tokens"][3] + 1) % 256] + rec["tokens"][4:]
+        return rec
+
+    monkeypatch.setattr(spec_bench, "_method_record", corrupt)
+    res = run_spec_bench(tiny_model, "random", **kw)
+    printed = capsys.readouterr()
+    assert "GREEDY MISMATCH: question 9" in printed.out + printed.err
+    assert "resuming" in printed.out + printed.err
+    assert not partial_path(out).exists()
+    assert out.exists() and out.with_suffix(".png").stat().st_size > 0
+    assert json.loads(out.read_text())["benchmark"] == "spec"
+
+    assert res["resumed_prompts"] == 1
+    assert res["mal_counts_bonus_token"] and "bonus token included" in res["mal_note"]
+    assert list(res["per_task"]) == ["qa", "rag"]
+    eq = res["greedy_equality"]
+    assert (eq["matched"], eq["prompts"], eq["all_match"]) == (1, 2, False)
+    assert eq["mismatches"] == [{"question_id": 9, "task": "rag", "first_mismatch": 3,
+                                 "eager_first_mismatch": None}]
+    first, second = res["per_prompt"]
+    assert first["greedy_match"] and first["eager_match"] and first["first_mismatch"] is None
+    assert second["eager_match"] and not second["greedy_match"]
+    for rec in res["per_prompt"]:
+        assert len(rec["vanilla"]["tokens"]) == len(rec["spec"]["tokens"]) == 8
+        spec = rec["spec"]
+        assert sum(spec["accept_lengths"]) == spec["accepted_tokens"] == 8 - 1
+        assert spec["mal"] >= 1 and spec["target_forwards"] == len(spec["accept_lengths"])
+        assert rec["eager"]["draft_s"] > 0 and rec["eager"]["verify_s"] > 0
+        for m in ("vanilla", "spec", "eager"):
+            assert _finite_positive(rec[m]["decode_tokens_per_s"])
+            assert rec[m]["compiles_while_timed"] == 0  # warm-ups compiled every shape
+
+    lat = res["latency"]
+    assert lat["sizes"] == [1, 4] and all(map(_finite_positive, lat["best_ms"]))
+    assert lat["fit_ms"] == monotone_fit(lat["best_ms"])
+    sel = res["tree_selection"]
+    assert [g["label"] for g in sel["grid"]] == ["chain d2", "eagle2 d2 k2 n3"]
+    best = max(sel["grid"], key=lambda g: g["est_tokens_per_s"])
+    assert sel["chosen"] == best and res["tree"] == best["tree"]
+    for g in sel["grid"]:
+        assert g["mal"] >= 1 and _finite_positive(g["draft_ms"])
+        assert g["est_tokens_per_s"] == pytest.approx(1e3 * g["mal"] / (g["verify_ms"]
+                                                                        + g["draft_ms"]))
+    for agg in (*res["per_task"].values(), res["overall"]):
+        assert agg["mal"] >= 1
+        for k in ("speedup", "compiled_vs_eager", "vanilla_decode_tokens_per_s",
+                  "spec_decode_tokens_per_s", "eager_decode_tokens_per_s"):
+            assert _finite_positive(agg[k]), k
+    assert res["overall"]["prompts"] == 2 and res["overall"]["matched"] == 1
+    assert res["timed_compiles"] == 0
+    assert res["config"]["max_new_tokens"] == 8 and res["machine"]["nproc"] >= 1
+
+
+def test_breakdown_on_a_tiny_model(tiny_model, tmp_path):
+    out = tmp_path / "bd.json"
+    # The pipeline test's tree and cache geometry: its compiled draft phase and verify
+    # forward are reused when both tests run in one process.
+    tree = GRID[1]
+    res = run_breakdown(tiny_model, "random", tree=tree, out=out, context=12,
+                        max_new_tokens=8, runs=2)
+    assert out.exists() and out.with_suffix(".png").stat().st_size > 0
+    assert json.loads(out.read_text())["benchmark"] == "breakdown"
+    assert res["expansions"] == {"1": 1, "2": 1}
+    assert list(res["per_expansion"]) == ["K=1", "K=2"]
+    for parts in res["per_expansion"].values():
+        for k in ("embed_fc_ms", "layer_ms", "head_topk_ms"):
+            assert _finite_positive(parts[k])
+    step = res["draft_step"]
+    assert sum(step["fractions"].values()) == pytest.approx(1.0)
+    assert _finite_positive(step["tree_ops_ms"]) and _finite_positive(step["measured_ms"])
+    assert res["verify_tokens"] == 4 and _finite_positive(res["verify_ms"])
+    assert res["capacity"] >= res["context"] + tree.workspace
+
+    spec_json = tmp_path / "spec.json"
+    spec_json.write_text(json.dumps({"tree": spec_bench.tree_dict(tree)}))
+    assert tree_from_spec_json(spec_json) == tree
+
+
+@pytest.mark.bench
+def test_spec_bench_smollm2(tmp_path):
+    """The real pipeline with small settings: SmolLM2, the shipped drafter (random if none)."""
+    from specjax.defaults import default_drafter_dir, ensure_default_target
+
+    try:
+        drafter = default_drafter_dir()
+    except FileNotFoundError:
+        drafter = "random"
+    model = ensure_default_target()
+    out = tmp_path / "bench_spec.json"
+    res = run_spec_bench(model, drafter, per_task=1, max_new_tokens=32, out=out,
+                         grid=(TreeSpec("chain", depth=3),
+                               TreeSpec("eagle2", depth=4, top_k=4, total_tokens=8)),
+                         calib_per_task=1, calib_max_new_tokens=24, runs=3)
+    assert out.exists() and out.with_suffix(".png").stat().st_size > 0
+    assert list(res["per_task"]) == list(spec_bench.TASKS)
+    assert res["greedy_equality"]["prompts"] == 6
+    assert res["latency"]["sizes"] == list(spec_bench.LATENCY_SIZES)
+    assert _finite_positive(res["overall"]["speedup"])
+    assert res["overall"]["mal"] >= 1
+
+    bd = run_breakdown(model, drafter, tree=tree_from_spec_json(out),
+                       out=tmp_path / "bd.json", runs=5)
+    assert bd["vocab_size"] == 49152 and _finite_positive(bd["draft_step"]["measured_ms"])
