@@ -139,7 +139,9 @@ class EagleDrafter(nnx.Module):
         fields = {f.name: getattr(init_layer, f.name) for f in dataclasses.fields(LayerParams)}
         if not cfg.input_norm:
             fields["attn_norm"] = None
-        self.layer = nnx.Dict({k: nnx.Param(jnp.asarray(v, jnp.float32))
+        # Copy: the init layer is often the target's own weights, which training
+        # must never alias (a donated or updated buffer would corrupt the target).
+        self.layer = nnx.Dict({k: nnx.Param(jnp.array(v, jnp.float32, copy=True))
                                for k, v in fields.items() if v is not None})
 
     def params(self) -> DrafterParams:

