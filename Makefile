@@ -31,6 +31,9 @@ test: $(VENV)/.installed-test
 bench: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -m bench -o addopts="" tests/bench
 	$(BIN)/specjax bench decode --out results/bench_decode.json
+	$(BIN)/specjax bench spec --out results/bench_spec.json
+	$(BIN)/specjax bench breakdown --from-spec results/bench_spec.json \
+		--out results/bench_breakdown.json
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
