@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from specjax.checkpoint import CheckpointError
 from specjax.config import ModelConfig
-from specjax.convert.hf import _to_f32
+from specjax.convert.hf import layer_from_hf, to_f32
 from specjax.drafter import DrafterConfig, DrafterParams, save_drafter
 from specjax.eagle3 import (
     Eagle3Config,
@@ -42,7 +42,6 @@ from specjax.eagle3 import (
     params_from_hf_state,
     save_eagle3,
 )
-from specjax.model import LayerParams
 
 EagleKind = Literal["eagle", "eagle3"]
 
@@ -79,7 +78,7 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, np.ndarray]]:
                 # numpy has no bfloat16; the flax framework reads it through ml_dtypes.
                 with safe_open(file, framework="flax") as f:
                     for name in reduced:
-                        yield name, _to_f32(f, name)
+                        yield name, to_f32(f, name)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{file}: cannot read safetensors ({e}); the file is truncated "
                                   "or corrupt, download it again") from e
@@ -315,16 +314,7 @@ def convert_eagle(src: str | Path, out: str | Path, *, target_cfg: ModelConfig |
         a = state[name]
         return np.ascontiguousarray(a.T if transpose else a).astype(np_dtype)
 
-    p, a = "layers.0.", "layers.0.self_attn."
-    layer = LayerParams(
-        attn_norm=get(p + "input_layernorm.weight"),
-        wq=get(a + "q_proj.weight", True), wk=get(a + "k_proj.weight", True),
-        wv=get(a + "v_proj.weight", True), wo=get(a + "o_proj.weight", True),
-        mlp_norm=get(p + "post_attention_layernorm.weight"),
-        w_gate=get(p + "mlp.gate_proj.weight", True), w_up=get(p + "mlp.up_proj.weight", True),
-        w_down=get(p + "mlp.down_proj.weight", True),
-        bq=get(a + "q_proj.bias"), bk=get(a + "k_proj.bias"), bv=get(a + "v_proj.bias"),
-        q_norm=get(a + "q_norm.weight"), k_norm=get(a + "k_norm.weight"))
+    layer = layer_from_hf(state, "layers.0.", np_dtype)
     # fc rows must be [embedding; feature]: torch's fc.weight is [d, 2d] over cat(emb, feat).
     params = DrafterParams(fc=get("fc.weight", True), layer=layer, fc_bias=get("fc.bias"))
     meta = {"source": str(src.absolute()), "source_format": "eagle", "eagle_config": hf}

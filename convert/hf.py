@@ -91,13 +91,13 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
         try:
             with safe_open(file, framework="flax") as f:
                 for name in f.keys():
-                    yield name, _to_f32(f, name)
+                    yield name, to_f32(f, name)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{file}: cannot read safetensors ({e}); the file is truncated "
                                   "or corrupt, download it again") from e
 
 
-def _to_f32(f, name: str) -> np.ndarray:
+def to_f32(f, name: str) -> np.ndarray:
     # The numpy framework cannot represent bfloat16; the flax one can (ml_dtypes).
     return np.asarray(f.get_tensor(name), dtype=np.float32)
 
@@ -111,34 +111,42 @@ def load_hf_state(path: Path, progress: bool = True) -> dict[str, np.ndarray]:
     return state
 
 
+def layer_from_hf(state: dict[str, np.ndarray], prefix: str, dtype=np.float32) -> LayerParams:
+    """One decoder layer from HF names under ``prefix`` (e.g. "model.layers.3.").
+
+    Linear weights are transposed to [in, out]; tensors the state lacks (biases,
+    q/k norms, an EAGLE-1 layer's input norm) become None. Callers check which
+    tensors are required before.
+    """
+    def get(name: str, transpose: bool = False) -> np.ndarray | None:
+        a = state.get(prefix + name)
+        return None if a is None else np.ascontiguousarray(a.T if transpose else a).astype(dtype)
+
+    a = "self_attn."
+    return LayerParams(
+        attn_norm=get("input_layernorm.weight"),
+        wq=get(a + "q_proj.weight", True), wk=get(a + "k_proj.weight", True),
+        wv=get(a + "v_proj.weight", True), wo=get(a + "o_proj.weight", True),
+        mlp_norm=get("post_attention_layernorm.weight"),
+        w_gate=get("mlp.gate_proj.weight", True), w_up=get("mlp.up_proj.weight", True),
+        w_down=get("mlp.down_proj.weight", True),
+        bq=get(a + "q_proj.bias"), bk=get(a + "k_proj.bias"), bv=get(a + "v_proj.bias"),
+        q_norm=get(a + "q_norm.weight"), k_norm=get(a + "k_norm.weight"),
+    )
+
+
 def params_from_hf_state(cfg: ModelConfig, state: dict[str, np.ndarray], source: str,
                          dtype=np.float32) -> Params:
     """Map a checked HF state dict onto the :class:`Params` pytree (numpy leaves)."""
     check_state(cfg, state, source)
 
-    def get(name: str, transpose: bool = False) -> np.ndarray:
-        a = state[name]
-        return np.ascontiguousarray(a.T if transpose else a).astype(dtype)
+    def get(name: str) -> np.ndarray:
+        return np.ascontiguousarray(state[name]).astype(dtype)
 
-    def opt(name: str) -> np.ndarray | None:
-        return get(name) if name in state else None
-
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        layers.append(LayerParams(
-            attn_norm=get(p + "input_layernorm.weight"),
-            wq=get(a + "q_proj.weight", True), wk=get(a + "k_proj.weight", True),
-            wv=get(a + "v_proj.weight", True), wo=get(a + "o_proj.weight", True),
-            mlp_norm=get(p + "post_attention_layernorm.weight"),
-            w_gate=get(p + "mlp.gate_proj.weight", True), w_up=get(p + "mlp.up_proj.weight", True),
-            w_down=get(p + "mlp.down_proj.weight", True),
-            bq=opt(a + "q_proj.bias"), bk=opt(a + "k_proj.bias"), bv=opt(a + "v_proj.bias"),
-            q_norm=opt(a + "q_norm.weight"), k_norm=opt(a + "k_norm.weight"),
-        ))
     return Params(
-        embed=get("model.embed_tokens.weight"), layers=tuple(layers),
+        embed=get("model.embed_tokens.weight"),
+        layers=tuple(layer_from_hf(state, f"model.layers.{i}.", dtype)
+                     for i in range(cfg.num_layers)),
         final_norm=get("model.norm.weight"),
         lm_head=None if cfg.tie_word_embeddings else get("lm_head.weight"),
     )
