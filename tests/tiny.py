@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -41,3 +42,20 @@ def make_hf_checkpoint(path: Path, family: str, seed: int = 0, **overrides) -> P
     model = make_hf_model(family, seed, **overrides)
     model.save_pretrained(path)
     return Path(path)
+
+
+def edit_config(src: Path, **changes) -> None:
+    """Change fields of an HF folder's config.json in place (for refusal tests)."""
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(changes)
+    (src / "config.json").write_text(json.dumps(cfg))
+
+
+def edit_tensors(src: Path, fn) -> None:
+    """Apply ``fn`` to the dict of an HF folder's model.safetensors, in place."""
+    from safetensors.numpy import load_file, save_file
+
+    f = src / "model.safetensors"
+    state = load_file(f)
+    fn(state)
+    save_file(state, f)

@@ -2,36 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 import specjax
 from specjax.checkpoint import CheckpointError, flatten_params
 from specjax.config import UnsupportedModelError
 from specjax.convert.hf import expected_shapes
+from tests.tiny import edit_config, edit_tensors
 
 
 @pytest.fixture
 def src(tiny_llama, tmp_path):
     """A private copy of the tiny checkpoint that a test may damage."""
     return shutil.copytree(tiny_llama, tmp_path / "src")
-
-
-def _edit_config(src, **changes):
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.update(changes)
-    (src / "config.json").write_text(json.dumps(cfg))
-
-
-def _edit_tensors(src, fn):
-    f = src / "model.safetensors"
-    state = load_file(f)
-    fn(state)
-    save_file(state, f)
 
 
 def test_round_trip_keeps_every_tensor(src, tmp_path):
@@ -63,28 +50,28 @@ def test_sharded_checkpoint(tiny_llama, tmp_path):
 
 
 def test_refuses_unsupported_architecture(src, tmp_path):
-    _edit_config(src, model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    edit_config(src, model_type="gpt2", architectures=["GPT2LMHeadModel"])
     with pytest.raises(UnsupportedModelError, match="'gpt2'.*not supported"):
         specjax.convert(src, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 
 
 def test_refuses_missing_tensor(src, tmp_path):
-    _edit_tensors(src, lambda s: s.pop("model.layers.1.mlp.up_proj.weight"))
+    edit_tensors(src, lambda s: s.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(CheckpointError, match=r"1 tensors missing.*layers\.1\.mlp\.up_proj"):
         specjax.convert(src, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 
 
 def test_refuses_extra_tensor(src, tmp_path):
-    _edit_tensors(src, lambda s: s.update({"model.layers.2.mlp.up_proj.weight": np.zeros((2, 2),
+    edit_tensors(src, lambda s: s.update({"model.layers.2.mlp.up_proj.weight": np.zeros((2, 2),
                                                                                          np.float32)}))
     with pytest.raises(CheckpointError, match="unexpected tensors.*layers.2"):
         specjax.convert(src, tmp_path / "out", progress=False)
 
 
 def test_refuses_shape_mismatch(src, tmp_path):
-    _edit_config(src, intermediate_size=128)
+    edit_config(src, intermediate_size=128)
     with pytest.raises(CheckpointError, match=r"mismatch.*gate_proj.*\(96, 64\) != \(128, 64\)"):
         specjax.convert(src, tmp_path / "out", progress=False)
 
@@ -120,7 +107,7 @@ def test_existing_out_needs_overwrite(src, tmp_path):
 def test_failed_overwrite_keeps_the_old_folder(src, tmp_path):
     out = specjax.convert(src, tmp_path / "out", progress=False)
     before = (out / "specjax.json").read_text()
-    _edit_tensors(src, lambda s: s.pop("model.norm.weight"))
+    edit_tensors(src, lambda s: s.pop("model.norm.weight"))
     with pytest.raises(CheckpointError):
         specjax.convert(src, out, overwrite=True, progress=False)
     assert (out / "specjax.json").read_text() == before

@@ -18,8 +18,6 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from safetensors.numpy import load_file as np_load_file
-from safetensors.numpy import save_file as np_save_file
 from safetensors.torch import save_file
 from torch import nn
 from transformers.models.llama import modeling_llama as ml
@@ -45,7 +43,7 @@ from specjax.eagle3 import (
     init_eagle3_cache,
     load_eagle3,
 )
-from tests.tiny import BASE
+from tests.tiny import BASE, edit_config, edit_tensors
 
 B, T = 2, 7
 # An EAGLE config.json as EAGLE ships them: a LlamaConfig-like dict with one layer.
@@ -129,19 +127,6 @@ def src1(eagle1, tmp_path):
     return shutil.copytree(eagle1[0], tmp_path / "src")
 
 
-def _edit_config(src, **changes):
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.update(changes)
-    (src / "config.json").write_text(json.dumps(cfg))
-
-
-def _edit_tensors(src, fn):
-    f = src / "model.safetensors"
-    state = np_load_file(f)
-    fn(state)
-    np_save_file(state, f)
-
-
 def _random_inputs(width: int, n_feats: int = 1, seed: int = 1):
     rs = np.random.RandomState(seed)
     tokens = rs.randint(0, BASE["vocab_size"], (B, T))
@@ -211,17 +196,17 @@ def test_detector_ignores_a_full_hf_model(tiny_llama, eagle1):
      r"decoder layers \[0, 1\].*exactly one"),
 ])
 def test_eagle1_refuses_bad_tensors(src1, tmp_path, damage, match):
-    _edit_tensors(src1, damage)
+    edit_tensors(src1, damage)
     with pytest.raises(CheckpointError, match=match):
         convert_eagle(src1, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 
 
 def test_eagle1_refuses_two_layers_and_bias_flag(src1, tmp_path):
-    _edit_config(src1, num_hidden_layers=2)
+    edit_config(src1, num_hidden_layers=2)
     with pytest.raises(CheckpointError, match="num_hidden_layers=2"):
         convert_eagle(src1, tmp_path / "out", progress=False)
-    _edit_config(src1, num_hidden_layers=1, bias=False)
+    edit_config(src1, num_hidden_layers=1, bias=False)
     with pytest.raises(CheckpointError, match="bias=False but fc.bias is present"):
         convert_eagle(src1, tmp_path / "out", progress=False)
 
@@ -443,7 +428,7 @@ def _set_d2t(s, i, target_id):
      r"lm_head\.weight: \(49, 64\) != \(48, 64\)"),
 ])
 def test_eagle3_refuses_bad_vocab_map(src3, tmp_path, damage, match):
-    _edit_tensors(src3, damage)
+    edit_tensors(src3, damage)
     with pytest.raises(CheckpointError, match=match):
         convert_eagle3(src3, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
@@ -452,8 +437,8 @@ def test_eagle3_refuses_bad_vocab_map(src3, tmp_path, damage, match):
 def test_eagle3_full_draft_vocab_is_identity(tmp_path):
     """EAGLE drops d2t / t2d when Vd == V; so does the import (identity map)."""
     src, module, _ = make_eagle3(tmp_path / "src")
-    _edit_config(src, draft_vocab_size=BASE["vocab_size"])
-    _edit_tensors(src, lambda s: (s.pop("d2t"), s.pop("t2d"), s.update(
+    edit_config(src, draft_vocab_size=BASE["vocab_size"])
+    edit_tensors(src, lambda s: (s.pop("d2t"), s.pop("t2d"), s.update(
         {"lm_head.weight": np.ones((BASE["vocab_size"], 64), np.float32)})))
     cfg, p, meta = load_eagle3(convert_eagle3(src, tmp_path / "out", progress=False))
     assert meta["vocab_map"] == "identity" and bool(np.all(np.asarray(p.t2d)))
