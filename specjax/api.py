@@ -27,6 +27,7 @@ from specjax.speculative import (
     spec_prefill,
     verify_phase_jit,
 )
+from specjax.vocab import VocabHead, resolve_head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +135,8 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
              top_p: float = 1.0, seed: int = 0, key: jax.Array | None = None, chat: bool = True,
              system: str | None = None, stop_on_eos: bool = True,
              mode: Literal["compiled", "eager"] = "compiled", drafter: Drafter | None = None,
-             tree: TreeSpec | None = None, assume_q_one: bool = False) -> GenerationResult:
+             tree: TreeSpec | None = None, assume_q_one: bool = False,
+             vocab: str | VocabHead = "full") -> GenerationResult:
     """Generate continuations of one or more prompts.
 
     Without a ``drafter`` this is vanilla decoding. With one, it is speculative
@@ -154,12 +156,18 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
       tree: the draft tree (default ``TreeSpec()``, a small EAGLE-2 tree).
       assume_q_one: EAGLE's verification shortcut for sampled drafts (see
         :class:`specjax.speculative.Engine`); off by default.
+      vocab: the drafter's vocabulary head: "full", "fr:N", "pafr:N", "dynaspec",
+        "dynaspec-f", ... (see :func:`specjax.vocab.resolve_head`) or a
+        :class:`specjax.vocab.VocabHead`. Verification is always over the full
+        vocabulary, so this changes speed and acceptance, never correctness.
     Returns:
       :class:`GenerationResult` with texts, new token ids and ``stats``
       (new_tokens, prefill_s, decode_s, wall_s, tokens_per_s, decode_tokens_per_s;
       speculative runs add accept_lengths, mean_accepted_length (tokens
       committed per target forward, the bonus token included), draft_s and
-      verify_s (eager mode only)). The first call for a new shape bucket
+      verify_s (eager mode only), vocab, mean_shortlist_size (valid candidates per
+      expanded node) and shortlist_coverage (the fraction of steps whose first
+      committed token was in the root's shortlist)). The first call for a new shape bucket
       includes compilation in its times.
     """
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -167,11 +175,14 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
         raise ValueError(f"mode must be 'compiled' or 'eager', got {mode!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if drafter is None and tree is not None:
-        raise ValueError("a draft tree needs a drafter; pass drafter=load_drafter(...)")
+    if drafter is None and (tree is not None or vocab != "full"):
+        raise ValueError("a draft tree or vocabulary head needs a drafter; pass "
+                         "drafter=load_drafter(...)")
+    head = None
     if drafter is not None:
         drafter.cfg.check_target(target.cfg)
         tree = tree or TreeSpec()
+        head = resolve_head(vocab, target, drafter)
     cfg = target.cfg
     ids = encode_prompts(target, prompts, chat, system)
     longest = max(map(len, ids))
@@ -192,7 +203,7 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
     dyn = sampling.dynamic()
     key = jax.random.PRNGKey(seed) if key is None else key
     run = _vanilla if drafter is None else partial(_speculative, drafter=drafter, tree=tree,
-                                                   assume_q_one=assume_q_one)
+                                                   assume_q_one=assume_q_one, head=head)
     out, stats = run(target, jnp.asarray(prompt), jnp.asarray([len(p) for p in ids]), key,
                      jnp.int32(max_new_tokens), eos, dyn, sampling, mode, out_len, capacity)
 
@@ -228,7 +239,8 @@ def _vanilla(target, prompt, prompt_lens, key, max_new, eos, dyn, sampling, mode
 
 
 def _speculative(target, prompt, prompt_lens, key, max_new, eos, dyn, sampling, mode, out_len,
-                 capacity, *, drafter: Drafter, tree: TreeSpec, assume_q_one: bool):
+                 capacity, *, drafter: Drafter, tree: TreeSpec, assume_q_one: bool,
+                 head: VocabHead):
     eng = Engine(cfg=target.cfg, dcfg=drafter.cfg, tree=tree, sampling=sampling.static(),
                  assume_q_one=assume_q_one)
     p, dp = target.params, drafter.params
@@ -239,12 +251,12 @@ def _speculative(target, prompt, prompt_lens, key, max_new, eos, dyn, sampling, 
     t1 = time.perf_counter()
     draft_s = verify_s = 0.0
     if mode == "compiled":
-        state = spec_loop(p, dp, state, eos, **dyn, eng=eng)
+        state = spec_loop(p, dp, head, state, eos, **dyn, eng=eng)
     else:
         while not bool(jnp.all(state.done)):
             ta = time.perf_counter()
-            drafted = jax.block_until_ready(draft_phase_jit(p, dp, state, dyn["temperature"],
-                                                            eng=eng))
+            drafted = jax.block_until_ready(draft_phase_jit(p, dp, head, state,
+                                                            dyn["temperature"], eng=eng))
             tb = time.perf_counter()
             state = jax.block_until_ready(verify_phase_jit(p, dp, state, *drafted, eos, **dyn,
                                                            eng=eng))
@@ -258,6 +270,9 @@ def _speculative(target, prompt, prompt_lens, key, max_new, eos, dyn, sampling, 
     stats = {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1,
              "accept_lengths": accept, "target_forwards": int(steps.sum()),
              "mean_accepted_length": float(np.mean(flat)) if flat else 0.0,
+             "vocab": head.name,
+             "mean_shortlist_size": float(np.sum(state.shortlist_size) / max(steps.sum(), 1)),
+             "shortlist_coverage": float(np.sum(state.shortlist_hits) / max(steps.sum(), 1)),
              "tree": dataclasses.asdict(tree),
              "draft_s": draft_s if mode == "eager" else None,
              "verify_s": verify_s if mode == "eager" else None}

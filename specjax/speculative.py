@@ -5,7 +5,8 @@ root is the last committed token, not yet cached):
 
 1. **draft**: a tree builder (:mod:`specjax.tree`) expands the root and then
    the frontier with the drafter; expanded nodes write drafter K/V at rows
-   ``L + slot`` of the drafter cache.
+   ``L + slot`` of the drafter cache. The vocabulary head (:mod:`specjax.vocab`)
+   decides which tokens each expansion scores: the full vocabulary or a shortlist.
 2. **verify**: the target runs all T tree nodes in one forward (positions
    ``L + depth``, the ancestor mask), writing rows ``L .. L+T-1``.
 3. **accept**: :mod:`specjax.verify` picks the accepted path and a bonus token.
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,7 @@ from specjax.tree import (
     normalize_paths,
 )
 from specjax.verify import committed_tokens, verify_greedy, verify_sampling
+from specjax.vocab.head import VocabHead
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +123,9 @@ class SpecState:
     done: Array  # [B] bool
     accept_lens: Array  # [B, N] int32 tokens committed by each step (bonus included)
     steps: Array  # [B] int32 steps taken while live
+    shortlist_size: Array  # [B] float32 sum over live steps of the mean valid candidates
+    shortlist_hits: Array  # [B] int32 live steps whose first committed token the root's
+    # shortlist held (the vocabulary head's coverage)
     key: Array
     max_new: Array  # [] int32
 
@@ -137,6 +142,9 @@ class Engine:
     # one) even when children were sampled from q. Still exact, but it accepts
     # less often than SpecInfer/Sequoia's rule; only ever on request.
     assume_q_one: bool = False
+    # Router training data (train/router_data.py): when > 0, the draft phase also
+    # returns every expansion's router context and its top-``record_top_l`` candidates.
+    record_top_l: int = 0
 
 
 def _is_eos(tok: Array, eos_ids: Array) -> Array:
@@ -177,18 +185,31 @@ def spec_prefill(params: Params, dparams: DrafterParams, prompt: Array, prompt_l
         out=jnp.full((b, out_len), PAD, jnp.int32).at[:, 0].set(first), num_new=num_new,
         done=_is_eos(first, eos_ids) | (num_new >= max_new),
         accept_lens=jnp.zeros((b, out_len), jnp.int32), steps=jnp.zeros((b,), jnp.int32),
-        key=key, max_new=max_new)
+        shortlist_size=jnp.zeros((b,), jnp.float32),
+        shortlist_hits=jnp.zeros((b,), jnp.int32), key=key, max_new=max_new)
 
 
-def draft_phase(params: Params, dparams: DrafterParams, state: SpecState, temperature: Array,
-                eng: Engine) -> tuple[DraftTree, KVCache, Array]:
-    """Build this step's draft tree. Returns (tree, drafter cache, next key)."""
+class Shortlists(NamedTuple):
+    """What one draft step's vocabulary head offered, for the coverage statistics."""
+
+    root_ids: Array  # [B, C0] int32 the root expansion's candidates
+    root_valid: Array  # [B, C0] bool
+    mean_size: Array  # [B] float32 valid candidates per expanded node, averaged
+    # Only when Engine.record_top_l > 0, one entry per expansion (step t = list index for
+    # unrolled builders): (context [B, K, 2d], top-L candidate ids [B, K, L], step).
+    records: tuple | None = None
+
+
+def draft_phase(params: Params, dparams: DrafterParams, head: VocabHead, state: SpecState,
+                temperature: Array, eng: Engine) -> tuple[DraftTree, KVCache, Array, Shortlists]:
+    """Build this step's draft tree. Returns (tree, drafter cache, next key, shortlists)."""
     b = state.root.shape[0]
     n_ws = eng.tree.workspace
     lengths = state.dcache.lengths
     node_hidden = jnp.zeros((b, n_ws, eng.cfg.hidden_size), state.root_feat.dtype)
+    offered, records = [], []  # per expansion; trace-time lists (the builders are unrolled)
 
-    def expand(carry, tokens, depth, slot, ancestors):
+    def expand(carry, tokens, depth, slot, ancestors, step):
         dcache, node_hidden = carry
         # A node's input feature is its parent's drafter output; the root's is the
         # target's. The parent is the deepest strict ancestor: the largest such slot.
@@ -200,21 +221,32 @@ def draft_phase(params: Params, dparams: DrafterParams, state: SpecState, temper
                                    lengths[:, None] + depth, dcache, block_mask=ancestors,
                                    write_rows=lengths[:, None] + slot)
         node_hidden = node_hidden.at[jnp.arange(b)[:, None], slot].set(h)
-        logits = lm_head(params, h)  # [B, K, V]: full-vocabulary drafting
-        ids = jnp.broadcast_to(jnp.arange(logits.shape[-1], dtype=jnp.int32), logits.shape)
-        return (dcache, node_hidden), ids, logits
+        # The router context is the drafter fc's input: it does not wait for the layer.
+        context = (jnp.concatenate([params.embed[tokens].astype(feats.dtype), feats], axis=-1)
+                   if head.uses_context or eng.record_top_l else None)
+        cand = head(params.head, h, step, context)
+        offered.append(cand)
+        if eng.record_top_l:
+            top = jnp.take_along_axis(cand.ids, jax.lax.top_k(cand.logits, eng.record_top_l)[1],
+                                      axis=-1)
+            records.append((context, top, step))
+        return (dcache, node_hidden), cand.ids, cand.logits
 
     key, sub = jax.random.split(state.key)
     sampled = not eng.sampling.greedy
     tree, (dcache, _) = eng.tree.build(expand, (state.dcache, node_hidden), state.root,
                                        sub if sampled else None,
                                        temperature if sampled else 0.0, eng.cfg.vocab_size)
-    return tree, dcache, key
+    sizes = [jnp.mean(jnp.sum(c.valid, axis=-1), axis=-1) for c in offered]
+    shortlists = Shortlists(offered[0].ids[:, 0], offered[0].valid[:, 0],
+                            jnp.mean(jnp.stack(sizes, axis=-1), axis=-1).astype(jnp.float32),
+                            tuple(records) if eng.record_top_l else None)
+    return tree, dcache, key, shortlists
 
 
 def verify_phase(params: Params, dparams: DrafterParams, state: SpecState, tree: DraftTree,
-                 dcache: KVCache, key: Array, eos_ids: Array, temperature: Array,
-                 top_p: Array, eng: Engine) -> SpecState:
+                 dcache: KVCache, key: Array, shortlists: Shortlists, eos_ids: Array,
+                 temperature: Array, top_p: Array, eng: Engine) -> SpecState:
     """Verify the tree with the target, accept, update both caches and the output."""
     b, t = tree.tokens.shape
     live = ~state.done
@@ -254,6 +286,7 @@ def verify_phase(params: Params, dparams: DrafterParams, state: SpecState, tree:
     num_new = state.num_new + count
     new_len = jnp.where(live, lengths + k + 1, lengths)
     step_rows = jnp.where(live, state.steps, state.out.shape[1])
+    hit = jnp.any((shortlists.root_ids == toks[:, :1]) & shortlists.root_valid, axis=-1)
     return SpecState(
         tcache=dataclasses.replace(tcache, lengths=new_len),
         dcache=dataclasses.replace(dcache, lengths=new_len),
@@ -263,22 +296,25 @@ def verify_phase(params: Params, dparams: DrafterParams, state: SpecState, tree:
         out=out, num_new=num_new,
         done=state.done | (first_eos < t) | (num_new >= state.max_new),
         accept_lens=state.accept_lens.at[jnp.arange(b), step_rows].set(count, mode="drop"),
-        steps=state.steps + live, key=key, max_new=state.max_new)
+        steps=state.steps + live,
+        shortlist_size=state.shortlist_size + jnp.where(live, shortlists.mean_size, 0.0),
+        shortlist_hits=state.shortlist_hits + (live & hit), key=key, max_new=state.max_new)
 
 
-def spec_step(params, dparams, state, eos_ids, temperature, top_p, eng: Engine) -> SpecState:
-    tree, dcache, key = draft_phase(params, dparams, state, temperature, eng)
-    return verify_phase(params, dparams, state, tree, dcache, key, eos_ids, temperature, top_p,
-                        eng)
+def spec_step(params, dparams, head, state, eos_ids, temperature, top_p,
+              eng: Engine) -> SpecState:
+    tree, dcache, key, shortlists = draft_phase(params, dparams, head, state, temperature, eng)
+    return verify_phase(params, dparams, state, tree, dcache, key, shortlists, eos_ids,
+                        temperature, top_p, eng)
 
 
 @partial(jax.jit, static_argnames=("eng",), donate_argnames=("state",))
-def spec_loop(params: Params, dparams: DrafterParams, state: SpecState, eos_ids: Array,
-              temperature: Array, top_p: Array, *, eng: Engine) -> SpecState:
+def spec_loop(params: Params, dparams: DrafterParams, head: VocabHead, state: SpecState,
+              eos_ids: Array, temperature: Array, top_p: Array, *, eng: Engine) -> SpecState:
     """Run :func:`spec_step` until every row is done, in one ``lax.while_loop``."""
     return jax.lax.while_loop(
         lambda s: ~jnp.all(s.done),
-        lambda s: spec_step(params, dparams, s, eos_ids, temperature, top_p, eng), state)
+        lambda s: spec_step(params, dparams, head, s, eos_ids, temperature, top_p, eng), state)
 
 
 draft_phase_jit = jax.jit(draft_phase, static_argnames=("eng",))

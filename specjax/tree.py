@@ -159,6 +159,10 @@ class ExpandFn(Protocol):
         writes its per-node state (K/V) at ``node_idx`` and may size that scratch by N.
       ancestors: [B, K, N] bool, each frontier node's ancestor-or-self row over the
         workspace: which nodes (all expanded earlier, or itself) it may attend to.
+      step: static int, the draft step t of the children being drafted (0 for the root's
+        children, i.e. the depth of the expanded nodes). Builders call ``expand`` from a
+        Python loop, one call per step, so a vocabulary head may size its candidate
+        buffer by ``step`` (position-aware budgets) and C may differ between calls.
 
     Frontier padding repeats a real frontier node of the same call (same token, position,
     index and row), so a drafter may compute and write it like any other entry; the
@@ -171,7 +175,7 @@ class ExpandFn(Protocol):
     """
 
     def __call__(self, carry: Carry, tokens: Array, positions: Array, node_idx: Array,
-                 ancestors: Array) -> tuple[Carry, Array, Array]: ...
+                 ancestors: Array, step: int) -> tuple[Carry, Array, Array]: ...
 
 
 # --------------------------------------------------------------------------------------
@@ -300,7 +304,7 @@ def build_chain(expand: ExpandFn, carry: Carry, root: Array, depth: int, *,
                 vocab_size: int | None = None) -> tuple[DraftTree, Carry]:
     """A single draft sequence of ``depth`` tokens: T = depth + 1 nodes.
 
-    Calls ``expand`` ``depth`` times (K = 1; workspace = the tree) inside one ``lax.scan``.
+    Calls ``expand`` ``depth`` times (K = 1; workspace = the tree), unrolled.
     Greedy (``temperature == 0``) takes the argmax candidate, with ``draft_logp`` from
     softmax(logits). With ``temperature > 0`` (a float, or a traced scalar / [B] array) and
     a ``key`` it samples from softmax(cand_logits / temperature), sets ``sampled=True`` and
@@ -319,30 +323,28 @@ def build_chain(expand: ExpandFn, carry: Carry, root: Array, depth: int, *,
     tril = jnp.asarray(np.tril(np.ones((t, t), bool)))
     pad_rows = jnp.asarray(_padding_rows(t))
 
-    def step(state, s):
-        dcarry, tok, ok = state
+    tok, ok = root, jnp.ones((b,), bool)
+    ys = []
+    for s in range(depth):  # unrolled: candidate capacity C may differ per step
         row = jnp.where(ok[:, None], tril[s], pad_rows[s])  # [B, T] node s's ancestors
         pos = jnp.full((b, 1), s, jnp.int32)
-        dcarry, ids, logits = expand(dcarry, tok[:, None], jnp.where(ok[:, None], pos, 1),
-                                     jnp.full((b, 1), s, jnp.int32), row[:, None, :])
+        carry, ids, logits = expand(carry, tok[:, None], jnp.where(ok[:, None], pos, 1),
+                                    jnp.full((b, 1), s, jnp.int32), row[:, None, :], s)
         k = jax.random.fold_in(mode.key, s) if mode.sampled else None
         ch = _draft_children(ids, logits, 1, mode, k)
         child_ok = ok & jnp.isfinite(ch.logq[:, 0, 0])
-        out = (ch.ids[:, 0, 0], ch.logq[:, 0, 0], child_ok)
-        if mode.sampled:
-            out += (ids[:, 0], ch.cand_q[:, 0])
-        return (dcarry, jnp.where(child_ok, ch.ids[:, 0, 0], 0), child_ok), out
+        dist = (_dense_dist(ids, ch.cand_q, _vocab(vocab_size, ids.shape[-1]))[:, 0]
+                if mode.sampled else None)
+        ys.append((ch.ids[:, 0, 0], ch.logq[:, 0, 0], child_ok, dist))
+        tok, ok = jnp.where(child_ok, ch.ids[:, 0, 0], 0), child_ok
 
-    (carry, _, _), ys = jax.lax.scan(step, (carry, root, jnp.ones((b,), bool)),
-                                     jnp.arange(depth, dtype=jnp.int32))
-    ids, logq, ok = (y.T for y in ys[:3])  # [B, depth]
+    ids, logq, ok = (jnp.stack([y[i] for y in ys], axis=1) for i in range(3))  # [B, depth]
     tokens = jnp.concatenate([root[:, None], ids], axis=1)
     valid = jnp.concatenate([jnp.ones((b, 1), bool), ok], axis=1)
     draft_logp = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), logq], axis=1)
     dist = None
     if mode.sampled:
-        cand_ids, cand_q = (jnp.swapaxes(y, 0, 1) for y in ys[3:])  # [B, depth, C]
-        dist = _dense_dist(cand_ids, cand_q, _vocab(vocab_size, cand_ids.shape[-1]))
+        dist = jnp.stack([y[3] for y in ys], axis=1)  # [B, depth, V]
         dist = jnp.concatenate([dist, jnp.zeros_like(dist[:, :1])], axis=1)
     arange = jnp.arange(t, dtype=jnp.int32)
     tree = _finish(tokens, jnp.broadcast_to(arange - 1, (b, t)), jnp.broadcast_to(arange, (b, t)),
@@ -439,7 +441,7 @@ def build_static(expand: ExpandFn, carry: Carry, root: Array,
     valid = jnp.zeros((b, t), bool).at[:, 0].set(True)
     logp = jnp.zeros((b, t), jnp.float32)
     score = jnp.zeros((b, t), jnp.float32)
-    expanded_ids, expanded_q, expanded_nodes = [], [], []
+    expanded_q, expanded_nodes = [], []
     for d, front in enumerate(frontiers):
         slot_of = {int(n): s for s, n in enumerate(front)}
         front_p = np.concatenate([front, np.full(k_max - len(front), front[-1])]).astype(np.int32)
@@ -447,7 +449,7 @@ def build_static(expand: ExpandFn, carry: Carry, root: Array,
         rows = jnp.where(ok[:, :, None], anc_s[front_p], pad_rows[front_p])
         positions = jnp.where(ok, int(d), 1).astype(jnp.int32)
         carry, ids, logits = expand(carry, tokens[:, front_p], positions,
-                                    jnp.broadcast_to(jnp.asarray(front_p), (b, k_max)), rows)
+                                    jnp.broadcast_to(jnp.asarray(front_p), (b, k_max)), rows, d)
         kids = np.flatnonzero(depth_s == d + 1)
         slot = np.array([slot_of[int(parent_s[c])] for c in kids], np.int32)
         rank = np.array([paths[c - 1][-1] for c in kids], np.int32)
@@ -460,14 +462,12 @@ def build_static(expand: ExpandFn, carry: Carry, root: Array,
         score = score.at[:, kids].set(score[:, parent_s[kids]] + ch.logq[:, slot, rank])
         if mode.sampled:
             n = len(front)  # only real frontier entries: padding repeats would add twice
-            expanded_ids.append(ids[:, :n])
-            expanded_q.append(ch.cand_q[:, :n])
+            expanded_q.append(_dense_dist(ids[:, :n], ch.cand_q[:, :n],
+                                          _vocab(vocab_size, ids.shape[-1])))
             expanded_nodes.append(front)
     dist = None
     if mode.sampled:
-        ids = jnp.concatenate(expanded_ids, axis=1)  # [B, E, C]
-        rows_dense = _dense_dist(ids, jnp.concatenate(expanded_q, axis=1),
-                                 _vocab(vocab_size, ids.shape[-1]))
+        rows_dense = jnp.concatenate(expanded_q, axis=1)  # [B, E, V]
         nodes = np.concatenate(expanded_nodes)
         dist = jnp.zeros((b, t, rows_dense.shape[-1]), jnp.float32).at[:, nodes].set(rows_dense)
     tree = _finish(tokens, jnp.broadcast_to(jnp.asarray(parent_s), (b, t)),
@@ -500,7 +500,7 @@ def build_eagle2(expand: ExpandFn, carry: Carry, root: Array, *, top_k: int = 10
 
     1. Expand the root: its ``top_k`` children are the first beam and the first pool
        entries, with value = log q.
-    2. ``depth - 1`` more times (one ``lax.scan``): expand the beam (K = top_k); each beam
+    2. ``depth - 1`` more times (unrolled): expand the beam (K = top_k); each beam
        node drafts ``top_k`` children (top_k**2 candidates) whose cumulative value is the
        parent's plus log q(child); all enter the pool; the ``top_k`` best become the beam.
     3. Select the ``total_tokens`` best pool entries by cumulative value, lay them out
@@ -565,7 +565,7 @@ def build_eagle2(expand: ExpandFn, carry: Carry, root: Array, *, top_k: int = 10
     # Level 1: the root's children, all of which form the first beam.
     rows0 = jnp.zeros((b, 1, workspace), bool).at[:, :, 0].set(True)
     zeros = jnp.zeros((b, 1), jnp.int32)
-    carry, ids0, logits0 = expand(carry, root[:, None], zeros, zeros, rows0)
+    carry, ids0, logits0 = expand(carry, root[:, None], zeros, zeros, rows0, 0)
     ch0 = _draft_children(ids0, logits0, top_k,
                           mode, jax.random.fold_in(mode.key, 0) if mode.sampled else None)
     beam = (
@@ -576,13 +576,13 @@ def build_eagle2(expand: ExpandFn, carry: Carry, root: Array, *, top_k: int = 10
         jnp.broadcast_to(rows0, (b, top_k, workspace)),  # the parent's ancestor row
     )
 
-    def level(state, i):
+    def level(state, i: int):
         """Expand the beam of level i + 1 (depth i + 1) into level i + 2 of the pool."""
         dcarry, (b_pool, b_tok, b_val, b_score, b_rows) = state
         slots = 1 + i * top_k + jnp.arange(top_k, dtype=jnp.int32)
         rows = b_rows | jax.nn.one_hot(slots, workspace, dtype=bool)[None]
         dcarry, ids, logits = expand(dcarry, b_tok, jnp.full((b, top_k), i + 1, jnp.int32),
-                                     jnp.broadcast_to(slots, (b, top_k)), rows)
+                                     jnp.broadcast_to(slots, (b, top_k)), rows, i + 1)
         k = jax.random.fold_in(mode.key, i + 1) if mode.sampled else None
         ch = _draft_children(ids, logits, top_k, mode, k)
         c_tok = ch.ids.reshape(b, kk)
@@ -596,11 +596,22 @@ def build_eagle2(expand: ExpandFn, carry: Carry, root: Array, *, top_k: int = 10
                jnp.take_along_axis(c_score, sel, 1), rows[bi, sel // top_k])
         out = (c_tok, c_val, c_score, ch.logq.reshape(b, kk), c_parent, b_pool)
         if mode.sampled:
-            out += (ids, ch.cand_q)
+            out += (_dense_dist(ids, ch.cand_q, _vocab(vocab_size, ids.shape[-1])),)
         return (dcarry, nxt), out
 
-    (carry, _), ys = jax.lax.scan(level, (carry, beam), jnp.arange(depth - 1, dtype=jnp.int32))
+    # Unrolled (depth is small): the candidate capacity C may differ per level.
+    outs, state = [], (carry, beam)
+    for i in range(depth - 1):
+        state, out = level(state, i)
+        outs.append(out)
+    carry = state[0]
     levels = depth - 1
+    if outs:
+        ys = [jnp.stack(y) for y in zip(*outs, strict=True)]  # [levels, B, ...]
+    else:  # depth 1: the pool is the root's children only
+        f32, i32 = jnp.float32, jnp.int32
+        ys = [jnp.zeros((0, b, kk), dt) for dt in (i32, f32, f32, f32, i32)]
+        ys.append(jnp.zeros((0, b, top_k), i32))
 
     def flat(y: Array) -> Array:  # [L, B, X, ...] -> [B, L*X, ...]
         y = jnp.moveaxis(y, 0, 1)
@@ -633,13 +644,12 @@ def build_eagle2(expand: ExpandFn, carry: Carry, root: Array, *, top_k: int = 10
         slot_of_pool = jnp.full((b, pool + 1), -1, jnp.int32).at[:, 0].set(0)
         slot_of_pool = slot_of_pool.at[bi, expanded].set(
             1 + jnp.arange(levels * top_k, dtype=jnp.int32))
-        ws_ids = jnp.concatenate([ids0, flat(ys[6])], axis=1)  # [B, workspace, C]
-        ws_q = jnp.concatenate([ch0.cand_q, flat(ys[7])], axis=1)
+        ws_q = _dense_dist(ids0, ch0.cand_q, _vocab(vocab_size, ids0.shape[-1]))
+        if levels:
+            ws_q = jnp.concatenate([ws_q, flat(ys[6])], axis=1)  # [B, workspace, V]
         slot = jnp.take_along_axis(slot_of_pool, nodes, 1)  # [B, T]
-        gather = jnp.clip(slot, 0)[:, :, None]
-        q = jnp.take_along_axis(ws_q, gather, 1) * (slot >= 0)[:, :, None]
-        dist = _dense_dist(jnp.take_along_axis(ws_ids, gather, 1), q,
-                           _vocab(vocab_size, ws_ids.shape[-1]))
+        dist = jnp.take_along_axis(ws_q, jnp.clip(slot, 0)[:, :, None], 1) \
+            * (slot >= 0)[:, :, None]
 
     tree = _finish(jnp.take_along_axis(pool_tok, nodes, 1), parent,
                    jnp.take(pool_depth, nodes), valid, ancestors_from_parent(parent, depth),

@@ -110,7 +110,7 @@ def _tree_ops(root: Array, tree: TreeSpec, vocab_size: int):
     """
     c = tree.top_k if tree.kind == "eagle2" else 1
 
-    def expand(carry, tokens, positions, node_idx, ancestors):
+    def expand(carry, tokens, positions, node_idx, ancestors, step):
         ids = (tokens[..., None] * 31 + jnp.arange(c) + 1) % vocab_size
         logits = -(jnp.arange(c, dtype=jnp.float32) + (tokens[..., None] % 3)
                    + 0.01 * positions[..., None])

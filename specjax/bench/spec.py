@@ -55,6 +55,7 @@ from specjax.drafter import init_drafter_cache
 from specjax.model import KVCache, Params, forward_hidden, init_cache, lm_head
 from specjax.sampling import SamplingConfig
 from specjax.speculative import Engine, SpecState, TreeSpec, draft_phase_jit
+from specjax.vocab.head import VocabHead, full_head
 
 MT_BENCH_CATEGORIES = frozenset({"writing", "roleplay", "reasoning", "math", "coding",
                                  "extraction", "stem", "humanities"})
@@ -368,7 +369,8 @@ def synthetic_state(target: Target, drafter: Drafter, *, context: int, capacity:
         root_feat=random_features((1, target.cfg.hidden_size), dtype, seed),
         out=jnp.zeros((1, out_len), jnp.int32), num_new=jnp.ones((1,), jnp.int32),
         done=jnp.zeros((1,), bool), accept_lens=jnp.zeros((1, out_len), jnp.int32),
-        steps=jnp.zeros((1,), jnp.int32), key=jax.random.PRNGKey(seed),
+        steps=jnp.zeros((1,), jnp.int32), shortlist_size=jnp.zeros((1,), jnp.float32),
+        shortlist_hits=jnp.zeros((1,), jnp.int32), key=jax.random.PRNGKey(seed),
         max_new=jnp.int32(out_len))
 
 
@@ -379,17 +381,20 @@ def greedy_engine(target: Target, drafter: Drafter, tree: TreeSpec) -> Engine:
 
 
 def draft_latency(target: Target, drafter: Drafter, tree: TreeSpec, *, context: int,
-                  capacity: int, out_len: int, runs: int) -> dict[str, float]:
+                  capacity: int, out_len: int, runs: int,
+                  head: VocabHead | None = None) -> dict[str, float]:
     """Latency of the jitted greedy draft phase (tree build with the drafter), B=1.
 
+    ``head``: the vocabulary head (default: the full vocabulary).
     ``context`` committed rows of a ``capacity``-row cache; ``out_len``: the output buffer.
     """
     state = synthetic_state(target, drafter, context=context, capacity=capacity,
                             out_len=out_len)
     eng = greedy_engine(target, drafter, tree)
     temperature = jnp.float32(0.0)
-    return time_calls(lambda: draft_phase_jit(target.params, drafter.params, state, temperature,
-                                              eng=eng), runs)
+    head = head or full_head(target.cfg.vocab_size)
+    return time_calls(lambda: draft_phase_jit(target.params, drafter.params, head, state,
+                                              temperature, eng=eng), runs)
 
 
 def tree_dict(tree: TreeSpec) -> dict[str, Any]:

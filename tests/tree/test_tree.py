@@ -50,7 +50,7 @@ SETTINGS = settings(max_examples=12, deadline=None, database=None, derandomize=T
 def make_expand(table: jax.Array, ids: jax.Array, shapes: list | None = None):
     """ExpandFn whose logits are ``table[(7 * path_sum + 3 * depth) % R]`` over ``ids``."""
 
-    def expand(carry, tokens, positions, node_idx, ancestors):
+    def expand(carry, tokens, positions, node_idx, ancestors, step):
         ws, calls = carry
         if shapes is not None:
             shapes.append((tokens.shape, ancestors.shape))
@@ -460,8 +460,8 @@ def test_eagle2_larger_tree():
     trace("eagle2", table, ids, roots, shapes=shapes, top_k=4, depth=4, total_tokens=40)
     ws = eagle2_sizes(4, 4)[0]
     assert ws == 13  # the root, then a beam of top_k per call but the last
-    # The root alone, then the beam (traced once inside lax.scan).
-    assert shapes == [((3, 1), (3, 1, ws)), ((3, 4), (3, 4, ws))]
+    # The root alone, then the beam once per level (unrolled).
+    assert shapes == [((3, 1), (3, 1, ws))] + [((3, 4), (3, 4, ws))] * 3
     tree, calls = run("eagle2", table, ids, roots, top_k=4, depth=4, total_tokens=40)
     assert tree.num_nodes == 41 and int(calls) == 4
     check_invariants(tree)

@@ -1,0 +1,104 @@
+"""The ``VocabHead`` seam: which tokens the drafter's head scores at each draft step.
+
+Every draft step asks a head for a fixed-capacity buffer of candidates: real token ids,
+a validity mask and logits (``-inf`` where invalid). Tree builders and verification work
+in real token ids, and the target always verifies over the full vocabulary, so a head
+changes the draft's quality and cost, never the output's correctness.
+
+A head is a registered pytree: its arrays (shortlists, pre-gathered weights, router
+parameters, cluster tables) are leaves that travel into ``jax.jit`` as arguments; its
+configuration (budgets, capacities) is static metadata, hashed into the compiled program.
+``capacity(step)`` is static, so a position-aware budget gives each draft step its own
+buffer size, and a smaller buffer is a smaller GEMM.
+
+Adding a method means adding one implementation of :class:`VocabHead`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import ClassVar, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+NEG_INF = -jnp.inf
+
+
+class Candidates(NamedTuple):
+    """A head's answer for ``B x K`` expanded nodes with capacity ``C``.
+
+    ids: [B, K, C] int32 real token ids; distinct among the valid entries of a row.
+    valid: [B, K, C] bool; invalid entries are padding and are never drafted.
+    logits: [B, K, C] float32 drafter logits; ``-inf`` exactly where not ``valid``.
+    """
+
+    ids: Array
+    valid: Array
+    logits: Array
+
+
+class VocabHead(Protocol):
+    """One vocabulary method. Implementations are pytree dataclasses.
+
+    ``uses_context`` says whether ``__call__`` reads ``context``
+    ([B, K, 2d] = [embedding(x_t); drafter input feature], the drafter fc's input, which
+    does not depend on the drafter layer's output for this step); the draft loop only
+    builds it for heads that do.
+    """
+
+    name: str
+    uses_context: bool
+
+    def capacity(self, step: int) -> int:
+        """C, the static buffer size at draft step ``step`` (0 = first drafted token)."""
+        ...
+
+    def __call__(self, w: Array, h: Array, step: int,
+                 context: Array | None = None) -> Candidates:
+        """Candidates for drafter hidden states ``h`` [B, K, d].
+
+        w: [V, d] the target's LM head (rows are vocabulary entries).
+        step: static draft step t of the children being drafted.
+        """
+        ...
+
+
+def head_dataclass(data: list[str], meta: list[str]):
+    """A frozen dataclass registered as a pytree with ``data`` leaves and ``meta`` static."""
+
+    def wrap(cls):
+        cls = dataclasses.dataclass(frozen=True)(cls)
+        return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+
+    return wrap
+
+
+def masked(ids: Array, valid: Array, logits: Array) -> Candidates:
+    """Candidates with ``-inf`` logits (and id 0) where invalid; logits cast to float32."""
+    return Candidates(jnp.where(valid, ids, 0).astype(jnp.int32), valid,
+                      jnp.where(valid, logits.astype(jnp.float32), NEG_INF))
+
+
+@head_dataclass(data=[], meta=["vocab_size"])
+class FullHead:
+    """The full vocabulary (EAGLE-2's baseline): C = V at every step."""
+
+    vocab_size: int
+    name: ClassVar[str] = "full"
+    uses_context: ClassVar[bool] = False
+
+    def capacity(self, step: int) -> int:
+        return self.vocab_size
+
+    def __call__(self, w, h, step, context=None) -> Candidates:
+        logits = jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
+        ids = jnp.broadcast_to(jnp.arange(self.vocab_size, dtype=jnp.int32), logits.shape)
+        return Candidates(ids, jnp.ones(logits.shape, bool), logits)
+
+
+@functools.cache
+def full_head(vocab_size: int) -> FullHead:
+    return FullHead(vocab_size)
