@@ -77,12 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     bd.add_argument("--out", default="results/bench_decode.json")
     from specjax.bench.breakdown import add_breakdown_args
+    from specjax.bench.gemm import add_gemm_args
     from specjax.bench.spec import add_spec_args
+    from specjax.bench.vocab import add_vocab_args
 
     add_spec_args(bsub.add_parser(
         "spec", help="Spec-Bench subset: MAL, speedup, greedy equality (JSON + plot)"))
     add_breakdown_args(bsub.add_parser(
         "breakdown", help="time breakdown of one draft step (JSON + stacked bars)"))
+    add_vocab_args(bsub.add_parser(
+        "vocab", help="vocabulary heads (full, FR, PA-FR, DynaSpec): MAL, shortlist, speed"))
+    add_gemm_args(bsub.add_parser(
+        "gemm", help="gathered-column GEMM (XLA path) vs the full head, by shortlist size"))
     from specjax.train.cli import add_train_parser
 
     add_train_parser(sub)
@@ -161,6 +167,12 @@ def _run(args: argparse.Namespace) -> int:
         from specjax.bench.breakdown import run_breakdown_from_args
 
         run_breakdown_from_args(args)
+        return 0
+    if args.command == "bench" and args.bench in ("vocab", "gemm"):
+        from specjax.bench import gemm, vocab
+
+        run = vocab.run_vocab_from_args if args.bench == "vocab" else gemm.run_gemm_from_args
+        run(args)
         return 0
     if args.command == "train":
         from specjax.train.cli import run_train
