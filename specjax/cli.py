@@ -1,4 +1,4 @@
-"""``specjax`` command line: convert, generate, bench."""
+"""``specjax`` command line: convert, generate, bench, train, build-shortlist."""
 
 from __future__ import annotations
 
@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drafter folder, or 'none' for vanilla decoding (default: the shipped "
                         "drafter with the default model, vanilla with --model)")
     _add_tree(g)
+    g.add_argument("--vocab", default="full",
+                   help="drafter vocabulary head: full | fr:N[:PATH] | pafr:N[:PATH] | "
+                        "dynaspec[:ROUTER] | dynaspec-f[:ROUTER] (default full; the shipped "
+                        "drafter's frequency counts and router are the default artifacts)")
     g.add_argument("--json", action="store_true",
                    help='print one JSON object {"text", "tokens", "stats"}')
 
@@ -90,8 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_gemm_args(bsub.add_parser(
         "gemm", help="gathered-column GEMM (XLA path) vs the full head, by shortlist size"))
     from specjax.train.cli import add_train_parser
+    from specjax.vocab.freq_cli import add_build_shortlist_parser
 
     add_train_parser(sub)
+    add_build_shortlist_parser(sub)
     return parser
 
 
@@ -139,7 +145,7 @@ def _run(args: argparse.Namespace) -> int:
             target, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=not args.no_chat,
             system=args.system, mode=args.mode, drafter=drafter,
-            tree=None if drafter is None else _tree(args))
+            tree=None if drafter is None else _tree(args), vocab=args.vocab)
         if args.json:
             single = isinstance(prompts, str)
             stats = dict(res.stats)
@@ -174,6 +180,10 @@ def _run(args: argparse.Namespace) -> int:
         run = vocab.run_vocab_from_args if args.bench == "vocab" else gemm.run_gemm_from_args
         run(args)
         return 0
+    if args.command == "build-shortlist":
+        from specjax.vocab.freq_cli import run_build_shortlist
+
+        return run_build_shortlist(args)
     if args.command == "train":
         from specjax.train.cli import run_train
 

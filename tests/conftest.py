@@ -11,6 +11,9 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+import numpy as np  # noqa: E402
+
+import specjax  # noqa: E402
 from tests.tiny import make_hf_checkpoint  # noqa: E402
 
 
@@ -41,3 +44,28 @@ def smollm2_dir(tmp_path_factory):
 
     return convert(smollm2_gguf_path(), tmp_path_factory.mktemp("smollm2") / "SmolLM2",
                    progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_llama, tmp_path_factory):
+    """The tiny Llama converted: the target of the speculative and vocabulary tests."""
+    return specjax.load(specjax.convert(tiny_llama, tmp_path_factory.mktemp("spec") / "sj",
+                                        progress=False))
+
+
+@pytest.fixture(scope="session")
+def fitted_drafter(tiny_target):
+    """An EAGLE drafter fitted to the tiny target's own greedy text.
+
+    Random tiny targets fall into short cycles that a drafter learns quickly, so
+    speculative steps accept several tokens and exercise deep paths. A random
+    target has nothing to generalise from, so the training text includes the
+    continuations of the prompts the tests use: this fixture exercises the
+    machinery, not the drafter's quality.
+    """
+    from tests.speculative.conftest import PROMPTS, fit_drafter
+
+    rs = np.random.RandomState(0)
+    prompts = PROMPTS + [rs.randint(3, 256, rs.randint(3, 9)).tolist() for _ in range(13)]
+    gens = specjax.generate(tiny_target, prompts, max_new_tokens=64, stop_on_eos=False).tokens
+    return fit_drafter(tiny_target, [p + g for p, g in zip(prompts, gens, strict=True)])

@@ -1,7 +1,10 @@
 """``specjax train drafter``: data -> cached target hidden states -> EAGLE drafter.
 
+``specjax train router``: router data (collected with the drafter) + token
+clusters of the target's LM head -> DynaSpec router.
+
 Wire into ``specjax/cli.py`` with :func:`add_train_parser` and :func:`run_train`;
-``python -m specjax.train.cli drafter ...`` runs it standalone.
+``python -m specjax.train.cli drafter|router ...`` runs them standalone.
 """
 
 from __future__ import annotations
@@ -64,13 +67,68 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
-def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``train`` (with the ``drafter`` subcommand) to a parser's subparsers."""
-    t = subparsers.add_parser("train", help="train drafters (EAGLE) on cached target states")
-    tsub = t.add_subparsers(dest="train", required=True)
+def _add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None,
+                   help="converted target folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", default=None,
+                   help="the drafter the data was collected with (default: the shipped drafter "
+                        "of the default target)")
+    p.add_argument("--data", required=True,
+                   help="router data directory (meta.json + shard_*.npz of router inputs and "
+                        "the full-vocabulary drafter's top-L tokens)")
+    p.add_argument("--out", required=True, help="router folder to write")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--clusters", type=int, default=None,
+                   help="number of token clusters M, computed by spherical k-means over the "
+                        "target's LM head (default 512; with --clusters-file, only checked)")
+    p.add_argument("--clusters-file", default=None,
+                   help="reuse clusters saved by an earlier run (CLUSTERS.npz + CLUSTERS.json; "
+                        "every router folder holds its clusters.npz)")
+    p.add_argument("--save-clusters", default=None,
+                   help="also write the computed clusters to this .npz file for reuse")
+    p.add_argument("--kmeans-iters", type=int, default=25, help="k-means iterations (max)")
+    p.add_argument("--hidden", type=int, default=512, help="router hidden width (default 512)")
+    p.add_argument("--layers", type=int, default=2,
+                   help="Linear layers (2 = one hidden layer, 1 = linear; default 2)")
+    p.add_argument("--top-l", type=int, default=None,
+                   help="positives per record: the first L stored top tokens (default: all)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--steps", type=int, default=None, help="optimizer steps")
+    g.add_argument("--epochs", type=float, default=2.0, help="passes over the data (default 2)")
+    p.add_argument("--batch-size", type=int, default=256, help="records per step (default 256)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=float, default=0.05, help="warmup fraction of the steps")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--heldout-fraction", type=float, default=0.05,
+                   help="the first this fraction of records is held out (default 0.05)")
+    p.add_argument("--eval-ks", default="4,8,16,32",
+                   help="comma-separated cluster budgets k for held-out recall@k")
+    p.add_argument("--checkpoint-every", type=int, default=200)
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="held-out evaluation every N steps (default: before and after only)")
+    p.add_argument("--ckpt-dir", default=None,
+                   help="training checkpoints (default: <out>.checkpoints)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --ckpt-dir")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _add_subcommands(tsub: argparse._SubParsersAction) -> None:
     d = tsub.add_parser("drafter", help="train an EAGLE-1 drafter for a target",
                         description=__doc__)
     _add_drafter_args(d)
+    r = tsub.add_parser("router", help="train a DynaSpec router (token clusters + "
+                                       "meta-classifier) for a drafter", description=__doc__)
+    _add_router_args(r)
+
+
+def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``train`` (``drafter`` and ``router`` subcommands) to a parser's subparsers."""
+    t = subparsers.add_parser("train", help="train drafters (EAGLE) on cached target states "
+                                            "and DynaSpec routers")
+    tsub = t.add_subparsers(dest="train", required=True)
+    _add_subcommands(tsub)
     return t
 
 
@@ -84,7 +142,9 @@ def _default_cache_dir(target_dir: Path, args: argparse.Namespace) -> Path:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """Run ``specjax train drafter``; returns the exit code."""
+    """Run ``specjax train drafter`` or ``specjax train router``; returns the exit code."""
+    if args.train == "router":
+        return run_train_router(args)
     if args.train != "drafter":
         raise ValueError(f"unknown train target {args.train!r}")
     import specjax
@@ -165,12 +225,110 @@ def run_train(args: argparse.Namespace) -> int:
     return 0 if m["complete"] else 1
 
 
+def run_train_router(args: argparse.Namespace) -> int:
+    """Run ``specjax train router``: clusters (computed or loaded), then router training.
+
+    Trains from an existing data directory; the target gives the LM head to
+    cluster and the fields the router is tied to, the drafter its fingerprint.
+    """
+    import specjax
+    from specjax.train.router import (
+        RouterTrainConfig,
+        check_router_data,
+        read_router_meta,
+        train_router,
+    )
+    from specjax.vocab.clusters import (
+        head_fingerprint,
+        load_clusters,
+        save_clusters,
+        spherical_kmeans,
+    )
+    from specjax.vocab.router import fingerprint, target_fields_of
+
+    progress = not args.no_progress
+    t_start = time.time()
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise FileExistsError(f"{out} already exists; choose another --out or pass --overwrite")
+    try:
+        eval_ks = tuple(int(k) for k in args.eval_ks.split(","))
+    except ValueError as e:
+        raise ValueError(f"--eval-ks must be comma-separated integers, got {args.eval_ks!r}") \
+            from e
+    if args.target is None:
+        from specjax.defaults import ensure_default_target
+
+        target_dir = ensure_default_target(progress=progress)
+    else:
+        target_dir = Path(args.target)
+    target = specjax.load(target_dir)
+    if args.drafter is None:
+        from specjax.defaults import default_drafter_dir
+
+        drafter_dir = default_drafter_dir()
+    else:
+        drafter_dir = Path(args.drafter)
+    # Refuses (DrafterMismatchError) a drafter built for another target, e.g. the shipped
+    # one with a --target of another shape.
+    drafter = specjax.load_drafter(drafter_dir, target)
+    drafter_fp = fingerprint(drafter.params)
+    # Refuse data for another drafter or target now, not after the k-means.
+    check_router_data(read_router_meta(Path(args.data)), drafter_fingerprint=drafter_fp,
+                      target_fields=target_fields_of(target.cfg))
+
+    # 1. Token clusters of the target's LM head (seconds to ~20 s on SmolLM2's 49k x 576).
+    head = target.params.head
+    t0 = time.time()
+    if args.clusters_file is not None:
+        clusters = load_clusters(Path(args.clusters_file), head_fingerprint=head_fingerprint(head))
+        if args.clusters is not None and args.clusters != clusters.num_clusters:
+            raise ValueError(f"--clusters {args.clusters} but {args.clusters_file} has "
+                             f"{clusters.num_clusters}; drop one of the two")
+        source = {"clusters_file": str(args.clusters_file)}
+    else:
+        m = 512 if args.clusters is None else args.clusters
+        clusters = spherical_kmeans(head, m, iters=args.kmeans_iters, seed=args.seed,
+                                    progress=progress)
+        source = {"kmeans": {"num_clusters": m, "iters": args.kmeans_iters, "seed": args.seed}}
+        if args.save_clusters:
+            save_clusters(Path(args.save_clusters), clusters, meta={"target": str(target_dir)})
+    clusters_s = time.time() - t0
+
+    # 2. Router training (resumable from --ckpt-dir).
+    tc = RouterTrainConfig(steps=args.steps, epochs=args.epochs, batch=args.batch_size,
+                           lr=args.lr, warmup_fraction=args.warmup,
+                           weight_decay=args.weight_decay,
+                           heldout_fraction=args.heldout_fraction, seed=args.seed,
+                           hidden=args.hidden, num_layers=args.layers, top_l=args.top_l,
+                           eval_ks=eval_ks, checkpoint_every=args.checkpoint_every,
+                           eval_every=args.eval_every)
+    command = getattr(args, "command_line", None) or "specjax " + shlex.join(sys.argv[1:])
+    extra = {"command": command, "target": str(target_dir), "drafter": str(drafter_dir),
+             "data": str(args.data), "clusters_source": source,
+             "clusters_s": round(clusters_s, 1)}
+    metrics = train_router(Path(args.data), clusters, tc, out, drafter_fingerprint=drafter_fp,
+                           target_fields=target_fields_of(target.cfg, clusters),
+                           ckpt_dir=Path(args.ckpt_dir) if args.ckpt_dir else None,
+                           resume=args.resume, overwrite=args.overwrite,
+                           extra_meta=extra, progress=progress)
+    final = metrics["final"] or {}
+    ks = [k for k in eval_ks if f"recall@{k}" in final]
+    print(json.dumps({"out": metrics["out"], "steps": metrics["steps"],
+                      "complete": metrics["complete"], "clusters": clusters.num_clusters,
+                      "heldout_bce": final.get("bce"),
+                      "initial_heldout_bce": (metrics["initial"] or {}).get("bce"),
+                      **{f"recall@{k}": final[f"recall@{k}"] for k in ks},
+                      **{f"shortlist@{k}": final[f"shortlist@{k}"] for k in ks},
+                      "wall_s": round(time.time() - t_start, 1)}, indent=1))
+    return 0 if metrics["complete"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry point: ``python -m specjax.train.cli drafter ...``."""
+    """Standalone entry point: ``python -m specjax.train.cli drafter|router ...``."""
     parser = argparse.ArgumentParser(prog="specjax train")
     tsub = parser.add_subparsers(dest="train", required=True)
-    d = tsub.add_parser("drafter", help="train an EAGLE-1 drafter for a target")
-    _add_drafter_args(d)
+    _add_subcommands(tsub)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.command_line = "python -m specjax.train.cli " + shlex.join(argv)

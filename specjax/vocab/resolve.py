@@ -1,17 +1,105 @@
-"""Turn a ``--vocab`` spec into a :class:`~specjax.vocab.head.VocabHead`."""
+"""Turn a ``--vocab`` spec into a :class:`~specjax.vocab.head.VocabHead` for a target and drafter.
+
+Specs (artifacts default to the drafter's folder, where the shipped SmolLM2 drafter keeps
+``freq_counts.npy`` and ``router/``):
+
+* ``full``: the whole vocabulary (EAGLE-2);
+* ``fr:N[:PATH]``: FR-Spec, the N most frequent tokens; PATH is a count file
+  (``specjax build-shortlist``), one of its ``fr_N.npy`` lists, or an imported list
+  (FR-Spec ``freq_V.pt``, an SGLang token map, ``.npy``/``.json``);
+* ``pafr:N[:PATH]``: PA-FR, the same ranking with the position-aware budget K_fr(t);
+* ``dynaspec[:PATH]``: DynaSpec with the position-aware cluster budget k_c(t);
+  ``dynaspec-f[:PATH]``: a fixed top-k of clusters. The budgets are the router's
+  (``specjax train router``); append ``-shared`` (``dynaspec-shared``) for one shortlist
+  per draft step shared by the step's nodes.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from specjax.vocab.head import VocabHead, full_head
 
 
+def always_kept(target: Any) -> list[int]:
+    """EOS ids and the chat template's special tokens: in every shortlist."""
+    from specjax.vocab.freq import required_tokens
+
+    if target.tokenizer is None:
+        return list(target.eos_ids)
+    return required_tokens(target.tokenizer, target.eos_ids)
+
+
+def _artifact(arg: str, drafter: Any, name: str, how: str) -> Path:
+    if arg:
+        return Path(arg)
+    if drafter.path is None or not (Path(drafter.path) / name).exists():
+        raise ValueError(f"the drafter folder {drafter.path} has no {name}; {how}")
+    return Path(drafter.path) / name
+
+
+def frequency_ranking(path: Path, target: Any) -> np.ndarray:
+    """Token ids by decreasing frequency, from a count file or a (possibly imported) list."""
+    from specjax.vocab import freq
+
+    v = target.cfg.vocab_size
+    fp = freq.tokenizer_fingerprint(target.tokenizer) if target.tokenizer is not None else None
+    sidecar = freq.sidecar_format(path)
+    if sidecar == freq.COUNTS_FORMAT:
+        counts = freq.load_counts(path, vocab_size=v, fingerprint=fp).counts
+        return np.argsort(-counts, kind="stable")
+    if sidecar == freq.SHORTLIST_FORMAT:
+        return freq.load_shortlist(path, vocab_size=v, fingerprint=fp,
+                                   eos_ids=target.eos_ids).ids
+    return freq.import_token_list(path, vocab_size=v).ids
+
+
 def resolve_head(spec: str | VocabHead, target: Any, drafter: Any) -> VocabHead:
-    """The head a spec names, built for ``target`` and ``drafter``."""
+    """The head ``spec`` names (see the module doc), built for ``target`` and ``drafter``.
+
+    A :class:`VocabHead` is returned as is. Raises ValueError for an unknown spec, a
+    missing artifact, or one built for another tokenizer, target or drafter.
+    """
     if not isinstance(spec, str):
         return spec
     name, _, arg = spec.partition(":")
     if name == "full" and not arg:
         return full_head(target.cfg.vocab_size)
-    raise ValueError(f"unknown vocabulary head {spec!r}")
+    if name in ("fr", "pafr"):
+        from specjax.vocab.frequency import frequency_head
+
+        size, _, path = arg.partition(":")
+        if not size.isdigit():
+            raise ValueError(f"--vocab {spec}: expected {name}:N[:PATH] with N the shortlist "
+                             "size, e.g. fr:32768")
+        path = _artifact(path, drafter, "freq_counts.npy",
+                         f"pass {name}:{size}:PATH with counts from `specjax build-shortlist`")
+        return frequency_head(target.params.head, frequency_ranking(path, target),
+                              always_kept(target), int(size), position_aware=name == "pafr")
+    base = name.removesuffix("-shared")
+    if base in ("dynaspec", "dynaspec-f"):
+        return _routed(Path(_artifact(arg, drafter, "router",
+                                      "train one with `specjax train router`")),
+                       target, drafter, position_aware=base == "dynaspec",
+                       shared=name.endswith("-shared"))
+    raise ValueError(f"unknown --vocab {spec!r}; use full, fr:N, pafr:N, dynaspec[:ROUTER] or "
+                     "dynaspec-f[:ROUTER]")
+
+
+def _routed(path: Path, target: Any, drafter: Any, *, position_aware: bool, shared: bool):
+    from specjax.vocab.dynaspec import routed_head
+    from specjax.vocab.router import fingerprint, load_router, target_fields_of
+
+    _, params, clusters, meta = load_router(
+        path, drafter_fingerprint=fingerprint(drafter.params),
+        target_fields=target_fields_of(target.cfg), dtype=str(target.params.embed.dtype))
+    budget = meta.get("budget", {})
+    k0 = budget.get("k0" if position_aware else "k_fixed")
+    if k0 is None:
+        raise ValueError(f"{path} records no cluster budget ('budget' in its manifest); "
+                         "build the head with specjax.vocab.dynaspec.routed_head(...)")
+    return routed_head(params, np.asarray(clusters.assign), always_kept(target), k0=k0,
+                       k1=budget.get("k1", 0), position_aware=position_aware, shared=shared)

@@ -6,21 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 from flax import nnx
 
-import specjax
 from specjax.api import Drafter
 from specjax.drafter import DrafterConfig, EagleDrafter
 from specjax.model import forward_hidden, init_cache, lm_head
 
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [40, 41, 42, 43, 44]]
-
-
-@pytest.fixture(scope="session")
-def tiny_target(tiny_llama, tmp_path_factory):
-    return specjax.load(specjax.convert(tiny_llama, tmp_path_factory.mktemp("spec") / "sj",
-                                        progress=False))
 
 
 def fit_drafter(target, seqs: list[list[int]], steps: int = 300) -> Drafter:
@@ -57,19 +49,3 @@ def fit_drafter(target, seqs: list[list[int]], steps: int = 300) -> Drafter:
     for _ in range(steps):
         step(model, opt)
     return Drafter(cfg=model.cfg, params=model.params())
-
-
-@pytest.fixture(scope="session")
-def fitted_drafter(tiny_target):
-    """An EAGLE drafter fitted to the tiny target's own greedy text.
-
-    Random tiny targets fall into short cycles that a drafter learns quickly, so
-    speculative steps accept several tokens and exercise deep paths. A random
-    target has nothing to generalise from, so the training text includes the
-    continuations of the prompts the tests use: this fixture exercises the
-    machinery, not the drafter's quality.
-    """
-    rs = np.random.RandomState(0)
-    prompts = PROMPTS + [rs.randint(3, 256, rs.randint(3, 9)).tolist() for _ in range(13)]
-    gens = specjax.generate(tiny_target, prompts, max_new_tokens=64, stop_on_eos=False).tokens
-    return fit_drafter(tiny_target, [p + g for p, g in zip(prompts, gens, strict=True)])

@@ -58,9 +58,9 @@ def exact_second_third(target) -> np.ndarray:
     return np.einsum("a,ab,abc->bc", p1, p2, p3)
 
 
-def sample_second_third(target, drafter, tree) -> tuple[np.ndarray, float]:
+def sample_second_third(target, drafter, tree, vocab="full") -> tuple[np.ndarray, float]:
     res = specjax.generate(target, [PROMPT] * N, max_new_tokens=3, temperature=TEMP,
-                           stop_on_eos=False, drafter=drafter, tree=tree, seed=7)
+                           stop_on_eos=False, drafter=drafter, tree=tree, seed=7, vocab=vocab)
     toks = np.asarray(res.tokens)
     counts = np.zeros((V, V))
     np.add.at(counts, (toks[:, 1], toks[:, 2]), 1)
@@ -88,6 +88,18 @@ def test_two_tokens_follow_the_target(small_vocab, exact, name):
     target, drafter = small_vocab
     counts, mal = sample_second_third(target, drafter, TREES[name])
     assert mal > 1.2, "drafts must be accepted for the test to mean anything"
+    assert pvalue(counts, exact) > 1e-3
+
+
+def test_a_shortlist_head_keeps_the_target_distribution(small_vocab, exact):
+    """Drafting from a PA-FR shortlist (q = 0 off the list) changes acceptance, not output."""
+    from specjax.vocab.frequency import frequency_head
+
+    target, drafter = small_vocab
+    ranked = np.argsort(-np.asarray(exact.sum(0)))  # "frequent" = likely under the target
+    head = frequency_head(target.params.head, ranked, [0], k_max=V // 2, position_aware=True)
+    counts, mal = sample_second_third(target, drafter, TREES["chain-sampled"], vocab=head)
+    assert mal > 1.2
     assert pvalue(counts, exact) > 1e-3
 
 

@@ -1,0 +1,290 @@
+"""``specjax bench vocab``: the drafter's vocabulary heads compared on one Spec-Bench subset.
+
+For each head (full, FR-Spec at several sizes, PA-FR, DynaSpec fixed top-k and
+position-aware), on the same prompts as ``specjax bench spec`` (greedy, batch 1, chat
+template, the same draft tree for every head):
+
+* mean accepted length per task and overall (the bonus token counted);
+* mean shortlist size (valid candidates per expanded node) and coverage (the fraction of
+  steps whose first committed token was in the root expansion's shortlist);
+* the draft step's latency (the jitted draft phase, B=1) against the full head's;
+* decode tokens/s against vanilla decoding in the same run;
+* greedy equality with vanilla decoding for every prompt (it must hold for every head:
+  verification is always over the full vocabulary).
+
+DynaSpec's router reads only the drafter fc's input, so XLA may overlap it with the
+drafter layer; :func:`router_overlap` times the layer, the router and both in one jitted
+call and reports whether the sum is saved.
+
+Per-prompt results go to ``<out stem>.partial.jsonl``; a rerun skips those done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+import specjax
+from specjax.api import Drafter, Target, encode_prompts
+from specjax.bench.common import machine_info, write_json
+from specjax.bench.spec import (
+    TASKS,
+    _append,
+    _read_partial,
+    count_compiles,
+    draft_latency,
+    first_mismatch,
+    generate_capacity,
+    load_questions,
+    partial_path,
+    random_features,
+    resolve_drafter,
+    resolve_questions,
+    select_questions,
+    time_calls,
+    warmup_tokens,
+)
+from specjax.decode import bucket
+from specjax.drafter import drafter_hidden, init_drafter_cache
+from specjax.speculative import TreeSpec
+from specjax.vocab import VocabHead, resolve_head
+from specjax.vocab.dynaspec import RoutedHead
+from specjax.vocab.router import router_logits
+
+DEFAULT_HEADS = ("full", "fr:8192", "fr:16384", "fr:32768", "pafr:32768", "dynaspec-f",
+                 "dynaspec")
+
+
+def _generate(target: Target, drafter: Drafter | None, head: VocabHead | None, tree: TreeSpec,
+              ids: list[int], max_new_tokens: int) -> dict[str, Any]:
+    kw: dict[str, Any] = {}
+    if drafter is not None:
+        kw = {"drafter": drafter, "tree": tree, "vocab": head}
+    with count_compiles() as n:
+        res = specjax.generate(target, [ids], max_new_tokens=max_new_tokens, **kw)
+    s = res.stats
+    rec = {"tokens": res.tokens[0], "new_tokens": s["new_tokens"], "decode_s": s["decode_s"],
+           "compiles_while_timed": n[0]}
+    if drafter is not None:
+        rec |= {k: s[k] for k in ("mean_accepted_length", "mean_shortlist_size",
+                                  "shortlist_coverage", "target_forwards")}
+        rec["accepted_tokens"] = int(sum(s["accept_lengths"][0]))
+    return rec
+
+
+def router_overlap(target: Target, drafter: Drafter, head: RoutedHead, *, k: int,
+                   context: int, runs: int) -> dict[str, float]:
+    """Does XLA overlap the router with the drafter layer? Best-of ms of each and of both.
+
+    One expansion of ``k`` nodes at ``context`` committed rows. ``saved_ms`` is
+    layer + router - both: about the router's time if they overlap, about 0 if not.
+    """
+    cfg, dtype = target.cfg, target.params.embed.dtype
+    capacity = context + 64
+    cache = init_drafter_cache(drafter.cfg, 1, capacity, dtype)
+    cache = cache.__class__(k=cache.k, v=cache.v, lengths=jnp.full((1,), context, jnp.int32))
+    tokens = jnp.arange(1, k + 1, dtype=jnp.int32)[None]
+    feats = random_features((1, k, cfg.hidden_size), dtype)
+    pos = context + jnp.zeros((1, k), jnp.int32)
+    mask = jnp.eye(k, dtype=bool)[None]
+
+    def layer(feats):
+        return drafter_hidden(drafter.params, drafter.cfg, target.params.embed, tokens, feats,
+                              pos, cache, block_mask=mask, write_rows=pos + jnp.arange(k))[0]
+
+    def router(feats):
+        ctx = jnp.concatenate([target.params.embed[tokens].astype(feats.dtype), feats], -1)
+        return router_logits(head.router, ctx)
+
+    fns = {"layer": jax.jit(layer), "router": jax.jit(router),
+           "both": jax.jit(lambda f: (layer(f), router(f)))}
+    out = {name: time_calls(lambda fn=fn: jax.block_until_ready(fn(feats)), runs)["best_ms"]
+           for name, fn in fns.items()}
+    out["saved_ms"] = out["layer"] + out["router"] - out["both"]
+    out["overlapped"] = bool(out["saved_ms"] > 0.5 * out["router"])
+    return out
+
+
+def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
+                    heads: Sequence[str] = DEFAULT_HEADS, per_task: int = 4,
+                    tasks: Sequence[str] = TASKS, max_new_tokens: int = 128,
+                    tree: TreeSpec | None = None, runs: int = 5,
+                    questions: str | Path | None = None,
+                    out: str | Path = "results/bench_vocab.json") -> dict[str, Any]:
+    """Run the comparison; writes ``out`` (JSON), a PNG beside it, and returns the result."""
+    out = Path(out)
+    tree = tree or TreeSpec()
+    target = specjax.load(model_dir)
+    drafter, drafter_label = resolve_drafter(drafter_dir, target)
+    built = {spec: resolve_head(spec, target, drafter) for spec in heads}
+    qs = select_questions(load_questions(resolve_questions(questions)), tasks, per_task)
+    config = {"heads": list(heads), "tasks": list(tasks), "per_task": per_task,
+              "max_new_tokens": max_new_tokens, "tree": dataclasses.asdict(tree),
+              "drafter": drafter_label}
+    part = partial_path(out)
+    done = {r["question_id"]: r for r in _read_partial(part) if r.get("config") == config}
+    warm: set[tuple[str, int]] = set()
+    bar = tqdm(total=len(qs) * (len(heads) + 1), desc="bench vocab")
+    records = []
+    for q in qs:
+        if q.question_id in done:
+            records.append(done[q.question_id])
+            bar.update(len(heads) + 1)
+            continue
+        ids = encode_prompts(target, q.text, chat=True)[0]
+        rec: dict[str, Any] = {"config": config, "question_id": q.question_id, "task": q.task}
+        for spec in ("vanilla", *heads):
+            dr, head = (None, None) if spec == "vanilla" else (drafter, built[spec])
+            if (spec, bucket(len(ids))) not in warm:  # compile outside the timed call
+                _generate(target, dr, head, tree, ids, warmup_tokens(max_new_tokens))
+                warm.add((spec, bucket(len(ids))))
+            bar.set_description(f"q{q.question_id} {spec}")
+            rec[spec] = _generate(target, dr, head, tree, ids, max_new_tokens)
+            if spec != "vanilla":
+                rec[spec]["mismatch_at"] = first_mismatch(rec[spec]["tokens"],
+                                                          rec["vanilla"]["tokens"])
+                if rec[spec]["mismatch_at"] is not None:
+                    tqdm.write(f"!! {spec} differs from vanilla on question {q.question_id} at "
+                               f"token {rec[spec]['mismatch_at']}")
+            bar.update()
+        _append(part, rec)
+        records.append(rec)
+    bar.close()
+
+    ctx = int(np.mean([len(r["vanilla"]["tokens"]) for r in records])) + 128
+    capacity = generate_capacity(ctx, max_new_tokens, tree)
+    latency = {}
+    for spec in tqdm(heads, desc="draft-step latency"):
+        latency[spec] = draft_latency(target, drafter, tree, context=ctx, capacity=capacity,
+                                      out_len=bucket(max_new_tokens), runs=runs,
+                                      head=built[spec])
+    overlap = {spec: router_overlap(target, drafter, h, k=1, context=ctx, runs=runs)
+               for spec, h in built.items() if isinstance(h, RoutedHead)}
+    result = {"config": config, "machine": machine_info(),
+              "heads": {spec: summarize(records, spec, latency[spec], latency["full"]
+                                        if "full" in latency else None, tasks)
+                        for spec in heads},
+              "vanilla": _rates(records, "vanilla"), "router_overlap": overlap,
+              "head_capacity": {spec: [built[spec].capacity(t) for t in range(tree.max_depth)]
+                                for spec in heads},
+              "vocab_size": target.cfg.vocab_size, "prompts": len(records)}
+    for h in result["heads"].values():
+        h["speedup_vs_vanilla"] = h["decode_tokens_per_s"] / result["vanilla"][
+            "decode_tokens_per_s"]
+    write_json(out, result)
+    plot_vocab(result, out.with_suffix(".png"))
+    print(summary(result))
+    return result
+
+
+def _rates(records: Sequence[dict], spec: str) -> dict[str, float]:
+    toks = sum(r[spec]["new_tokens"] - 1 for r in records)
+    return {"decode_tokens_per_s": toks / sum(r[spec]["decode_s"] for r in records)}
+
+
+def _mal(rs: Sequence[dict]) -> float:
+    return sum(r["accepted_tokens"] for r in rs) / sum(r["target_forwards"] for r in rs)
+
+
+def summarize(records: Sequence[dict], spec: str, latency: dict, full_latency: dict | None,
+              tasks: Sequence[str]) -> dict[str, Any]:
+    """Pooled figures of one head over the prompts (MAL = committed / target forwards)."""
+    rs = [r[spec] for r in records]
+    forwards = np.array([r["target_forwards"] for r in rs], float)
+    return {
+        "mal": _mal(rs),
+        "mal_per_task": {t: _mal([r[spec] for r in records if r["task"] == t]) for t in tasks},
+        "mean_shortlist_size": float(np.average([r["mean_shortlist_size"] for r in rs],
+                                                weights=forwards)),
+        "shortlist_coverage": float(np.average([r["shortlist_coverage"] for r in rs],
+                                               weights=forwards)),
+        "draft_ms": latency["best_ms"],
+        "draft_speedup_vs_full": (full_latency["best_ms"] / latency["best_ms"]
+                                  if full_latency else None),
+        "greedy_matches": sum(r["mismatch_at"] is None for r in rs), "prompts": len(rs),
+        **_rates(records, spec),
+    }
+
+
+def plot_vocab(r: dict[str, Any], path: Path) -> Path:
+    """MAL per task per head (left); draft-step time vs mean shortlist size (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    heads, tasks = list(r["heads"]), r["config"]["tasks"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 4.8))
+    width = 0.8 / len(heads)
+    for i, h in enumerate(heads):
+        vals = [r["heads"][h]["mal_per_task"][t] for t in tasks] + [r["heads"][h]["mal"]]
+        ax.bar(np.arange(len(tasks) + 1) + i * width, vals, width, label=h)
+    ax.set_xticks(np.arange(len(tasks) + 1) + 0.4 - width / 2, [*tasks, "overall"],
+                  rotation=20)
+    ax.set_ylabel("mean accepted length")
+    ax.legend(fontsize=8)
+    for h in heads:
+        x, y = r["heads"][h]["mean_shortlist_size"], r["heads"][h]["draft_ms"]
+        bx.scatter(x, y)
+        bx.annotate(h, (x, y), fontsize=8)
+    bx.set_xlabel("mean shortlist size (tokens)")
+    bx.set_ylabel("draft step (ms, B=1)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def summary(r: dict[str, Any]) -> str:
+    """A markdown table of the run."""
+    lines = ["| head | MAL | % of full MAL | mean shortlist | coverage | draft ms | "
+             "draft speedup | tok/s | vs vanilla | greedy equal |", "|" + "---|" * 10]
+    full = r["heads"].get("full", {}).get("mal")
+    for h, s in r["heads"].items():
+        pct = f"{100 * s['mal'] / full:.1f}" if full else "-"
+        sp = f"{s['draft_speedup_vs_full']:.2f}×" if s["draft_speedup_vs_full"] else "-"
+        lines.append(f"| {h} | {s['mal']:.2f} | {pct} | {s['mean_shortlist_size']:.0f} | "
+                     f"{s['shortlist_coverage']:.3f} | {s['draft_ms']:.1f} | {sp} | "
+                     f"{s['decode_tokens_per_s']:.1f} | {s['speedup_vs_vanilla']:.2f}× | "
+                     f"{s['greedy_matches']}/{s['prompts']} |")
+    lines.append(f"\nvanilla: {r['vanilla']['decode_tokens_per_s']:.1f} tok/s")
+    return "\n".join(lines)
+
+
+def add_vocab_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="converted target (default: SmolLM2)")
+    p.add_argument("--drafter", default=None, help="drafter folder (default: the shipped one)")
+    p.add_argument("--heads", default=",".join(DEFAULT_HEADS),
+                   help="comma-separated --vocab specs to compare")
+    p.add_argument("--per-task", type=int, default=4)
+    p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--tree-depth", type=int, default=TreeSpec().depth)
+    p.add_argument("--tree-top-k", type=int, default=TreeSpec().top_k)
+    p.add_argument("--tree-tokens", type=int, default=TreeSpec().total_tokens)
+    p.add_argument("--runs", type=int, default=5, help="timed calls per latency (best kept)")
+    p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl")
+    p.add_argument("--out", default="results/bench_vocab.json")
+
+
+def run_vocab_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    from specjax.cli import _resolve_model
+
+    t0 = time.perf_counter()
+    r = run_vocab_bench(
+        _resolve_model(args.model), args.drafter, heads=args.heads.split(","),
+        per_task=args.per_task, tasks=args.tasks.split(","), max_new_tokens=args.max_new_tokens,
+        tree=TreeSpec(kind="eagle2", depth=args.tree_depth, top_k=args.tree_top_k,
+                      total_tokens=args.tree_tokens),
+        runs=args.runs, questions=args.questions, out=args.out)
+    print(f"bench vocab: {time.perf_counter() - t0:.0f} s")
+    return r

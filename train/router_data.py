@@ -1,0 +1,135 @@
+"""Router training data: run the full-vocabulary drafter on ShareGPT and record each expansion.
+
+DynaSpec (appendix A.2) trains its router on what an EAGLE-2 run with the full head drafts:
+for every expanded node, the router's input [embedding(x_t); the drafter's input feature]
+and the full head's top-L tokens at that draft step. We run the real speculative loop
+(greedy, full head, the engine's draft tree) on the first user turn of ShareGPT
+conversations, with ``Engine.record_top_l`` set so the draft phase returns those records,
+and append them to shards (:func:`specjax.train.router.write_router_shard`).
+
+Resumable: ``progress.json`` holds the conversations done and the shards written; a rerun
+skips both. Records are stored as float16 contexts and int32 token ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from specjax.api import Drafter, Target
+from specjax.decode import bucket
+from specjax.sampling import SamplingConfig
+from specjax.speculative import Engine, TreeSpec, draft_phase_jit, spec_prefill, verify_phase_jit
+from specjax.train.data import iter_records, normalize_messages, sharegpt_path
+from specjax.train.router import write_router_meta, write_router_shard
+from specjax.vocab.head import full_head
+from specjax.vocab.router import fingerprint
+
+
+def first_user_prompts(source: str | Path, tokenizer: Any, *, skip: int,
+                       max_prompt_tokens: int) -> Iterator[list[int]]:
+    """Chat-templated first user turns of a ShareGPT-style file, after ``skip`` records."""
+    path = sharegpt_path() if str(source) == "sharegpt" else Path(source)
+    for i, rec in enumerate(iter_records(path)):
+        if i < skip:
+            continue
+        msgs = normalize_messages(rec)
+        if not msgs or msgs[0]["role"] != "user":
+            continue
+        ids = tokenizer.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+        if len(ids) <= max_prompt_tokens:
+            yield list(ids)
+
+
+def collect_router_data(target: Target, drafter: Drafter, out_dir: str | Path, *,
+                        source: str | Path = "sharegpt", num_records: int = 40_000,
+                        top_l: int = 8, tree: TreeSpec | None = None, skip: int = 2000,
+                        max_prompt_tokens: int = 384, max_new_tokens: int = 96,
+                        shard_records: int = 4096, progress: bool = True) -> dict:
+    """Record ``num_records`` drafter expansions into ``out_dir``; returns the meta dict.
+
+    Each record: x [2d] float16 (the router context), topl [L] int32 (the full head's
+    top-L candidates, best first), step int32 (the draft step t). Prompts are the first
+    user turns of conversations after the first ``skip`` (the drafter's training data).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tree = tree or TreeSpec()
+    d = target.cfg.hidden_size
+    meta = {"in_dim": 2 * d, "top_l": top_l, "vocab_size": target.cfg.vocab_size,
+            "drafter_fingerprint": fingerprint(drafter.params), "tree": dataclasses.asdict(tree),
+            "source": str(source), "skip": skip, "max_new_tokens": max_new_tokens}
+    prog_path = out / "progress.json"
+    prog = {"conversations": 0, "shards": 0, "records": 0}
+    if prog_path.exists():
+        prog = json.loads(prog_path.read_text())
+        if prog.get("meta", {}).get("drafter_fingerprint") != meta["drafter_fingerprint"]:
+            raise ValueError(f"{out} holds router data from another drafter; use a new folder")
+    eng = Engine(cfg=target.cfg, dcfg=drafter.cfg, tree=tree,
+                 sampling=SamplingConfig(temperature=0.0).static(), record_top_l=top_l)
+    head = full_head(target.cfg.vocab_size)
+    eos = jnp.asarray(target.eos_ids, jnp.int32)
+    dyn = SamplingConfig(temperature=0.0).dynamic()
+    spare = max(tree.num_nodes, tree.workspace, tree.max_depth + 1)
+    buf: dict[str, list[np.ndarray]] = {"x": [], "topl": [], "step": []}
+    bar = tqdm(total=num_records, initial=prog["records"], desc="router data", unit="rec",
+               disable=not progress)
+    prompts = first_user_prompts(source, target.tokenizer, skip=skip,
+                                 max_prompt_tokens=max_prompt_tokens)
+    for _ in range(prog["conversations"]):
+        next(prompts, None)
+    while prog["records"] < num_records:
+        ids = next(prompts, None)
+        if ids is None:
+            break
+        p_len, out_len = bucket(len(ids)), bucket(max_new_tokens)
+        prompt = np.zeros((1, p_len), np.int32)
+        prompt[0, : len(ids)] = ids
+        state = spec_prefill(target.params, drafter.params, jnp.asarray(prompt),
+                             jnp.asarray([len(ids)]), jax.random.PRNGKey(0),
+                             jnp.int32(max_new_tokens), eos, **dyn, eng=eng, out_len=out_len,
+                             capacity=p_len + out_len + spare)
+        got = 0
+        while not bool(jnp.all(state.done)):
+            tr, dcache, key, sl = draft_phase_jit(target.params, drafter.params, head, state,
+                                                  dyn["temperature"], eng=eng)
+            for ctx, top, step in sl.records:
+                n = ctx.shape[0] * ctx.shape[1]
+                buf["x"].append(np.asarray(ctx, np.float16).reshape(n, -1))
+                buf["topl"].append(np.asarray(top, np.int32).reshape(n, -1))
+                buf["step"].append(np.full((n,), int(step), np.int32))
+                got += n
+            state = verify_phase_jit(target.params, drafter.params, state, tr, dcache, key,
+                                     sl._replace(records=None), eos, **dyn, eng=eng)
+        prog["conversations"] += 1
+        prog["records"] += got
+        bar.update(got)
+        if sum(map(len, buf["step"])) >= shard_records or prog["records"] >= num_records:
+            write_router_shard(out, prog["shards"], *(np.concatenate(buf[k])
+                                                      for k in ("x", "topl", "step")))
+            prog["shards"] += 1
+            buf = {k: [] for k in buf}
+            prog["meta"] = meta
+            prog_path.write_text(json.dumps(prog, indent=1))
+    bar.close()
+    if buf["step"]:  # the corpus ran out before num_records
+        write_router_shard(out, prog["shards"], *(np.concatenate(buf[k])
+                                                  for k in ("x", "topl", "step")))
+        prog["shards"] += 1
+    prog["meta"] = meta
+    prog_path.write_text(json.dumps(prog, indent=1))
+    extra = {k: v for k, v in meta.items() if k not in ("in_dim", "top_l", "vocab_size",
+                                                        "drafter_fingerprint")}
+    write_router_meta(out, in_dim=meta["in_dim"], top_l=top_l, vocab_size=meta["vocab_size"],
+                      drafter_fingerprint=meta["drafter_fingerprint"],
+                      num_records=prog["records"], extra=extra)
+    return meta | {"num_records": prog["records"]}
