@@ -86,6 +86,19 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                         "every router folder holds its clusters.npz)")
     p.add_argument("--save-clusters", default=None,
                    help="also write the computed clusters to this .npz file for reuse")
+    p.add_argument("--collect", type=int, default=0, metavar="N",
+                   help="first record N drafter expansions into --data by running the "
+                        "full-vocabulary drafter on ShareGPT (resumable; skipped when --data "
+                        "is complete)")
+    p.add_argument("--collect-top-l", type=int, default=8,
+                   help="full-head top-L tokens recorded per expansion (default 8)")
+    p.add_argument("--budget", default="64,32,32", metavar="K0,K1,KF",
+                   help="cluster budgets stored with the router: k0 and k1 of the "
+                        "position-aware k_c(t) (--vocab dynaspec), and the fixed top-k "
+                        "(--vocab dynaspec-f); default 64,32,32")
+    p.add_argument("--cluster-cap", type=int, default=0,
+                   help="stored with the router: shortlist buffers hold at most k_c(t) x this "
+                        "many tokens (0 = the k_c(t) largest clusters' total)")
     p.add_argument("--kmeans-iters", type=int, default=25, help="k-means iterations (max)")
     p.add_argument("--hidden", type=int, default=512, help="router hidden width (default 512)")
     p.add_argument("--layers", type=int, default=2,
@@ -273,6 +286,16 @@ def run_train_router(args: argparse.Namespace) -> int:
     # one with a --target of another shape.
     drafter = specjax.load_drafter(drafter_dir, target)
     drafter_fp = fingerprint(drafter.params)
+    try:
+        k0, k1, kf = (int(k) for k in args.budget.split(","))
+    except ValueError as e:
+        raise ValueError(f"--budget must be K0,K1,KF (three integers), got {args.budget!r}") \
+            from e
+    if args.collect and not (Path(args.data) / "meta.json").exists():
+        from specjax.train.router_data import collect_router_data
+
+        collect_router_data(target, drafter, args.data, num_records=args.collect,
+                            top_l=args.collect_top_l, progress=progress)
     # Refuse data for another drafter or target now, not after the k-means.
     check_router_data(read_router_meta(Path(args.data)), drafter_fingerprint=drafter_fp,
                       target_fields=target_fields_of(target.cfg))
@@ -306,6 +329,7 @@ def run_train_router(args: argparse.Namespace) -> int:
     command = getattr(args, "command_line", None) or "specjax " + shlex.join(sys.argv[1:])
     extra = {"command": command, "target": str(target_dir), "drafter": str(drafter_dir),
              "data": str(args.data), "clusters_source": source,
+             "budget": {"k0": k0, "k1": k1, "k_fixed": kf, "cluster_cap": args.cluster_cap},
              "clusters_s": round(clusters_s, 1)}
     metrics = train_router(Path(args.data), clusters, tc, out, drafter_fingerprint=drafter_fp,
                            target_fields=target_fields_of(target.cfg, clusters),

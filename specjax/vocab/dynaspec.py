@@ -7,9 +7,9 @@ one gathered GEMM (:mod:`specjax.kernels.gathered_gemm`).
 
 Buffer layout, per node: ``[always-kept ids (A) | members of the chosen clusters, in
 router-score order, then padding]``. The static capacity at step t is A plus the sizes of
-the ``k_c(t)`` largest clusters (optionally capped by ``max_candidates``, which then drops
-the tail of the lowest-scored clusters). Members that are always-kept tokens are masked
-out of the cluster part, so valid ids stay distinct.
+the ``k_c(t)`` largest clusters, optionally capped at ``k_c(t) * cluster_cap``; a choice
+of unusually large clusters then loses the tail of its lowest-scored clusters. Members
+that are always-kept tokens are masked out of the cluster part, so valid ids stay distinct.
 
 ``shared`` is an option for CPUs: per-node shortlists gather K x C rows per expansion of
 K nodes, which XLA:CPU cannot fuse into the GEMM (``specjax bench gemm``: at K=4 a gathered
@@ -40,7 +40,7 @@ def cluster_budget(step: int, k0: int, k1: int) -> int:
 
 
 @head_dataclass(data=["router", "perm", "offsets", "sizes", "always", "is_always"],
-                meta=["k0", "k1", "position_aware", "largest", "max_candidates", "shared"])
+                meta=["k0", "k1", "position_aware", "largest", "cluster_cap", "shared"])
 class RoutedHead:
     """DynaSpec head. Fixed top-k clusters (``k0`` at every step) or position-aware k_c(t).
 
@@ -49,7 +49,9 @@ class RoutedHead:
     offsets: [M + 1] int32. sizes: [M] int32.
     always: [A] int32 tokens in every shortlist (EOS, chat specials); is_always: [V] bool.
     largest: static, cluster sizes sorted descending (sizes the buffers).
-    max_candidates: static cap on the cluster part of the buffer (0 = no cap).
+    cluster_cap: static; the cluster part of the buffer holds at most ``k_c(t) *
+      cluster_cap`` tokens (0 = no cap). Unbalanced clusters make "the k largest" far larger
+      than a typical choice, and the buffer, not the shortlist, sets the GEMM's cost.
     """
 
     router: RouterParams
@@ -62,7 +64,7 @@ class RoutedHead:
     k1: int
     position_aware: bool
     largest: tuple[int, ...]
-    max_candidates: int = 0
+    cluster_cap: int = 0
     shared: bool = False
     uses_context: ClassVar[bool] = True
 
@@ -76,9 +78,10 @@ class RoutedHead:
         return min(k, len(self.largest))
 
     def capacity(self, step: int) -> int:
-        cap = sum(self.largest[: self.budget(step)])
-        if self.max_candidates:
-            cap = min(cap, self.max_candidates)
+        k = self.budget(step)
+        cap = sum(self.largest[:k])
+        if self.cluster_cap:
+            cap = min(cap, k * self.cluster_cap)
         return int(self.always.shape[0]) + cap
 
     def __call__(self, w, h, step, context=None) -> Candidates:
@@ -118,7 +121,7 @@ class RoutedHead:
 
 
 def routed_head(router: RouterParams, assign: np.ndarray, always: list[int], *, k0: int,
-                k1: int = 0, position_aware: bool = False, max_candidates: int = 0,
+                k1: int = 0, position_aware: bool = False, cluster_cap: int = 0,
                 shared: bool = False) -> RoutedHead:
     """Build a :class:`RoutedHead` from a router and the cluster of each token.
 
@@ -142,4 +145,4 @@ def routed_head(router: RouterParams, assign: np.ndarray, always: list[int], *, 
                       is_always=jnp.asarray(is_always), k0=k0, k1=k1,
                       position_aware=position_aware,
                       largest=tuple(int(s) for s in np.sort(sizes)[::-1]),
-                      max_candidates=max_candidates, shared=shared)
+                      cluster_cap=cluster_cap, shared=shared)

@@ -91,10 +91,14 @@ def test_routed_head_is_the_union_of_the_chosen_clusters(arrays, shared, step):
 
 def test_routed_head_cap_drops_the_lowest_scored_tail(arrays):
     w, h, ctx, assign = arrays
-    head = routed_head(random_router(2 * D, M), assign, always=[3], k0=6, max_candidates=10)
-    assert head.capacity(0) == 11 and head.capacity(5) == 11
+    router = random_router(2 * D, M)
+    head = routed_head(router, assign, always=[3], k0=6, cluster_cap=2)
+    assert head.capacity(0) == 13 and head.capacity(5) == 13
     c = head(w, h, 0, ctx)
-    assert c.ids.shape[-1] == 11 and np.asarray(c.valid[..., 0]).all()
+    assert c.ids.shape[-1] == 13 and np.asarray(c.valid[..., 0]).all()
+    # The kept part is the start of the uncapped buffer (best-scored clusters first).
+    full = routed_head(router, assign, always=[3], k0=6)(w, h, 0, ctx)
+    np.testing.assert_array_equal(c.ids, full.ids[..., :13])
 
 
 def test_full_head_matches_the_lm_head(arrays):
