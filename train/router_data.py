@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,8 @@ def first_user_prompts(source: str | Path, tokenizer: Any, *, skip: int,
 
 
 def collect_router_data(target: Target, drafter: Drafter, out_dir: str | Path, *,
-                        source: str | Path = "sharegpt", num_records: int = 40_000,
+                        source: str | Path | Iterable[list[int]] = "sharegpt",
+                        num_records: int = 40_000,
                         top_l: int = 8, tree: TreeSpec | None = None, skip: int = 2000,
                         max_prompt_tokens: int = 384, max_new_tokens: int = 96,
                         shard_records: int = 4096, progress: bool = True) -> dict:
@@ -59,7 +60,9 @@ def collect_router_data(target: Target, drafter: Drafter, out_dir: str | Path, *
 
     Each record: x [2d] float16 (the router context), topl [L] int32 (the full head's
     top-L candidates, best first), step int32 (the draft step t). Prompts are the first
-    user turns of conversations after the first ``skip`` (the drafter's training data).
+    user turns of conversations after the first ``skip`` (the drafter's training data) of
+    ``source`` ("sharegpt" or a ShareGPT-style file), or ``source`` itself when it is an
+    iterable of token-id lists.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -67,7 +70,8 @@ def collect_router_data(target: Target, drafter: Drafter, out_dir: str | Path, *
     d = target.cfg.hidden_size
     meta = {"in_dim": 2 * d, "top_l": top_l, "vocab_size": target.cfg.vocab_size,
             "drafter_fingerprint": fingerprint(drafter.params), "tree": dataclasses.asdict(tree),
-            "source": str(source), "skip": skip, "max_new_tokens": max_new_tokens}
+            "source": str(source) if isinstance(source, str | Path) else "token ids",
+            "skip": skip, "max_new_tokens": max_new_tokens}
     prog_path = out / "progress.json"
     prog = {"conversations": 0, "shards": 0, "records": 0}
     if prog_path.exists():
@@ -83,8 +87,9 @@ def collect_router_data(target: Target, drafter: Drafter, out_dir: str | Path, *
     buf: dict[str, list[np.ndarray]] = {"x": [], "topl": [], "step": []}
     bar = tqdm(total=num_records, initial=prog["records"], desc="router data", unit="rec",
                disable=not progress)
-    prompts = first_user_prompts(source, target.tokenizer, skip=skip,
-                                 max_prompt_tokens=max_prompt_tokens)
+    prompts = (first_user_prompts(source, target.tokenizer, skip=skip,
+                                  max_prompt_tokens=max_prompt_tokens)
+               if isinstance(source, str | Path) else iter(source))
     for _ in range(prog["conversations"]):
         next(prompts, None)
     while prog["records"] < num_records:

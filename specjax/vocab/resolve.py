@@ -36,8 +36,10 @@ def always_kept(target: Any) -> list[int]:
 def _artifact(arg: str, drafter: Any, name: str, how: str) -> Path:
     if arg:
         return Path(arg)
+    where = "this drafter was not loaded from a folder" if drafter.path is None \
+        else f"the drafter folder {drafter.path} has no {name}"
     if drafter.path is None or not (Path(drafter.path) / name).exists():
-        raise ValueError(f"the drafter folder {drafter.path} has no {name}; {how}")
+        raise ValueError(f"{where}; {how}")
     return Path(drafter.path) / name
 
 
