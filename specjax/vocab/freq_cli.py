@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from specjax.config import ModelConfig
-    from specjax.vocab.freq import Shortlist
+    from specjax.vocab.shortlist import Shortlist
 
 DEFAULT_SIZES = "8192,16384,32768"  # FR-Spec's table 1 sizes below the 64k of a 128k vocab
 
@@ -118,7 +118,7 @@ def _command_line(args: argparse.Namespace) -> str:
 
 
 def _write_list(out: Path, name: str, sl: Shortlist, extra: dict, export_json: bool) -> dict:
-    from specjax.vocab.freq import export_token_list, save_shortlist
+    from specjax.vocab.shortlist import export_token_list, save_shortlist
 
     entry = {"path": str(save_shortlist(out / name, sl, extra))}
     if export_json:
@@ -129,7 +129,7 @@ def _write_list(out: Path, name: str, sl: Shortlist, extra: dict, export_json: b
 def _run_import(args: argparse.Namespace, out: Path, model_dir: Path, cfg: ModelConfig,
                 required: list[int], eos_ids: list[int]) -> int:
     """``--import``: convert another tool's list, swapping in missing required ids."""
-    from specjax.vocab.freq import import_token_list, with_required
+    from specjax.vocab.shortlist import import_token_list, with_required
 
     src = Path(args.import_path)
     imported = import_token_list(src, vocab_size=cfg.vocab_size)
@@ -160,7 +160,6 @@ def run_build_shortlist(args: argparse.Namespace) -> int:
     from specjax.train.data import ReadStats
     from specjax.vocab.freq import (
         TokenCounts,
-        build_shortlist,
         corpus_description,
         count_tokens,
         iter_corpus,
@@ -169,6 +168,7 @@ def run_build_shortlist(args: argparse.Namespace) -> int:
         save_counts,
         tokenizer_fingerprint,
     )
+    from specjax.vocab.shortlist import build_shortlist
 
     progress = not args.no_progress
     out = Path(args.out)

@@ -45,18 +45,23 @@ def _artifact(arg: str, drafter: Any, name: str, how: str) -> Path:
 
 def frequency_ranking(path: Path, target: Any) -> np.ndarray:
     """Token ids by decreasing frequency, from a count file or a (possibly imported) list."""
-    from specjax.vocab import freq
+    from specjax.vocab.freq import COUNTS_FORMAT, load_counts, tokenizer_fingerprint
+    from specjax.vocab.shortlist import (
+        SHORTLIST_FORMAT,
+        import_token_list,
+        load_shortlist,
+        sidecar_format,
+    )
 
     v = target.cfg.vocab_size
-    fp = freq.tokenizer_fingerprint(target.tokenizer) if target.tokenizer is not None else None
-    sidecar = freq.sidecar_format(path)
-    if sidecar == freq.COUNTS_FORMAT:
-        counts = freq.load_counts(path, vocab_size=v, fingerprint=fp).counts
+    fp = tokenizer_fingerprint(target.tokenizer) if target.tokenizer is not None else None
+    sidecar = sidecar_format(path)
+    if sidecar == COUNTS_FORMAT:
+        counts = load_counts(path, vocab_size=v, fingerprint=fp).counts
         return np.argsort(-counts, kind="stable")
-    if sidecar == freq.SHORTLIST_FORMAT:
-        return freq.load_shortlist(path, vocab_size=v, fingerprint=fp,
-                                   eos_ids=target.eos_ids).ids
-    return freq.import_token_list(path, vocab_size=v).ids
+    if sidecar == SHORTLIST_FORMAT:
+        return load_shortlist(path, vocab_size=v, fingerprint=fp, eos_ids=target.eos_ids).ids
+    return import_token_list(path, vocab_size=v).ids
 
 
 def resolve_head(spec: str | VocabHead, target: Any, drafter: Any) -> VocabHead:
