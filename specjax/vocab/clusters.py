@@ -37,6 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from specjax.vocab._files import file_sha256
+
 FORMAT = "specjax-clusters"
 VERSION = 1
 # Rows of the head sampled by head_fingerprint (first, last and evenly spaced between).
@@ -306,14 +308,6 @@ def _meta_path(path: Path) -> Path:
     return Path(path).with_suffix(".json")
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def save_clusters(path: Path, clusters: Clusters, meta: dict | None = None) -> Path:
     """Write ``path`` (``.npz``: assign, perm, offsets, sizes) and then its ``.json`` metadata.
 
@@ -335,7 +329,7 @@ def save_clusters(path: Path, clusters: Clusters, meta: dict | None = None) -> P
             "head_fingerprint_method": f"sha256 of the head's shape and {FINGERPRINT_ROWS} "
                                        "evenly spaced rows (first and last included), rounded "
                                        "to bfloat16",
-            "npz_sha256": _sha256_file(path), "sizes": cluster_size_stats(clusters),
+            "npz_sha256": file_sha256(path), "sizes": cluster_size_stats(clusters),
             "meta": meta or {}}
     mtmp = path.parent / f".{path.stem}.{uuid.uuid4().hex[:8]}.tmp.json"
     mtmp.write_text(json.dumps(info, indent=1))
@@ -362,7 +356,7 @@ def load_clusters(path: Path, *, head_fingerprint: str | None = None) -> Cluster
     if info.get("format") != FORMAT or info.get("version") != VERSION:
         raise ClustersError(f"{mpath}: format {info.get('format')!r} v{info.get('version')}, "
                             f"expected {FORMAT!r} v{VERSION}; {fix}")
-    if _sha256_file(path) != info["npz_sha256"]:
+    if file_sha256(path) != info["npz_sha256"]:
         raise ClustersError(f"{path} does not match its {mpath.name} (sha256 differs: corrupt "
                             f"or replaced); {fix}")
     if head_fingerprint is not None and info["head_fingerprint"] != head_fingerprint:

@@ -43,6 +43,7 @@ from specjax.vocab._files import (
     VERSION,
     atomic_write_bytes,
     check_model,
+    file_sha256,
     npy_bytes,
     pair,
     read_sidecar,
@@ -222,14 +223,6 @@ def iter_corpus(spec: str | Path, tokenizer: Any | None,
                      f"{', '.join(TEXT_SUFFIXES + RECORD_SUFFIXES)} or 'sharegpt'")
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def corpus_description(spec: str | Path, tokenizer: Any | None = None) -> str:
     """A stable identity of a corpus as counted: file name, size, sha256, chat template.
 
@@ -242,7 +235,7 @@ def corpus_description(spec: str | Path, tokenizer: Any | None = None) -> str:
                                 ".jsonl file")
     name = "sharegpt" if str(spec) == "sharegpt" else "file"
     desc = (f"{name}[{path.name}, {path.stat().st_size} bytes, "
-            f"sha256 {_file_sha256(path)[:16]}")
+            f"sha256 {file_sha256(path)[:16]}")
     template = _chat_template_text(tokenizer) if tokenizer is not None else ""
     if template and path.suffix not in TEXT_SUFFIXES:
         desc += f", chat template sha256 {hashlib.sha256(template.encode()).hexdigest()[:12]}"
