@@ -34,6 +34,8 @@ bench: $(VENV)/.installed-test
 	$(BIN)/specjax bench spec --out results/bench_spec.json
 	$(BIN)/specjax bench breakdown --from-spec results/bench_spec.json \
 		--out results/bench_breakdown.json
+	$(BIN)/specjax bench vocab --out results/bench_vocab.json
+	$(BIN)/specjax bench gemm --out results/bench_gemm.json
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .

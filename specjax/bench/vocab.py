@@ -59,8 +59,9 @@ from specjax.vocab import VocabHead, resolve_head
 from specjax.vocab.dynaspec import RoutedHead
 from specjax.vocab.router import router_logits
 
-DEFAULT_HEADS = ("full", "fr:8192", "fr:16384", "fr:32768", "pafr:32768", "dynaspec-f",
-                 "dynaspec", "dynaspec-shared")
+# fr:2730 is FR-Spec at the shipped router's mean DynaSpec-PA shortlist (the same budget).
+DEFAULT_HEADS = ("full", "fr:2730", "fr:8192", "fr:16384", "fr:32768", "pafr:32768",
+                 "dynaspec-f", "dynaspec", "dynaspec-shared")
 
 
 def _generate(target: Target, drafter: Drafter | None, head: VocabHead | None, tree: TreeSpec,
@@ -268,6 +269,12 @@ def summary(r: dict[str, Any]) -> str:
                      f"{s['shortlist_coverage']:.3f} | {s['draft_ms']:.1f} | {sp} | "
                      f"{s['decode_tokens_per_s']:.1f} | {s['speedup_vs_vanilla']:.2f}× | "
                      f"{s['greedy_matches']}/{s['prompts']} |")
+    tasks = r["config"]["tasks"]
+    lines += ["", "| head | " + " | ".join(tasks) + " | overall |",
+              "|" + "---|" * (len(tasks) + 2)]
+    for h, s in r["heads"].items():
+        lines.append(f"| {h} | " + " | ".join(f"{s['mal_per_task'][t]:.2f}" for t in tasks)
+                     + f" | {s['mal']:.2f} |")
     lines.append(f"\nvanilla: {r['vanilla']['decode_tokens_per_s']:.1f} tok/s")
     for o in r["router_overlap"]:
         lines.append(f"router overlap, K={o['k']}: layer {o['layer']:.2f} ms, router "
