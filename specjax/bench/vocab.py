@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -142,6 +143,7 @@ def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
     config = {"heads": list(heads), "tasks": list(tasks), "per_task": per_task,
               "max_new_tokens": max_new_tokens, "tree": dataclasses.asdict(tree),
               "drafter": drafter_label}
+    config = json.loads(json.dumps(config))  # as the partial file holds it (tuples -> lists)
     part = partial_path(out)
     done = {r["question_id"]: r for r in _read_partial(part) if r.get("config") == config}
     warm: set[tuple[str, int]] = set()
