@@ -70,7 +70,8 @@ class RoutedHead:
 
     @property
     def name(self) -> str:
-        return f"dynaspec-{'pa' if self.position_aware else 'f'}{'-shared' if self.shared else ''}"
+        # The --vocab spelling: "dynaspec" is position-aware, "dynaspec-f" a fixed top-k.
+        return f"dynaspec{'' if self.position_aware else '-f'}{'-shared' if self.shared else ''}"
 
     def budget(self, step: int) -> int:
         """Clusters chosen at draft step ``step``."""
