@@ -266,7 +266,7 @@ def _split_buckets(split: HiddenSplit) -> tuple[int, ...]:
 # --------------------------------------------------------------------------- checkpoints
 
 
-def _ckpt_manager(ckpt_dir: Path, keep: int = 2) -> ocp.CheckpointManager:
+def ckpt_manager(ckpt_dir: Path, keep: int = 2) -> ocp.CheckpointManager:
     opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                         enable_async_checkpointing=False)
     return ocp.CheckpointManager(Path(ckpt_dir).absolute(), options=opts)
@@ -279,7 +279,7 @@ def _state_tree(params: Any, opt_state: Any, step: int, epoch: int, batch: int,
             "progress": {k: np.array(v, np.int64) for k, v in progress.items()}}
 
 
-def _write_json_atomic(path: Path, obj: Any) -> None:
+def write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
     tmp.write_text(json.dumps(obj, indent=1))
     os.replace(tmp, path)
@@ -325,7 +325,7 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
 
     if tc.fc_init not in ("lstsq", "normal"):
         raise ValueError(f"fc_init must be lstsq or normal, not {tc.fc_init!r}")
-    mgr = _ckpt_manager(ckpt_dir)
+    mgr = ckpt_manager(ckpt_dir)
     latest = mgr.latest_step()
     if latest is not None and not resume:
         raise FileExistsError(f"{ckpt_dir} already holds checkpoints (step {latest}); pass "
@@ -386,7 +386,7 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
         mgr.save(step, args=ocp.args.StandardSave(
             _state_tree(params, opt_state, step, epoch, batch, tokens_seen)), force=True)
         mgr.wait_until_finished()
-        _write_json_atomic(ckpt_dir / LOG_FILE, log)
+        write_json_atomic(ckpt_dir / LOG_FILE, log)
 
     if step == 0 and not any(r["tag"] == "initial" for r in log["eval"]):
         run_eval("initial")  # the untrained drafter: the baseline for top-1 agreement
@@ -431,7 +431,7 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
     log["wall_s"] = wall0 + time.time() - t_run
     if step >= total and not any(r["tag"] == "final" for r in log["eval"]):
         run_eval("final")
-        _write_json_atomic(ckpt_dir / LOG_FILE, log)  # the state at this step is saved already
+        write_json_atomic(ckpt_dir / LOG_FILE, log)  # the state at this step is saved already
     mgr.close()
 
     final = nnx.merge(graphdef, params)
@@ -488,6 +488,6 @@ def write_drafter(out: Path, result: TrainResult, extra_meta: dict | None = None
     meta = result.meta | (extra_meta or {})
     path = save_drafter(Path(out), result.cfg, result.params, meta=meta, overwrite=overwrite)
     # Written after the manifest: they document the run and are not needed to load it.
-    _write_json_atomic(path / LOG_FILE, result.log | {"meta": meta})
+    write_json_atomic(path / LOG_FILE, result.log | {"meta": meta})
     plot_log(result.log, path / PLOT_FILE)
     return path

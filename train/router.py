@@ -51,7 +51,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax import Array
 
-from specjax.train.drafter import _ckpt_manager, _write_json_atomic
+from specjax.train.drafter import ckpt_manager, write_json_atomic
 from specjax.vocab.clusters import Clusters, cluster_size_stats, hash_arrays
 from specjax.vocab.router import (
     Router,
@@ -114,7 +114,7 @@ def write_router_meta(dir_: Path, *, in_dim: int, top_l: int, vocab_size: int,
             **(extra or {})}
     dir_ = Path(dir_)
     dir_.mkdir(parents=True, exist_ok=True)
-    _write_json_atomic(dir_ / META_FILE, meta)
+    write_json_atomic(dir_ / META_FILE, meta)
     return dir_ / META_FILE
 
 
@@ -469,7 +469,7 @@ def train_router(data_dir: Path, clusters: Clusters, cfg: RouterTrainConfig, out
                          "lower --batch-size or collect more data")
     total = cfg.steps if cfg.steps is not None else max(1, math.ceil(cfg.epochs * per_epoch))
 
-    mgr = _ckpt_manager(ckpt_dir)
+    mgr = ckpt_manager(ckpt_dir)
     latest = mgr.latest_step()
     if latest is not None and not resume:
         raise FileExistsError(f"{ckpt_dir} already holds checkpoints (step {latest}); pass "
@@ -533,7 +533,7 @@ def train_router(data_dir: Path, clusters: Clusters, cfg: RouterTrainConfig, out
         mgr.save(step, args=ocp.args.StandardSave(_state_tree(params, opt_state, step)),
                  force=True)
         mgr.wait_until_finished()
-        _write_json_atomic(ckpt_dir / LOG_FILE, log)
+        write_json_atomic(ckpt_dir / LOG_FILE, log)
 
     if step == 0 and not any(r["tag"] == "initial" for r in log["eval"]):
         run_eval("initial")
@@ -569,7 +569,7 @@ def train_router(data_dir: Path, clusters: Clusters, cfg: RouterTrainConfig, out
     bar.close()
     if step >= total and not any(r["tag"] == "final" for r in log["eval"]):
         run_eval("final")
-        _write_json_atomic(ckpt_dir / LOG_FILE, log)
+        write_json_atomic(ckpt_dir / LOG_FILE, log)
     mgr.close()
 
     evals = {r["tag"]: r for r in log["eval"]}
@@ -589,8 +589,8 @@ def train_router(data_dir: Path, clusters: Clusters, cfg: RouterTrainConfig, out
                            extra=meta, overwrite=overwrite)
         metrics["out"] = str(path)
         # Written after the manifest: they document the run and are not needed to load it.
-        _write_json_atomic(path / METRICS_FILE, metrics | (extra_meta or {}))
-        _write_json_atomic(path / LOG_FILE, log)
+        write_json_atomic(path / METRICS_FILE, metrics | (extra_meta or {}))
+        write_json_atomic(path / LOG_FILE, log)
         plot_log(log, path / PLOT_FILE, metrics["static_baseline"])
     return metrics
 
