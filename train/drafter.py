@@ -267,6 +267,7 @@ def _split_buckets(split: HiddenSplit) -> tuple[int, ...]:
 
 
 def ckpt_manager(ckpt_dir: Path, keep: int = 2) -> ocp.CheckpointManager:
+    """Synchronous orbax manager keeping the last ``keep`` training checkpoints."""
     opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                         enable_async_checkpointing=False)
     return ocp.CheckpointManager(Path(ckpt_dir).absolute(), options=opts)
@@ -280,6 +281,7 @@ def _state_tree(params: Any, opt_state: Any, step: int, epoch: int, batch: int,
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON through a temporary file and a rename: readers see old or new, never half."""
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
     tmp.write_text(json.dumps(obj, indent=1))
     os.replace(tmp, path)
