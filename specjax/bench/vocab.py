@@ -246,7 +246,9 @@ def plot_vocab(r: dict[str, Any], path: Path) -> Path:
     ax.set_xticks(np.arange(len(tasks) + 1) + 0.4 - width / 2, [*tasks, "overall"],
                   rotation=20)
     ax.set_ylabel("mean accepted length")
-    ax.legend(fontsize=8)
+    top = max(max(s["mal_per_task"].values()) for s in r["heads"].values())
+    ax.set_ylim(1.0, 1.0 + 1.25 * (top - 1.0))  # MAL >= 1: start there so heads differ
+    ax.legend(fontsize=7, ncol=5, loc="upper center")
     for h in heads:
         x, y = r["heads"][h]["mean_shortlist_size"], r["heads"][h]["draft_ms"]
         bx.scatter(x, y)
