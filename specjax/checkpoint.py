@@ -61,6 +61,21 @@ def unflatten_params(flat: dict[str, Any], num_layers: int) -> Params:
                   lm_head=flat.get("lm_head"))
 
 
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write via a temporary file in the same folder and rename: never a half-written file."""
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Indented JSON, written atomically (:func:`atomic_write_bytes`)."""
+    atomic_write_bytes(path, (json.dumps(obj, indent=1) + "\n").encode())
+
+
 def write_atomically(out: Path, build: Callable[[Path], None], overwrite: bool = False) -> Path:
     """Run ``build(tmp_dir)`` and move the result to ``out`` only if it succeeds.
 

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from specjax.checkpoint import write_json_atomic
 from specjax.config import ModelConfig
 from specjax.model import Params, forward_hidden, init_cache
 
@@ -415,12 +416,6 @@ def _atomic_savez(path: Path, **arrays: np.ndarray) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def cache_hidden_states(cfg: ModelConfig, params: Params, examples: Sequence[Example],
                         cache_dir: Path, *, heldout_fraction: float = 0.02,
                         token_budget: int = 2048, buckets: Sequence[int] | None = None,
@@ -482,7 +477,7 @@ def cache_hidden_states(cfg: ModelConfig, params: Params, examples: Sequence[Exa
             "examples": len(idx), "tokens": int(sum(len(examples[i].tokens) for i in idx)),
             "assistant_tokens": int(sum(int(examples[i].assistant.sum()) for i in idx)),
             "shards": [f"{split}/shard_{k:05d}.npz" for k in range(len(shards[split]))]}
-    _atomic_write_text(manifest_path, json.dumps(manifest, indent=1))
+    write_json_atomic(manifest_path, manifest)
 
     todo = [(split, k, sh) for split in SPLITS for k, sh in enumerate(shards[split])
             if not (cache_dir / split / f"shard_{k:05d}.npz").exists()]
@@ -513,7 +508,7 @@ def cache_hidden_states(cfg: ModelConfig, params: Params, examples: Sequence[Exa
                       lengths=np.asarray(lens, np.int32), index=np.asarray(index, np.int64))
     bar.close()
     manifest["complete"] = True
-    _atomic_write_text(manifest_path, json.dumps(manifest, indent=1))
+    write_json_atomic(manifest_path, manifest)
     return manifest
 
 

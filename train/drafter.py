@@ -17,9 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import time
-import uuid
 from collections.abc import Callable
 from functools import lru_cache, partial
 from pathlib import Path
@@ -33,6 +31,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax import Array
 
+from specjax.checkpoint import write_json_atomic
 from specjax.config import ModelConfig
 from specjax.drafter import DrafterConfig, DrafterParams, EagleDrafter, save_drafter
 from specjax.model import Params
@@ -278,13 +277,6 @@ def _state_tree(params: Any, opt_state: Any, step: int, epoch: int, batch: int,
     progress = {"step": step, "epoch": epoch, "batch": batch, "tokens_seen": tokens_seen}
     return {"params": params, "opt_state": opt_state,
             "progress": {k: np.array(v, np.int64) for k, v in progress.items()}}
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON through a temporary file and a rename: readers see old or new, never half."""
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------- training loop

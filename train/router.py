@@ -51,7 +51,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax import Array
 
-from specjax.train.drafter import ckpt_manager, write_json_atomic
+from specjax.checkpoint import write_json_atomic
+from specjax.train.drafter import ckpt_manager
 from specjax.vocab.clusters import Clusters, cluster_size_stats, hash_arrays
 from specjax.vocab.router import (
     Router,

@@ -25,6 +25,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from specjax.api import Drafter, Target
+from specjax.checkpoint import write_json_atomic
 from specjax.decode import bucket
 from specjax.sampling import SamplingConfig
 from specjax.speculative import Engine, TreeSpec, draft_phase_jit, spec_prefill, verify_phase_jit
@@ -124,14 +125,14 @@ def collect_router_data(target: Target, drafter: Drafter, out_dir: str | Path, *
             prog["shards"] += 1
             buf = {k: [] for k in buf}
             prog["meta"] = meta
-            prog_path.write_text(json.dumps(prog, indent=1))
+            write_json_atomic(prog_path, prog)
     bar.close()
     if buf["step"]:  # the corpus ran out before num_records
         write_router_shard(out, prog["shards"], *(np.concatenate(buf[k])
                                                   for k in ("x", "topl", "step")))
         prog["shards"] += 1
     prog["meta"] = meta
-    prog_path.write_text(json.dumps(prog, indent=1))
+    write_json_atomic(prog_path, prog)
     extra = {k: v for k, v in meta.items() if k not in ("in_dim", "top_l", "vocab_size",
                                                         "drafter_fingerprint")}
     write_router_meta(out, in_dim=meta["in_dim"], top_l=top_l, vocab_size=meta["vocab_size"],

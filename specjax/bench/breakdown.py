@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 import specjax
 from specjax.api import Drafter, Target
-from specjax.bench.common import machine_info, write_json
+from specjax.bench.common import machine_info, save_figure, write_json
 from specjax.bench.spec import (
     add_tree_args,
     draft_latency,
@@ -311,11 +311,7 @@ def plot_breakdown(r: dict[str, Any], path: Path) -> Path:
     fig.suptitle(f"{r['model_name']} (V={r['vocab_size']}, d={r['hidden_size']}), B=1, cache "
                  f"{r['context']}/{r['capacity']} rows, {r['machine']['nproc']} CPUs",
                  fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def summary(r: dict[str, Any]) -> str:

@@ -144,6 +144,17 @@ def write_json(path: Path, result: dict[str, Any]) -> Path:
     return path
 
 
+def save_figure(fig: Any, path: Path, dpi: int = 110) -> Path:
+    """Lay out, write (creating parent folders) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def bar_plot(path: Path, series: dict[str, Sequence[float | None]], labels: Sequence[str], *,
              title: str, ylabel: str, hline: tuple[float, str] | None = None) -> Path:
     """Grouped bars (one group per label, one bar per series) with an optional line.
@@ -169,8 +180,4 @@ def bar_plot(path: Path, series: dict[str, Sequence[float | None]], labels: Sequ
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=120)

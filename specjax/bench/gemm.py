@@ -27,7 +27,7 @@ import numpy as np
 from jax import Array
 from tqdm import tqdm
 
-from specjax.bench.common import machine_info, write_json
+from specjax.bench.common import machine_info, save_figure, write_json
 from specjax.bench.spec import time_calls
 from specjax.kernels.gathered_gemm import gathered_matmul
 
@@ -174,11 +174,7 @@ def plot_gemm(r: dict[str, Any], path: Path) -> Path:
     fig.suptitle(f"V={r['vocab_size']}, d={r['hidden_size']}, {r['dtype']}, gathered impl "
                  f"{r['impl']}, {r['machine']['jax_backend']} ({r['machine']['nproc']} CPUs)",
                  fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def summary(r: dict[str, Any]) -> str:

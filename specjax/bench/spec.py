@@ -49,7 +49,7 @@ from tqdm import tqdm
 
 import specjax
 from specjax.api import Drafter, Target, encode_prompts
-from specjax.bench.common import jsonable, machine_info, write_json
+from specjax.bench.common import jsonable, machine_info, save_figure, write_json
 from specjax.decode import bucket
 from specjax.drafter import init_drafter_cache
 from specjax.model import KVCache, Params, forward_hidden, init_cache, lm_head
@@ -874,11 +874,7 @@ def plot_spec(r: dict[str, Any], path: Path) -> Path:
     fig.suptitle(f"{r['model_name']} + drafter {Path(r['config']['drafter']).name}, tree "
                  f"{r['tree_label']}, {r['config']['max_new_tokens']} greedy tokens, "
                  f"{mach['nproc']} CPUs ({mach['cpu_model']})", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _f(x: float | None, fmt: str = ".2f") -> str:

@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 import specjax
 from specjax.api import Drafter, Target, encode_prompts
-from specjax.bench.common import machine_info, write_json
+from specjax.bench.common import machine_info, save_figure, write_json
 from specjax.bench.spec import (
     TASKS,
     _append,
@@ -255,10 +255,7 @@ def plot_vocab(r: dict[str, Any], path: Path) -> Path:
         bx.annotate(h, (x, y), fontsize=8)
     bx.set_xlabel("mean shortlist size (tokens)")
     bx.set_ylabel("draft step (ms, B=1)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=120)
 
 
 def summary(r: dict[str, Any]) -> str:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -37,24 +35,10 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a temporary file in the same folder and rename: never a half-written file."""
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def npy_bytes(arr: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, arr, allow_pickle=False)
     return buf.getvalue()
-
-
-def write_json(path: Path, obj: dict) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1) + "\n").encode())
 
 
 def pair(path: str | Path) -> tuple[Path, Path]:

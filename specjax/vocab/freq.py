@@ -36,12 +36,12 @@ from typing import Any
 
 import numpy as np
 
+from specjax.checkpoint import atomic_write_bytes, write_json_atomic
 from specjax.train.data import ReadStats, iter_records, normalize_messages, sharegpt_path
 from specjax.vocab._files import (
     COUNTS_FORMAT,
     REBUILD,
     VERSION,
-    atomic_write_bytes,
     check_model,
     file_sha256,
     npy_bytes,
@@ -49,7 +49,6 @@ from specjax.vocab._files import (
     read_sidecar,
     sha256,
     short,
-    write_json,
 )
 
 PROGRESS_FORMAT = "specjax-token-count-progress"
@@ -310,7 +309,7 @@ def _checkpoint(out_dir: Path, counts: np.ndarray, progress: dict) -> None:
     recognises and moves in, never counts that disagree with their document count.
     """
     atomic_write_bytes(out_dir / PENDING_FILE, npy_bytes(counts))
-    write_json(out_dir / PROGRESS_FILE, progress | {"counts_sha256": sha256(counts)})
+    write_json_atomic(out_dir / PROGRESS_FILE, progress | {"counts_sha256": sha256(counts)})
     os.replace(out_dir / PENDING_FILE, out_dir / COUNTS_FILE)
 
 
@@ -447,7 +446,7 @@ def save_counts(path: str | Path, tc: TokenCounts) -> Path:
     npy, side = pair(path)
     npy.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(npy, npy_bytes(tc.counts))
-    write_json(side, tc.meta | {
+    write_json_atomic(side, tc.meta | {
         "format": COUNTS_FORMAT, "version": VERSION, "vocab_size": tc.vocab_size,
         "tokens": int(tc.counts.sum()), "nonzero": int((tc.counts > 0).sum()),
         "tokenizer_fingerprint": tc.tokenizer_fingerprint, "source": tc.source,

@@ -32,17 +32,16 @@ from typing import Any
 
 import numpy as np
 
+from specjax.checkpoint import atomic_write_bytes, write_json_atomic
 from specjax.vocab._files import (
     REBUILD,
     SHORTLIST_FORMAT,
     VERSION,
-    atomic_write_bytes,
     check_model,
     npy_bytes,
     pair,
     read_sidecar,
     sha256,
-    write_json,
 )
 
 # --------------------------------------------------------------------------- shortlists
@@ -152,7 +151,7 @@ def save_shortlist(path: str | Path, sl: Shortlist, extra: dict | None = None) -
     npy, side = pair(path)
     npy.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(npy, npy_bytes(sl.ids))
-    write_json(side, (extra or {}) | {
+    write_json_atomic(side, (extra or {}) | {
         "format": SHORTLIST_FORMAT, "version": VERSION, "size": sl.size,
         "vocab_size": sl.vocab_size, "tokenizer_fingerprint": sl.tokenizer_fingerprint,
         "source": sl.source, "sha256": sha256(sl.ids)})
