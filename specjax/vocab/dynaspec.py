@@ -26,6 +26,7 @@ import numpy as np
 from jax import Array
 
 from specjax.kernels.gathered_gemm import gathered_matmul
+from specjax.vocab.clusters import Clusters
 from specjax.vocab.head import Candidates, head_dataclass, masked
 from specjax.vocab.router import RouterParams, router_logits
 
@@ -121,29 +122,24 @@ class RoutedHead:
         return masked(ids, valid, logits.reshape(ids.shape))
 
 
-def routed_head(router: RouterParams, assign: np.ndarray, always: list[int], *, k0: int,
+def routed_head(router: RouterParams, clusters: Clusters, always: list[int], *, k0: int,
                 k1: int = 0, position_aware: bool = False, cluster_cap: int = 0,
                 shared: bool = False) -> RoutedHead:
-    """Build a :class:`RoutedHead` from a router and the cluster of each token.
+    """Build a :class:`RoutedHead` from a router and its token clusters.
 
-    assign: [V] int cluster id of every token (from spherical k-means on the head).
+    clusters: the vocabulary partition the router scores (spherical k-means on the head).
     k0: clusters at step 0 (every step when not ``position_aware``); k1: at step 1.
     shared: one shortlist per batch row and draft step, from the max of the step's
       nodes' router scores (gathers once per step; the paper's routing is per node).
     """
-    assign = np.asarray(assign)
-    m = int(assign.max()) + 1
     if k0 < 1 or (position_aware and not 1 <= k1 <= k0):
         raise ValueError(f"cluster budgets need 1 <= k1 <= k0 (got k0={k0}, k1={k1})")
-    sizes = np.bincount(assign, minlength=m).astype(np.int32)
-    perm = np.argsort(assign, kind="stable").astype(np.int32)
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
     always = np.unique(np.asarray(always, np.int32))
-    is_always = np.zeros(assign.shape[0], bool)
+    is_always = np.zeros(clusters.vocab_size, bool)
     is_always[always] = True
-    return RoutedHead(router=router, perm=jnp.asarray(perm), offsets=jnp.asarray(offsets),
-                      sizes=jnp.asarray(sizes), always=jnp.asarray(always),
-                      is_always=jnp.asarray(is_always), k0=k0, k1=k1,
-                      position_aware=position_aware,
-                      largest=tuple(int(s) for s in np.sort(sizes)[::-1]),
+    return RoutedHead(router=router, perm=jnp.asarray(clusters.perm),
+                      offsets=jnp.asarray(clusters.offsets), sizes=jnp.asarray(clusters.sizes),
+                      always=jnp.asarray(always), is_always=jnp.asarray(is_always), k0=k0,
+                      k1=k1, position_aware=position_aware,
+                      largest=tuple(int(s) for s in np.sort(clusters.sizes)[::-1]),
                       cluster_cap=cluster_cap, shared=shared)

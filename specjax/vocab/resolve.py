@@ -108,6 +108,6 @@ def _routed(path: Path, target: Any, drafter: Any, *, position_aware: bool, shar
     if k0 is None:
         raise ValueError(f"{path} records no cluster budget ('budget' in its manifest); "
                          "build the head with specjax.vocab.dynaspec.routed_head(...)")
-    return routed_head(params, np.asarray(clusters.assign), always_kept(target), k0=k0,
+    return routed_head(params, clusters, always_kept(target), k0=k0,
                        k1=budget.get("k1", 0), position_aware=position_aware, shared=shared,
                        cluster_cap=budget.get("cluster_cap", 0))

@@ -9,6 +9,7 @@ from flax import nnx
 
 import specjax
 from specjax.speculative import TreeSpec
+from specjax.vocab.clusters import Clusters
 from specjax.vocab.dynaspec import cluster_budget, routed_head
 from specjax.vocab.frequency import frequency_head, pa_fr_budget
 from specjax.vocab.head import full_head
@@ -31,7 +32,7 @@ def arrays():
     ctx = jnp.asarray(rs.randn(2, 3, 2 * D).astype(np.float32))
     assign = rs.randint(0, M, V)
     assign[:M] = np.arange(M)  # every cluster non-empty
-    return w, h, ctx, assign
+    return w, h, ctx, Clusters.from_assign(assign, M)
 
 
 def test_budgets_follow_the_paper():
@@ -64,9 +65,10 @@ def test_frequency_head(arrays):
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("step", [0, 1, 3])
 def test_routed_head_is_the_union_of_the_chosen_clusters(arrays, shared, step):
-    w, h, ctx, assign = arrays
+    w, h, ctx, clusters = arrays
+    assign = clusters.assign
     router = random_router(2 * D, M)
-    head = routed_head(router, assign, always=[3, 50], k0=5, k1=3, position_aware=True,
+    head = routed_head(router, clusters, always=[3, 50], k0=5, k1=3, position_aware=True,
                        shared=shared)
     c = head(w, h, step, ctx)
     k = cluster_budget(step, 5, 3)
@@ -90,14 +92,14 @@ def test_routed_head_is_the_union_of_the_chosen_clusters(arrays, shared, step):
 
 
 def test_routed_head_cap_drops_the_lowest_scored_tail(arrays):
-    w, h, ctx, assign = arrays
+    w, h, ctx, clusters = arrays
     router = random_router(2 * D, M)
-    head = routed_head(router, assign, always=[3], k0=6, cluster_cap=2)
+    head = routed_head(router, clusters, always=[3], k0=6, cluster_cap=2)
     assert head.capacity(0) == 13 and head.capacity(5) == 13
     c = head(w, h, 0, ctx)
     assert c.ids.shape[-1] == 13 and np.asarray(c.valid[..., 0]).all()
     # The kept part is the start of the uncapped buffer (best-scored clusters first).
-    full = routed_head(router, assign, always=[3], k0=6)(w, h, 0, ctx)
+    full = routed_head(router, clusters, always=[3], k0=6)(w, h, 0, ctx)
     np.testing.assert_array_equal(c.ids, full.ids[..., :13])
 
 
@@ -117,14 +119,14 @@ def heads(tiny_target):
     v, d = w.shape
     rs = np.random.RandomState(3)
     ranked = rs.permutation(v)
-    assign = rs.randint(0, 8, v)
+    clusters = Clusters.from_assign(rs.randint(0, 8, v), 8)
     router = random_router(2 * d, 8)
     return {
         "fr": frequency_head(w, ranked, [0], k_max=v // 3),
         "pafr": frequency_head(w, ranked, [0], k_max=v // 2, position_aware=True),
-        "dynaspec-f": routed_head(router, assign, [0], k0=3),
-        "dynaspec-pa": routed_head(router, assign, [0], k0=4, k1=2, position_aware=True),
-        "dynaspec-shared": routed_head(router, assign, [0], k0=4, k1=2, position_aware=True,
+        "dynaspec-f": routed_head(router, clusters, [0], k0=3),
+        "dynaspec-pa": routed_head(router, clusters, [0], k0=4, k1=2, position_aware=True),
+        "dynaspec-shared": routed_head(router, clusters, [0], k0=4, k1=2, position_aware=True,
                                        shared=True),
     }
 
