@@ -159,7 +159,9 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
       vocab: the drafter's vocabulary head: "full", "fr:N", "pafr:N", "dynaspec",
         "dynaspec-f", ... (see :func:`specjax.vocab.resolve_head`) or a
         :class:`specjax.vocab.VocabHead`. Verification is always over the full
-        vocabulary, so this changes speed and acceptance, never correctness.
+        vocabulary, so this changes speed and acceptance, never correctness. A spec
+        string is resolved on every call (its counts or router read from disk, the
+        head's rows gathered); in a loop, build the head once with ``resolve_head``.
     Returns:
       :class:`GenerationResult` with texts, new token ids and ``stats``
       (new_tokens, prefill_s, decode_s, wall_s, tokens_per_s, decode_tokens_per_s;
