@@ -1,10 +1,13 @@
 """``specjax train drafter``: data -> cached target hidden states -> EAGLE drafter.
 
+``specjax train self-distill``: the target's own greedy answers to ShareGPT prompts, as
+pre-tokenised records for ``train drafter --data``.
+
 ``specjax train router``: router data (collected with the drafter) + token
 clusters of the target's LM head -> DynaSpec router.
 
 Wire into ``specjax/cli.py`` with :func:`add_train_parser` and :func:`run_train`;
-``python -m specjax.train.cli drafter|router ...`` runs them standalone.
+``python -m specjax.train.cli drafter|self-distill|router ...`` runs them standalone.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
@@ -51,6 +55,14 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
                    choices=["last-layer", "last-layer-raw", "random"],
                    help="decoder layer start: the target's last layer with its residual outputs "
                         "zeroed (default), an unmodified copy, or random")
+    p.add_argument("--init-from", default=None, metavar="DRAFTER",
+                   help="start from this drafter folder's weights (fine-tuning; replaces "
+                        "--init and --fc-init)")
+    p.add_argument("--ce-weight", type=float, default=0.1,
+                   help="weight of the CE term next to the smooth-L1 (EAGLE: 0.1)")
+    p.add_argument("--extra-cache", action="append", default=[], metavar="DIR",
+                   help="another complete hidden-state cache of the same target whose train "
+                        "and held-out splits are added to this run's (repeatable)")
     p.add_argument("--fc-init", default="lstsq", choices=["lstsq", "normal"],
                    help="fc start: ridge least squares of the next feature (default) or "
                         "normal(0.02) like EAGLE")
@@ -64,6 +76,28 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
                    help="continue from the latest checkpoint in --ckpt-dir")
     p.add_argument("--cache-only", action="store_true",
                    help="stop after caching the hidden states")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _add_self_distill_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None,
+                   help="converted target folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, help="JSONL file to write or resume")
+    p.add_argument("--prompts", default="sharegpt",
+                   help="'sharegpt' or a ShareGPT/chat JSON(L) file; first user turns are used")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--skip", type=int, default=2000,
+                   help="records skipped at the start of --prompts (default 2000: past the "
+                        "conversations the shipped drafter was first trained on)")
+    p.add_argument("--max-prompt-tokens", type=int, default=192)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=48)
+    p.add_argument("--engine", default="transformers", choices=["transformers", "specjax"],
+                   help="transformers (default; about 2x faster batched on CPU) or specjax")
+    p.add_argument("--hf-source", default=None,
+                   help="HF folder or .gguf for --engine transformers (default: the "
+                        "checkpoint the target was converted from)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -131,6 +165,10 @@ def _add_subcommands(tsub: argparse._SubParsersAction) -> None:
     d = tsub.add_parser("drafter", help="train an EAGLE-1 drafter for a target",
                         description=__doc__)
     _add_drafter_args(d)
+    g = tsub.add_parser("self-distill", help="generate the target's own greedy answers to "
+                                             "ShareGPT prompts (drafter training data)",
+                        description=__doc__)
+    _add_self_distill_args(g)
     r = tsub.add_parser("router", help="train a DynaSpec router (token clusters + "
                                        "meta-classifier) for a drafter", description=__doc__)
     _add_router_args(r)
@@ -158,24 +196,26 @@ def run_train(args: argparse.Namespace) -> int:
     """Run ``specjax train drafter`` or ``specjax train router``; returns the exit code."""
     if args.train == "router":
         return run_train_router(args)
+    if args.train == "self-distill":
+        return run_self_distill(args)
     if args.train != "drafter":
         raise ValueError(f"unknown train target {args.train!r}")
-    import specjax
-    from specjax.train.data import cache_hidden_states, load_examples, load_split
+    from specjax.train.data import (
+        cache_hidden_states,
+        check_same_target,
+        concat_splits,
+        load_examples,
+        load_split,
+        read_cache_manifest,
+    )
     from specjax.train.drafter import TrainConfig, train_drafter, write_drafter
 
     progress = not args.no_progress
     t_start = time.time()
-    if args.target is None:
-        from specjax.defaults import ensure_default_target
-
-        target_dir = ensure_default_target(progress=progress)
-    else:
-        target_dir = Path(args.target)
     out = Path(args.out)
     if out.exists() and not args.overwrite and not args.cache_only:
         raise FileExistsError(f"{out} already exists; choose another --out or pass --overwrite")
-    target = specjax.load(target_dir)
+    target_dir, target = _load_target(args, progress)
     cache_dir = Path(args.cache_dir) if args.cache_dir else _default_cache_dir(target_dir, args)
     ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else cache_dir / "checkpoints"
 
@@ -210,11 +250,16 @@ def run_train(args: argparse.Namespace) -> int:
 
     # 2. training (resumable from --ckpt-dir).
     train, heldout = load_split(cache_dir, "train"), load_split(cache_dir, "heldout")
+    for extra in args.extra_cache:
+        check_same_target(cache_dir, Path(extra))
+        train = concat_splits(train, load_split(Path(extra), "train"))
+        heldout = concat_splits(heldout, load_split(Path(extra), "heldout"))
     tc = TrainConfig(steps=args.steps, epochs=args.epochs, token_budget=args.batch_size,
                      lr=args.lr, warmup_fraction=args.warmup, noise=args.noise,
                      init=args.init, fc_init=args.fc_init, seed=args.seed,
                      checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
-                     max_eval_tokens=args.max_eval_tokens)
+                     max_eval_tokens=args.max_eval_tokens, ce_weight=args.ce_weight,
+                     init_from=str(Path(args.init_from).resolve()) if args.init_from else None)
     result = train_drafter(target.cfg, target.params, train, heldout, tc, ckpt_dir,
                            resume=args.resume, progress=progress)
     summary = {"source": str(args.data), "conversations": {k: v["examples"]
@@ -223,7 +268,12 @@ def run_train(args: argparse.Namespace) -> int:
                "assistant_tokens": {k: v["assistant_tokens"] for k, v in splits.items()},
                "max_len": args.max_len, "read_stats": stats.to_json(),
                "target_fingerprint": manifest["fingerprint"]["target"],
-               "tokenizer": info["tokenizer"], "cache_dir": str(cache_dir)}
+               "tokenizer": info["tokenizer"], "cache_dir": str(cache_dir),
+               "extra_caches": [{"dir": str(e), "data": read_cache_manifest(Path(e))["info"]
+                                 .get("data"), "tokens": {
+                                     k: v["tokens"] for k, v in
+                                     read_cache_manifest(Path(e))["splits"].items()}}
+                                for e in args.extra_cache]}
     # main() records its own argv; wired into `specjax`, the process argv is the command.
     command = getattr(args, "command_line", None) or "specjax " + shlex.join(sys.argv[1:])
     extra = {"command": command,
@@ -236,6 +286,38 @@ def run_train(args: argparse.Namespace) -> int:
                       "initial_heldout_top1": m["initial_heldout_top1"],
                       "complete": m["complete"]}, indent=1))
     return 0 if m["complete"] else 1
+
+
+def _load_target(args: argparse.Namespace, progress: bool) -> tuple[Path, Any]:
+    import specjax
+
+    if args.target is None:
+        from specjax.defaults import ensure_default_target
+
+        target_dir = ensure_default_target(progress=progress)
+    else:
+        target_dir = Path(args.target)
+    return target_dir, specjax.load(target_dir)
+
+
+def run_self_distill(args: argparse.Namespace) -> int:
+    """Run ``specjax train self-distill``: greedy target answers appended to ``--out``."""
+    from specjax.train.selfdistill import generate_self_distill, sharegpt_prompts
+
+    progress = not args.no_progress
+    _, target = _load_target(args, progress)
+    prompts = sharegpt_prompts(target.tokenizer, num=args.num_prompts, skip=args.skip,
+                               max_prompt_tokens=args.max_prompt_tokens, source=args.prompts)
+    if not prompts:
+        raise ValueError(f"{args.prompts}: no usable first user turns after {args.skip} records")
+    meta = generate_self_distill(
+        target, prompts, args.out, max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size, engine=args.engine,
+        hf_source=Path(args.hf_source) if args.hf_source else None, threads=args.threads,
+        source=f"{args.prompts} first user turns, skip {args.skip}, "
+               f"<= {args.max_prompt_tokens} tokens", progress=progress)
+    print(json.dumps(meta, indent=1))
+    return 0
 
 
 def run_train_router(args: argparse.Namespace) -> int:
@@ -269,13 +351,7 @@ def run_train_router(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise ValueError(f"--eval-ks must be comma-separated integers, got {args.eval_ks!r}") \
             from e
-    if args.target is None:
-        from specjax.defaults import ensure_default_target
-
-        target_dir = ensure_default_target(progress=progress)
-    else:
-        target_dir = Path(args.target)
-    target = specjax.load(target_dir)
+    target_dir, target = _load_target(args, progress)
     if args.drafter is None:
         from specjax.defaults import default_drafter_dir
 

@@ -548,6 +548,11 @@ class HiddenSplit:
         return {"tokens": tokens, "hidden": hidden, "loss_mask": mask}
 
 
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    """Start of each sequence in the flat arrays: [n] int64."""
+    return np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+
+
 def read_cache_manifest(cache_dir: Path) -> dict:
     path = Path(cache_dir) / MANIFEST
     if not path.exists():
@@ -569,9 +574,30 @@ def load_split(cache_dir: Path, split: str) -> HiddenSplit:
         return HiddenSplit(np.zeros(0, np.int32), np.zeros(0, bool), np.zeros((0, d), np.float16),
                            np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64))
     lengths = np.concatenate([p["lengths"] for p in parts])
-    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    offsets = _offsets(lengths)
     return HiddenSplit(tokens=np.concatenate([p["tokens"] for p in parts]),
                        assistant=np.concatenate([p["assistant"] for p in parts]),
                        hidden=np.concatenate([p["hidden"] for p in parts]),
                        lengths=lengths, offsets=offsets,
                        index=np.concatenate([p["index"] for p in parts]))
+
+
+def check_same_target(cache_dir: Path, other: Path) -> None:
+    """Refuse to mix two caches unless they hold the same target's states at the same width."""
+    a, b = read_cache_manifest(cache_dir), read_cache_manifest(other)
+    if a["fingerprint"]["target"] != b["fingerprint"]["target"]:
+        raise ValueError(f"{other} holds hidden states of another target than {cache_dir} "
+                         f"({b['fingerprint']['target']} vs {a['fingerprint']['target']}); "
+                         "cache its data again for this target")
+    if a["hidden_size"] != b["hidden_size"]:
+        raise ValueError(f"{other} has width {b['hidden_size']}, {cache_dir} {a['hidden_size']}")
+
+
+def concat_splits(a: HiddenSplit, b: HiddenSplit) -> HiddenSplit:
+    """One split holding ``a``'s sequences then ``b``'s (``index`` keeps each source's own)."""
+    lengths = np.concatenate([a.lengths, b.lengths])
+    offsets = _offsets(lengths)
+    return HiddenSplit(tokens=np.concatenate([a.tokens, b.tokens]),
+                       assistant=np.concatenate([a.assistant, b.assistant]),
+                       hidden=np.concatenate([a.hidden, b.hidden.astype(a.hidden.dtype)]),
+                       lengths=lengths, offsets=offsets, index=np.concatenate([a.index, b.index]))

@@ -33,7 +33,13 @@ from jax import Array
 
 from specjax.checkpoint import write_json_atomic
 from specjax.config import ModelConfig
-from specjax.drafter import DrafterConfig, DrafterParams, EagleDrafter, save_drafter
+from specjax.drafter import (
+    DrafterConfig,
+    DrafterParams,
+    EagleDrafter,
+    load_drafter,
+    save_drafter,
+)
 from specjax.model import Params
 from specjax.train.data import HiddenSplit, plan_batches, row_loss_mask, rows_for
 
@@ -63,6 +69,9 @@ class TrainConfig:
     # "lstsq": the fc starts as the ridge least-squares map [e(x_t); f_{t-1}; 1] -> f_t over
     # the training rows (closed form, seconds); "normal": normal(0.02) like EAGLE.
     fc_init: str = "lstsq"
+    # A drafter folder whose weights start the run (fine-tuning, e.g. on self-distilled
+    # data); overrides init and fc_init.
+    init_from: str | None = None
     seed: int = 0
     checkpoint_every: int = 50
     eval_every: int = 0  # 0: evaluate only before and after training
@@ -290,6 +299,20 @@ class TrainResult:
     meta: dict
 
 
+def _load_into(model: EagleDrafter, path: Path, target_cfg: ModelConfig) -> None:
+    """Overwrite ``model``'s weights with those of the drafter folder ``path``."""
+    cfg, dp, _ = load_drafter(path, target_cfg)
+    if (cfg.input_norm, cfg.fc_bias) != (model.cfg.input_norm, model.cfg.fc_bias):
+        raise ValueError(f"{path} is not an EAGLE-1 drafter without input norm and with an fc "
+                         f"bias (input_norm={cfg.input_norm}, fc_bias={cfg.fc_bias}); it cannot "
+                         "start this run")
+    model.fc[...] = jnp.asarray(dp.fc, jnp.float32)
+    if model.fc_bias is not None:
+        model.fc_bias[...] = jnp.asarray(dp.fc_bias, jnp.float32)
+    for name in model.layer:
+        model.layer[name][...] = jnp.asarray(getattr(dp.layer, name), jnp.float32)
+
+
 def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenSplit,
                   heldout: HiddenSplit | None, tc: TrainConfig, ckpt_dir: Path, *,
                   resume: bool = False, stop_after: int | None = None,
@@ -325,7 +348,9 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
         raise FileExistsError(f"{ckpt_dir} already holds checkpoints (step {latest}); pass "
                               "--resume to continue, or choose another checkpoint folder")
     model = init_drafter(target_cfg, target_params, tc)
-    if tc.fc_init == "lstsq" and latest is None:  # a resumed run restores the params instead
+    if tc.init_from is not None and latest is None:
+        _load_into(model, Path(tc.init_from), target_cfg)
+    elif tc.fc_init == "lstsq" and latest is None:  # a resumed run restores the params
         t0 = time.time()
         w, b = lstsq_fc(train, target_params.embed)
         model.fc[...] = jnp.asarray(w)
@@ -469,7 +494,8 @@ def plot_log(log: dict, out: Path) -> Path:
         ax[i].set_ylabel(key if key == "loss" else "top-1 agreement with target")
         ax[i].grid(alpha=0.3)
         ax[i].legend()
-    fig.suptitle("EAGLE drafter: smooth-L1 + 0.1 CE")
+    ce_weight = log.get("train_config", {}).get("ce_weight", 0.1)
+    fig.suptitle(f"EAGLE drafter: smooth-L1 + {ce_weight:g} CE")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -290,3 +290,47 @@ def test_cli_end_to_end_on_pretokenised_data(target, tmp_path, capsys):
     assert meta["data"]["conversations"] == {"train": 9, "heldout": 3}
     assert train_main(args) == 2  # --out exists: a one-line error
     assert "--overwrite" in capsys.readouterr().err
+
+
+def test_fine_tuning_starts_from_the_given_drafter(target, cache, tmp_path):
+    train, held = load_split(cache, "train"), load_split(cache, "heldout")
+    first = train_drafter(target.cfg, target.params, train, held, _tc(steps=10),
+                          tmp_path / "a", progress=False)
+    src = write_drafter(tmp_path / "d1", first, {})
+    tuned = train_drafter(target.cfg, target.params, train, held,
+                          _tc(steps=5, init_from=str(src)), tmp_path / "b", progress=False)
+    ev = {r["tag"]: r for r in first.log["eval"]}, {r["tag"]: r for r in tuned.log["eval"]}
+    assert ev[1]["initial"]["loss"] == pytest.approx(ev[0]["final"]["loss"], rel=1e-5)
+    assert ev[1]["initial"]["top1"] == ev[0]["final"]["top1"]
+
+
+def test_cli_adds_extra_caches_and_refuses_another_targets(target, cache, tmp_path, capsys):
+    rs = np.random.RandomState(1)
+    caches = []
+    for k in range(2):
+        data = tmp_path / f"data{k}.jsonl"
+        data.write_text("".join(json.dumps({"tokens": rs.randint(0, 256, 24).tolist()}) + "\n"
+                                for _ in range(10)))
+        caches.append(tmp_path / f"c{k}")
+        assert train_main(["drafter", "--target", str(target.path), "--data", str(data),
+                           "--max-len", "24", "--heldout-fraction", "0.2", "--cache-dir",
+                           str(caches[-1]), "--out", str(tmp_path / "unused"),
+                           "--cache-batch-tokens", "48", "--cache-only", "--no-progress"]) == 0
+    base = ["drafter", "--target", str(target.path), "--data", str(tmp_path / "data0.jsonl"),
+            "--max-len", "24", "--heldout-fraction", "0.2", "--cache-dir", str(caches[0]),
+            "--cache-batch-tokens", "48", "--steps", "2", "--batch-size", "48", "--no-progress"]
+    capsys.readouterr()
+    assert train_main(base + ["--out", str(tmp_path / "one"), "--ckpt-dir",
+                              str(tmp_path / "k1")]) == 0
+    assert train_main(base + ["--out", str(tmp_path / "two"), "--ckpt-dir", str(tmp_path / "k2"),
+                              "--extra-cache", str(caches[1])]) == 0
+    logs = [json.loads((tmp_path / n / "training_log.json").read_text()) for n in ("one", "two")]
+    rows = [lg["eval"][-1]["rows"] for lg in logs]
+    assert rows[1] == 2 * rows[0] > 0  # both held-out splits are evaluated
+    assert logs[1]["batches_per_epoch"] > logs[0]["batches_per_epoch"]
+    assert logs[1]["meta"]["data"]["extra_caches"][0]["dir"] == str(caches[1])
+    # `cache` holds the states of the in-memory target (scaled weights): another target.
+    capsys.readouterr()
+    assert train_main(base + ["--out", str(tmp_path / "three"), "--ckpt-dir",
+                              str(tmp_path / "k3"), "--extra-cache", str(cache)]) == 2
+    assert "another target" in capsys.readouterr().err

@@ -1,0 +1,53 @@
+"""Self-distillation data: the target's greedy answers as pre-tokenised, resumable records."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import specjax
+from specjax.train.data import load_examples
+from specjax.train.selfdistill import generate_self_distill
+
+PROMPTS = [[5, 17, 42], [7, 3, 3, 9, 11], [100, 2], [64, 65, 66, 67]]
+
+
+def _run(target, out, **kw):
+    return generate_self_distill(target, PROMPTS, out, **({"max_new_tokens": 6, "batch_size": 3,
+                                                          "engine": "specjax",
+                                                          "progress": False} | kw))
+
+
+def test_records_are_the_targets_greedy_answers(tiny_target, tmp_path):
+    out = tmp_path / "sd.jsonl"
+    meta = _run(tiny_target, out)
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt_index"] for r in recs] == list(range(len(PROMPTS)))
+    for p, r in zip(PROMPTS, recs, strict=True):
+        want = specjax.generate(tiny_target, [p], max_new_tokens=6).tokens[0]
+        assert r["tokens"] == p + want
+        assert r["assistant"] == [0] * len(p) + [1] * len(want)
+        assert r["finished"] == (want[-1] in tiny_target.eos_ids)
+    assert meta["records"] == len(PROMPTS)
+    assert meta["answer_tokens"] == sum(sum(r["assistant"]) for r in recs)
+    # The records feed the drafter's data reader as they are.
+    examples, stats = load_examples(out, tokenizer=None, vocab_size=tiny_target.cfg.vocab_size,
+                                    max_len=64, min_tokens=1)
+    assert stats.used == len(PROMPTS) and examples[1].assistant.sum() == len(recs[1]["tokens"]) - 5
+
+
+def test_resume_skips_done_prompts_drops_a_torn_line_and_refuses_other_settings(
+        tiny_target, tmp_path):
+    full, part = tmp_path / "full.jsonl", tmp_path / "part.jsonl"
+    _run(tiny_target, full)
+    _run(tiny_target, part)
+    lines = part.read_text().splitlines()
+    part.write_text(lines[0] + "\n" + lines[1][: len(lines[1]) // 2])  # crash mid-write
+    meta = _run(tiny_target, part)
+    assert part.read_text() == full.read_text()
+    assert meta["records"] == len(PROMPTS)
+    with pytest.raises(ValueError, match="other settings"):
+        _run(tiny_target, part, max_new_tokens=7)
+    with pytest.raises(ValueError, match="engine"):
+        _run(tiny_target, tmp_path / "x.jsonl", engine="vllm")
