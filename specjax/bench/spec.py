@@ -56,6 +56,7 @@ from specjax.model import KVCache, Params, forward_hidden, init_cache, lm_head
 from specjax.sampling import SamplingConfig
 from specjax.speculative import Engine, SpecState, TreeSpec, draft_phase_jit
 from specjax.vocab.head import VocabHead, full_head
+from specjax.vocab.resolve import resolve_head
 
 MT_BENCH_CATEGORIES = frozenset({"writing", "roleplay", "reasoning", "math", "coding",
                                  "extraction", "stem", "humanities"})
@@ -425,7 +426,7 @@ def tree_label(tree: TreeSpec) -> str:
 def select_tree(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
                 calib_ids: Sequence[list[int]], curve: dict[str, Any], *, prompt_len: int,
                 max_new_tokens: int, calib_max_new_tokens: int, stop_on_eos: bool, runs: int,
-                bar: tqdm | None = None) -> dict[str, Any]:
+                head: VocabHead | None = None, bar: tqdm | None = None) -> dict[str, Any]:
     """Estimate each tree's decode speed and pick the fastest.
 
     speed = MAL / (verify_latency(T) + draft_time), with MAL from one batched greedy run
@@ -433,8 +434,9 @@ def select_tree(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
     costs one compile per tree), verify latency read off ``curve`` and draft time
     measured on the jitted draft phase, with the cache that generating ``max_new_tokens``
     from a ``prompt_len``-token prompt allocates for that tree. Vanilla decoding is
-    estimated as 1 / latency(1).
+    estimated as 1 / latency(1). ``head`` is the drafter's vocabulary head (default full).
     """
+    head = head or full_head(target.cfg.vocab_size)
     ctx = curve["context"]
     vanilla_ms = interp_latency(curve, 1)
     rows = []
@@ -443,10 +445,10 @@ def select_tree(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
             bar.set_description(f"calibrate {tree_label(tree)}")
         res = specjax.generate(target, [list(p) for p in calib_ids],
                                max_new_tokens=calib_max_new_tokens, stop_on_eos=stop_on_eos,
-                               drafter=drafter, tree=tree)
+                               drafter=drafter, tree=tree, vocab=head)
         draft = draft_latency(target, drafter, tree, context=ctx,
                               capacity=generate_capacity(prompt_len, max_new_tokens, tree),
-                              out_len=bucket(max_new_tokens), runs=runs)
+                              out_len=bucket(max_new_tokens), runs=runs, head=head)
         verify_ms = interp_latency(curve, tree.num_nodes)
         mal = res.stats["mean_accepted_length"]
         step_ms = verify_ms + draft["best_ms"]
@@ -498,8 +500,8 @@ class _Runner:
     """Runs one method on one prompt, warming each (method, prompt bucket) up first."""
 
     def __init__(self, target: Target, drafter: Drafter, tree: TreeSpec, max_new_tokens: int,
-                 stop_on_eos: bool):
-        self.target, self.drafter, self.tree = target, drafter, tree
+                 stop_on_eos: bool, head: VocabHead):
+        self.target, self.drafter, self.tree, self.head = target, drafter, tree, head
         self.max_new_tokens, self.stop_on_eos = max_new_tokens, stop_on_eos
         self.warm: set[tuple[str, int]] = set()
         self.warmup_s = 0.0
@@ -507,7 +509,7 @@ class _Runner:
     def __call__(self, method: str, ids: list[int]) -> dict[str, Any]:
         kw: dict[str, Any] = {"stop_on_eos": self.stop_on_eos}
         if method != "vanilla":
-            kw |= {"drafter": self.drafter, "tree": self.tree,
+            kw |= {"drafter": self.drafter, "tree": self.tree, "vocab": self.head,
                    "mode": "eager" if method == "eager" else "compiled"}
         if (method, bucket(len(ids))) not in self.warm:
             t0 = time.perf_counter()
@@ -611,7 +613,8 @@ def run_spec_bench(model_dir: str | Path, drafter_dir: str | Path | None, *, per
                    stop_on_eos: bool = True, dtype: str | None = None,
                    prompts: Sequence[dict[str, Any]] | None = None,
                    calib_prompts: Sequence[Sequence[int]] | None = None,
-                   drafter: Drafter | None = None, resume: bool = True) -> dict[str, Any]:
+                   drafter: Drafter | None = None, resume: bool = True,
+                   vocab: str | VocabHead = "full") -> dict[str, Any]:
     """Benchmark greedy speculative decoding on a Spec-Bench subset; write JSON + PNG.
 
     Args:
@@ -636,6 +639,9 @@ def run_spec_bench(model_dir: str | Path, drafter_dir: str | Path | None, *, per
         and the tokenizer.
       drafter: internal: an already loaded drafter (overrides ``drafter_dir``).
       resume: reuse matching records of an interrupted run's partial file.
+      vocab: the drafter's vocabulary head spec ("full", "fr:8192", "dynaspec", ...; see
+        :func:`specjax.vocab.resolve_head`), used for calibration, draft timing and
+        evaluation. Verification is always over the full vocabulary.
     Returns:
       The dict written to ``out``.
     """
@@ -656,6 +662,7 @@ def run_spec_bench(model_dir: str | Path, drafter_dir: str | Path | None, *, per
         drafter_name = str(drafter.path) if drafter.path is not None else "in-memory"
     else:
         drafter, drafter_name = resolve_drafter(drafter_dir, target)
+    head = resolve_head(vocab, target, drafter)
 
     # The prompts: Spec-Bench questions through the chat template, or given ids (tests).
     qpath = None
@@ -695,6 +702,7 @@ def run_spec_bench(model_dir: str | Path, drafter_dir: str | Path | None, *, per
         "calib_per_task": calib_per_task, "calib_question_ids": calib_qids,
         "calib_max_new_tokens": calib_max_new_tokens, "latency_sizes": sizes, "runs": runs,
         "latency_context": context, "latency_capacity": capacity,
+        "vocab": vocab if isinstance(vocab, str) else repr(head),
     }
 
     # Resume: a selection and prompt records written under the same configuration.
@@ -718,7 +726,7 @@ def run_spec_bench(model_dir: str | Path, drafter_dir: str | Path | None, *, per
         selection = select_tree(target, drafter, grid, calib_ids, curve,
                                 prompt_len=mean_prompt, max_new_tokens=max_new_tokens,
                                 calib_max_new_tokens=calib_max_new_tokens,
-                                stop_on_eos=stop_on_eos, runs=runs, bar=bar)
+                                stop_on_eos=stop_on_eos, runs=runs, head=head, bar=bar)
         selection["latency"] = curve
         _append(ppath, {"kind": "selection", "key": sel_key, "selection": selection})
     else:
@@ -729,7 +737,7 @@ def run_spec_bench(model_dir: str | Path, drafter_dir: str | Path | None, *, per
             and r.get("key") == run_key and (r["eager"] is not None) == (
                 r["question_id"] in eager_qids)}
 
-    runner = _Runner(target, drafter, chosen_tree, max_new_tokens, stop_on_eos)
+    runner = _Runner(target, drafter, chosen_tree, max_new_tokens, stop_on_eos, head)
     records = []
     for p in evals:
         qid = p["question_id"]
@@ -884,7 +892,8 @@ def _f(x: float | None, fmt: str = ".2f") -> str:
 def summary(r: dict[str, Any]) -> str:
     """A human-readable table of one result."""
     sel = r["tree_selection"]
-    lines = [f"{r['model_name']}, drafter {r['config']['drafter']}, "
+    lines = [f"{r['model_name']}, drafter {r['config']['drafter']} "
+             f"(vocab {r['config'].get('vocab', 'full')}), "
              f"{r['config']['max_new_tokens']} greedy new tokens, batch 1",
              "latency (ms, best; monotone fit) " + ", ".join(
                  f"T={t}: {ms:.1f}" + ("" if abs(fit - ms) < 0.05 else f" ({fit:.1f})")
@@ -988,6 +997,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="prompts per task also run in eager mode (default 1)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="cast parameters at load (default: as stored)")
+    p.add_argument("--vocab", default="full",
+                   help="drafter vocabulary head: full (default), fr:N, pafr:N, dynaspec, ...")
     p.add_argument("--no-resume", action="store_true",
                    help="ignore and remove the partial results of an interrupted run")
     p.add_argument("--out", default="results/bench_spec.json")
@@ -1006,4 +1017,4 @@ def run_spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
                           questions=args.questions, out=Path(args.out),
                           tasks=[t for t in args.tasks.split(",") if t],
                           eager_per_task=args.eager_per_task, dtype=args.dtype,
-                          resume=not args.no_resume)
+                          resume=not args.no_resume, vocab=args.vocab)

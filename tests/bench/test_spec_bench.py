@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 
+import numpy as np
 import pytest
 
 import specjax
@@ -31,6 +32,7 @@ from specjax.bench.spec import (
 )
 from specjax.decode import bucket
 from specjax.speculative import TreeSpec
+from specjax.vocab.frequency import frequency_head
 from tests.tiny import make_hf_checkpoint
 
 GRID = (TreeSpec("chain", depth=2), TreeSpec("eagle2", depth=2, top_k=2, total_tokens=3))
@@ -173,6 +175,23 @@ def test_spec_bench_pipeline_on_a_tiny_model(tiny_model, tmp_path, monkeypatch, 
     assert res["overall"]["prompts"] == 2 and res["overall"]["matched"] == 1
     assert res["timed_compiles"] == 0
     assert res["config"]["max_new_tokens"] == 8 and res["machine"]["nproc"] >= 1
+
+
+def test_spec_bench_drafts_with_the_given_vocabulary_head(tiny_model, tmp_path):
+    target = specjax.load(tiny_model)
+    ranked = np.arange(target.cfg.vocab_size)[::-1].copy()
+    head = frequency_head(target.params.head, ranked, always=list(target.eos_ids), k_max=32)
+    res = run_spec_bench(tiny_model, "random", per_task=1, max_new_tokens=8,
+                         tree=TreeSpec("chain", depth=2), out=tmp_path / "b.json",
+                         latency_sizes=(1, 4), runs=1, calib_max_new_tokens=8,
+                         prompts=PROMPTS[:1], calib_prompts=CALIB, eager_per_task=0,
+                         stop_on_eos=False, vocab=head)
+    assert "FrequencyHead" in res["config"]["vocab"]
+    assert res["greedy_equality"]["all_match"]  # the head changes drafts, never the output
+    spec = specjax.generate(target, [PROMPTS[0]["ids"]], max_new_tokens=8, stop_on_eos=False,
+                            drafter=spec_bench.random_drafter(target),
+                            tree=TreeSpec("chain", depth=2), vocab=head)
+    assert res["per_prompt"][0]["spec"]["accept_lengths"] == spec.stats["accept_lengths"][0]
 
 
 def test_breakdown_on_a_tiny_model(tiny_model, tmp_path):
