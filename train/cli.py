@@ -192,8 +192,17 @@ def _default_cache_dir(target_dir: Path, args: argparse.Namespace) -> Path:
         f"{target_dir.name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}")
 
 
+def _cache_summary(cache_dir: Path) -> dict:
+    """Where an extra hidden-state cache came from and how many tokens each split holds."""
+    from specjax.train.data import read_cache_manifest
+
+    m = read_cache_manifest(cache_dir)
+    return {"dir": str(cache_dir), "data": m["info"].get("data"),
+            "tokens": {k: v["tokens"] for k, v in m["splits"].items()}}
+
+
 def run_train(args: argparse.Namespace) -> int:
-    """Run ``specjax train drafter`` or ``specjax train router``; returns the exit code."""
+    """Run ``specjax train drafter|self-distill|router``; returns the exit code."""
     if args.train == "router":
         return run_train_router(args)
     if args.train == "self-distill":
@@ -206,7 +215,6 @@ def run_train(args: argparse.Namespace) -> int:
         concat_splits,
         load_examples,
         load_split,
-        read_cache_manifest,
     )
     from specjax.train.drafter import TrainConfig, train_drafter, write_drafter
 
@@ -269,11 +277,7 @@ def run_train(args: argparse.Namespace) -> int:
                "max_len": args.max_len, "read_stats": stats.to_json(),
                "target_fingerprint": manifest["fingerprint"]["target"],
                "tokenizer": info["tokenizer"], "cache_dir": str(cache_dir),
-               "extra_caches": [{"dir": str(e), "data": read_cache_manifest(Path(e))["info"]
-                                 .get("data"), "tokens": {
-                                     k: v["tokens"] for k, v in
-                                     read_cache_manifest(Path(e))["splits"].items()}}
-                                for e in args.extra_cache]}
+               "extra_caches": [_cache_summary(Path(e)) for e in args.extra_cache]}
     # main() records its own argv; wired into `specjax`, the process argv is the command.
     command = getattr(args, "command_line", None) or "specjax " + shlex.join(sys.argv[1:])
     extra = {"command": command,
