@@ -154,7 +154,8 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=int, default=0,
                    help="held-out evaluation every N steps (default: before and after only)")
     p.add_argument("--ckpt-dir", default=None,
-                   help="training checkpoints (default: <out>.checkpoints)")
+                   help="training checkpoints (default: <data>/checkpoints, next to the "
+                        "training data rather than in the router folder that ships)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --ckpt-dir")
@@ -413,7 +414,8 @@ def run_train_router(args: argparse.Namespace) -> int:
              "clusters_s": round(clusters_s, 1)}
     metrics = train_router(Path(args.data), clusters, tc, out, drafter_fingerprint=drafter_fp,
                            target_fields=target_fields_of(target.cfg, clusters),
-                           ckpt_dir=Path(args.ckpt_dir) if args.ckpt_dir else None,
+                           ckpt_dir=Path(args.ckpt_dir) if args.ckpt_dir
+                           else Path(args.data) / "checkpoints",
                            resume=args.resume, overwrite=args.overwrite,
                            extra_meta=extra, progress=progress)
     final = metrics["final"] or {}
