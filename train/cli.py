@@ -154,8 +154,9 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=int, default=0,
                    help="held-out evaluation every N steps (default: before and after only)")
     p.add_argument("--ckpt-dir", default=None,
-                   help="training checkpoints (default: <data>/checkpoints, next to the "
-                        "training data rather than in the router folder that ships)")
+                   help="training checkpoints (default: <data>/checkpoints/<out name>-<hash "
+                        "of the out path>: next to the training data, not in the router folder "
+                        "that ships)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --ckpt-dir")
@@ -325,6 +326,12 @@ def run_self_distill(args: argparse.Namespace) -> int:
     return 0
 
 
+def _router_ckpt_dir(data: Path, out: Path) -> Path:
+    """Default router checkpoints: one folder per output under the data directory."""
+    tag = hashlib.sha256(str(out.absolute()).encode()).hexdigest()[:8]
+    return data / "checkpoints" / f"{out.name}-{tag}"
+
+
 def run_train_router(args: argparse.Namespace) -> int:
     """Run ``specjax train router``: clusters (computed or loaded), then router training.
 
@@ -415,7 +422,7 @@ def run_train_router(args: argparse.Namespace) -> int:
     metrics = train_router(Path(args.data), clusters, tc, out, drafter_fingerprint=drafter_fp,
                            target_fields=target_fields_of(target.cfg, clusters),
                            ckpt_dir=Path(args.ckpt_dir) if args.ckpt_dir
-                           else Path(args.data) / "checkpoints",
+                           else _router_ckpt_dir(Path(args.data), out),
                            resume=args.resume, overwrite=args.overwrite,
                            extra_meta=extra, progress=progress)
     final = metrics["final"] or {}
