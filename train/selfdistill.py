@@ -60,7 +60,11 @@ class _TransformersEngine:
     """Batched greedy generation with transformers (left padding)."""
 
     def __init__(self, target: Target, hf_source: Path | None, threads: int | None):
-        import torch
+        try:
+            import torch
+        except ModuleNotFoundError:
+            raise ValueError("engine 'transformers' needs torch (pip install -e '.[test]'); "
+                             "or use engine 'specjax' (--engine specjax)") from None
 
         from specjax.bench.decode import load_hf_model, resolve_hf_source
 
