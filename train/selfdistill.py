@@ -22,6 +22,7 @@ settings (checked against ``FILE.meta.json``) skips the prompts already answered
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 from collections.abc import Sequence
@@ -41,19 +42,17 @@ def _meta_path(out: Path) -> Path:
     return out.with_name(out.name + ".meta.json")
 
 
-def _done_records(out: Path) -> int:
-    """Complete lines in ``out``; a torn last line (a crash mid-write) is dropped."""
+def _read_records(out: Path) -> list[dict]:
+    """The records already in ``out``; a torn last line (a crash mid-write) is dropped."""
     if not out.exists():
-        return 0
-    lines = out.read_bytes().split(b"\n")
-    good = [ln for ln in lines if ln.strip()]
+        return []
+    lines = [ln for ln in out.read_text().splitlines() if ln.strip()]
     try:
-        if good:
-            json.loads(good[-1])
+        return [json.loads(ln) for ln in lines]
     except json.JSONDecodeError:
-        good = good[:-1]
-        out.write_bytes(b"".join(ln + b"\n" for ln in good))
-    return len(good)
+        # Only the last line can be torn: records are appended whole, a batch at a time.
+        out.write_text("".join(ln + "\n" for ln in lines[:-1]))
+        return [json.loads(ln) for ln in lines[:-1]]
 
 
 class _TransformersEngine:
@@ -135,7 +134,8 @@ def generate_self_distill(target: Target, prompts: Sequence[list[int]], out: str
                 "target": Path(target.path).name, "num_prompts": len(prompts),
                 "prompts_sha256": _prompts_hash(prompts)}
     meta_path = _meta_path(out)
-    done = _done_records(out)
+    records = _read_records(out)
+    done = len(records)
     if done:
         if not meta_path.exists():
             raise FileExistsError(f"{out} exists without {meta_path.name}; choose another "
@@ -144,16 +144,11 @@ def generate_self_distill(target: Target, prompts: Sequence[list[int]], out: str
         if old["settings"] != settings:
             raise ValueError(f"{out} was generated with other settings ({old['settings']}); "
                              "choose another output file or delete it")
-    if done > len(prompts):
-        raise ValueError(f"{out} holds {done} records but only {len(prompts)} prompts were given")
     out.parent.mkdir(parents=True, exist_ok=True)
     run: Any = (_TransformersEngine(target, hf_source, threads) if engine == "transformers"
                 else _SpecjaxEngine(target))
-    stats = {"records": done, "answer_tokens": 0, "finished": 0}
-    if done:
-        for rec in map(json.loads, out.read_text().splitlines()):
-            stats["answer_tokens"] += int(np.sum(rec["assistant"]))
-            stats["finished"] += int(rec["finished"])
+    stats = {"records": done, "answer_tokens": sum(sum(r["assistant"]) for r in records),
+             "finished": sum(bool(r["finished"]) for r in records)}
     bar = tqdm(total=len(prompts), initial=done, unit="prompt", desc="self-distill",
                disable=not progress, dynamic_ncols=True)
     for start in range(done, len(prompts), batch_size):
@@ -180,8 +175,6 @@ def generate_self_distill(target: Target, prompts: Sequence[list[int]], out: str
 
 
 def _prompts_hash(prompts: Sequence[list[int]]) -> str:
-    import hashlib
-
     h = hashlib.sha256()
     for p in prompts:
         h.update(np.asarray(p, np.int64).tobytes() + b"|")
