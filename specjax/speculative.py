@@ -62,6 +62,10 @@ class TreeSpec:
     def __post_init__(self):
         if self.kind not in ("chain", "static", "eagle2"):
             raise ValueError(f"tree kind must be chain, static or eagle2, got {self.kind!r}")
+        for name in ("depth", "top_k", "total_tokens"):  # before any size is derived from them
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"tree {name} must be an int >= 1, got {v!r}")
         if self.kind == "static":
             object.__setattr__(self, "paths", normalize_paths(self.paths))
         pool = eagle2_sizes(self.top_k, self.depth)[1]
