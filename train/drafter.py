@@ -62,6 +62,11 @@ class TrainConfig:
     b2: float = 0.95  # EAGLE's AdamW betas
     grad_clip: float = 0.5  # EAGLE clips the global norm at 0.5
     ce_weight: float = 0.1
+    # The head the CE term scores during training: None for the whole vocabulary, or a
+    # shortlist spec such as "fr:16384" (the rows ``--vocab fr:16384`` drafts from). The
+    # teacher is renormalised over the same rows. Held-out evaluation always uses the
+    # whole vocabulary, so top-1 agreement stays comparable between runs.
+    train_vocab: str | None = None
     noise: float = 0.2  # width of the uniform feature noise U(-noise/2, noise/2); 0 = off
     # "last-layer": the target's last layer with its residual outputs (wo, w_down) zeroed;
     # "last-layer-raw": an unmodified copy; "random": normal(0.02) like EAGLE.
@@ -170,18 +175,41 @@ def _smooth_l1(x: Array) -> Array:
     return jnp.where(ax < 1.0, 0.5 * x * x, ax - 0.5)
 
 
+def scored_rows(x: Array, mask: Array, cap: int) -> tuple[Array, Array]:
+    """The rows of ``x`` [B, T, d] where ``mask`` [B, T] holds, packed into [cap, d].
+
+    Returns (rows [cap, d], valid [cap]); rows past the mask's count repeat row 0 and
+    are invalid. The caller picks ``cap`` >= the count (see :func:`score_cap`), so no
+    scored row is dropped; the point is that the V-wide head runs on ``cap`` rows,
+    not on every prompt and padding row of the batch.
+    """
+    flat = mask.reshape(-1)
+    idx = jnp.nonzero(flat, size=cap, fill_value=0)[0]
+    valid = jnp.arange(cap) < jnp.sum(flat.astype(jnp.int32))
+    return x.reshape(-1, x.shape[-1])[idx], valid
+
+
+def score_cap(n_scored: int, n_rows: int, steps: int = 8) -> int:
+    """A static row count >= ``n_scored`` from ``steps`` fractions of ``n_rows`` (few shapes)."""
+    return max(1, math.ceil(max(n_scored, 1) * steps / n_rows) * n_rows // steps)
+
+
 def eagle_loss(model: EagleDrafter, embed: Array, head: Array, tokens: Array, hidden: Array,
                loss_mask: Array, noise_key: Array | None, noise: float,
-               ce_weight: float) -> tuple[Array, dict[str, Array]]:
+               ce_weight: float, cap: int | None = None) -> tuple[Array, dict[str, Array]]:
     """EAGLE-1 loss over masked rows, plus agreement statistics.
 
     Args:
-      embed, head: [V, d] the target's frozen embedding and LM head.
+      embed: [V, d] the target's frozen embedding.
+      head: [N, d] rows of its frozen LM head that the CE term scores: all V rows, or
+        a training shortlist (then teacher and student are both softmaxed over it).
       tokens: [B, T] x_t; hidden: [B, T, d] the target's f_t; loss_mask: [B, T].
       noise_key: PRNG key for the uniform feature noise (None: no noise, eval).
+      cap: static number of rows the head scores (>= the mask's count); None scores
+        all B*T rows.
     Returns:
       (loss, stats) with stats sums over masked rows: reg, ce, top1 (argmax
-      of drafter logits == argmax of teacher logits) and n (rows).
+      of drafter logits == argmax of teacher logits over ``head``) and n (rows).
     """
     feats = jnp.pad(hidden[:, :-1], ((0, 0), (1, 0), (0, 0)))  # f_{t-1}, zeros at t = 0
     if noise_key is not None and noise > 0:
@@ -193,14 +221,21 @@ def eagle_loss(model: EagleDrafter, embed: Array, head: Array, tokens: Array, hi
     m = loss_mask.astype(jnp.float32)
     n = jnp.sum(m)
     reg = jnp.mean(_smooth_l1(pred - hidden), axis=-1)  # [B, T]
-    teacher = jnp.einsum("btd,vd->btv", hidden, head, preferred_element_type=jnp.float32)
-    logits = jnp.einsum("btd,vd->btv", pred, head, preferred_element_type=jnp.float32)
+    if cap is None:
+        h_rows, p_rows, m_rows = hidden, pred, m
+    else:
+        (h_rows, valid), (p_rows, _) = (scored_rows(hidden, loss_mask, cap),
+                                         scored_rows(pred, loss_mask, cap))
+        m_rows = valid.astype(jnp.float32)
+    teacher = jnp.einsum("...d,vd->...v", h_rows, head, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("...d,vd->...v", p_rows, head, preferred_element_type=jnp.float32)
     p = jax.lax.stop_gradient(jax.nn.softmax(teacher, axis=-1))
-    ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)  # [B, T]
+    ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)  # [B, T] or [cap]
     top1 = (jnp.argmax(logits, -1) == jnp.argmax(teacher, -1)).astype(jnp.float32)
     denom = jnp.maximum(n, 1.0)
-    loss = jnp.sum((reg + ce_weight * ce) * m) / denom
-    stats = {"reg": jnp.sum(reg * m), "ce": jnp.sum(ce * m), "top1": jnp.sum(top1 * m), "n": n}
+    loss = (jnp.sum(reg * m) + ce_weight * jnp.sum(ce * m_rows)) / denom
+    stats = {"reg": jnp.sum(reg * m), "ce": jnp.sum(ce * m_rows),
+             "top1": jnp.sum(top1 * m_rows), "n": n}
     return loss, stats
 
 
@@ -226,14 +261,14 @@ def compiled_steps(graphdef: nnx.GraphDef, tc: TrainConfig, total_steps: int):
 def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, tc: TrainConfig):
     """Jitted (train_step, eval_step) over pure pytrees; one compile per bucket shape."""
 
-    def loss_fn(params, embed, head, tokens, hidden, mask, key):
+    def loss_fn(params, embed, head, tokens, hidden, mask, key, cap=None):
         return eagle_loss(nnx.merge(graphdef, params), embed, head, tokens, hidden, mask, key,
-                          tc.noise, tc.ce_weight)
+                          tc.noise, tc.ce_weight, cap)
 
-    @partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(params, opt_state, embed, head, tokens, hidden, mask, key):
+    @partial(jax.jit, donate_argnums=(0, 1), static_argnames=("cap",))
+    def train_step(params, opt_state, embed, head, tokens, hidden, mask, key, cap=None):
         (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, embed, head, tokens, hidden, mask, key)
+            params, embed, head, tokens, hidden, mask, key, cap)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, loss, stats | {"grad_norm": optax.tree.norm(grads)}
@@ -315,8 +350,9 @@ def _load_into(model: EagleDrafter, path: Path, target_cfg: ModelConfig) -> None
 
 def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenSplit,
                   heldout: HiddenSplit | None, tc: TrainConfig, ckpt_dir: Path, *,
-                  resume: bool = False, stop_after: int | None = None,
-                  progress: bool = True, log_every: int = 1) -> TrainResult:
+                  train_ids: np.ndarray | None = None, resume: bool = False,
+                  stop_after: int | None = None, progress: bool = True,
+                  log_every: int = 1) -> TrainResult:
     """Train an EAGLE drafter on cached hidden states, checkpointing as it goes.
 
     Args:
@@ -324,6 +360,8 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
       ckpt_dir: orbax checkpoints (params, optimizer state, step, data
         position) every ``tc.checkpoint_every`` steps and at the end, plus the
         training log so far.
+      train_ids: [N] the shortlist ``tc.train_vocab`` names (required with it): the
+        LM-head rows the CE term scores during training.
       resume: continue from the latest checkpoint in ``ckpt_dir``; without it
         an existing checkpoint is refused rather than silently overwritten.
       stop_after: stop (after checkpointing) once this step is reached, as an
@@ -365,6 +403,10 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
     tx, train_step, eval_step = compiled_steps(graphdef, tc, total)
     opt_state = tx.init(params)
     embed, head = target_params.embed, target_params.head
+    if (tc.train_vocab is None) != (train_ids is None):
+        raise ValueError("train_vocab and train_ids go together: pass the shortlist's ids")
+    # Pre-gathered once: the training step streams N contiguous rows, not a V-wide head.
+    train_head = head if train_ids is None else jnp.take(head, jnp.asarray(train_ids), axis=0)
 
     log: dict[str, Any] = {"train_config": tc.to_json(), "total_steps": total,
                            "batches_per_epoch": per_epoch, "train": [], "eval": [],
@@ -426,9 +468,10 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
         t, rows = plan[b]
         batch = train.batch(t, rows, rows_for(t, tc.token_budget))
         key = jax.random.fold_in(base_key, step)
+        cap = score_cap(int(batch["loss_mask"].sum()), batch["loss_mask"].size)
         params, opt_state, loss, stats = train_step(
-            params, opt_state, embed, head, jnp.asarray(batch["tokens"]),
-            jnp.asarray(batch["hidden"]), jnp.asarray(batch["loss_mask"]), key)
+            params, opt_state, embed, train_head, jnp.asarray(batch["tokens"]),
+            jnp.asarray(batch["hidden"]), jnp.asarray(batch["loss_mask"]), key, cap=cap)
         step += 1
         tokens_seen += int(train.lengths[rows].sum())
         if step % log_every == 0 or step == end:

@@ -111,7 +111,7 @@ def generate_self_distill(target: Target, prompts: Sequence[list[int]], out: str
                           max_new_tokens: int = 256, batch_size: int = 32,
                           engine: str = "transformers", hf_source: Path | None = None,
                           threads: int | None = None, source: str = "",
-                          progress: bool = True) -> dict:
+                          kinds: Sequence[str] | None = None, progress: bool = True) -> dict:
     """Answer every prompt greedily with the target and append the records to ``out``.
 
     Args:
@@ -120,6 +120,7 @@ def generate_self_distill(target: Target, prompts: Sequence[list[int]], out: str
       engine: "transformers" (default; needs torch and the checkpoint the target
         was converted from) or "specjax".
       source: a description of where the prompts came from, stored in the meta.
+      kinds: each prompt's kind (``specjax.train.prompts``), stored in its record.
     Returns:
       the meta dict: settings, records, answer tokens and how many hit EOS.
     """
@@ -157,9 +158,11 @@ def generate_self_distill(target: Target, prompts: Sequence[list[int]], out: str
         lines = []
         for k, (p, row) in enumerate(zip(batch, rows, strict=True)):
             ans, finished = _answer(row, eos_ids)
-            lines.append(json.dumps({"tokens": list(p) + ans,
-                                     "assistant": [0] * len(p) + [1] * len(ans),
-                                     "prompt_index": start + k, "finished": finished}))
+            rec = {"tokens": list(p) + ans, "assistant": [0] * len(p) + [1] * len(ans),
+                   "prompt_index": start + k, "finished": finished}
+            if kinds is not None:
+                rec["kind"] = kinds[start + k]
+            lines.append(json.dumps(rec))
             stats["answer_tokens"] += len(ans)
             stats["finished"] += int(finished)
         with open(out, "a") as f:

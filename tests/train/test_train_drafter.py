@@ -334,3 +334,57 @@ def test_cli_adds_extra_caches_and_refuses_another_targets(target, cache, tmp_pa
     assert train_main(base + ["--out", str(tmp_path / "three"), "--ckpt-dir",
                               str(tmp_path / "k3"), "--extra-cache", str(cache)]) == 2
     assert "another target" in capsys.readouterr().err
+
+
+def test_scored_rows_pack_the_masked_rows_and_caps_cover_them():
+    from specjax.train.drafter import score_cap, scored_rows
+
+    x = jnp.arange(2 * 5 * 3, dtype=jnp.float32).reshape(2, 5, 3)
+    mask = jnp.array([[0, 1, 1, 0, 0], [1, 0, 0, 0, 1]], bool)
+    rows, valid = scored_rows(x, mask, 6)
+    np.testing.assert_array_equal(np.asarray(valid), [1, 1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(np.asarray(rows[:4]), np.asarray(x[mask]))
+    for n_rows in (7, 128, 2048):
+        for n in range(0, n_rows + 1, max(1, n_rows // 37)):
+            cap = score_cap(n, n_rows)
+            assert max(n, 1) <= cap <= n_rows
+    assert len({score_cap(n, 2048) for n in range(2049)}) == 8  # few static shapes
+
+
+def test_packed_loss_equals_the_unpacked_one(target, cache):
+    """Scoring only the masked rows (cap) changes the cost, not the loss or its gradient."""
+    from specjax.train.drafter import eagle_loss
+
+    train = load_split(cache, "train")
+    b = train.batch(32, list(range(4)), 4)
+    model = init_drafter(target.cfg, target.params, _tc())
+    graphdef, params = nnx.split(model, nnx.Param)
+    args = (jnp.asarray(b["tokens"]), jnp.asarray(b["hidden"]), jnp.asarray(b["loss_mask"]))
+    n = int(b["loss_mask"].sum())
+    assert n < b["loss_mask"].size  # prompt rows exist, so packing is not trivial
+
+    def f(p, cap):
+        return eagle_loss(nnx.merge(graphdef, p), target.params.embed, target.params.head,
+                          *args, None, 0.0, 0.5, cap)
+
+    (l0, s0), g0 = jax.value_and_grad(f, has_aux=True)(params, None)
+    (l1, s1), g1 = jax.value_and_grad(f, has_aux=True)(params, n + 3)
+    np.testing.assert_allclose(float(l0), float(l1), rtol=1e-5)
+    for k in s0:
+        np.testing.assert_allclose(float(s0[k]), float(s1[k]), rtol=1e-5)
+    for a, c in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-4, atol=1e-6)
+
+
+def test_shortlist_training_head_trains_and_evaluates_on_the_full_vocabulary(target, cache,
+                                                                            tmp_path):
+    train, held = load_split(cache, "train"), load_split(cache, "heldout")
+    ids = np.arange(0, target.cfg.vocab_size, 2, dtype=np.int32)  # half the vocabulary
+    with pytest.raises(ValueError, match="go together"):
+        train_drafter(target.cfg, target.params, train, held, _tc(train_vocab="fr:128"),
+                      tmp_path / "x", progress=False)
+    res = train_drafter(target.cfg, target.params, train, held, _tc(train_vocab="fr:128"),
+                        tmp_path / "ckpt", train_ids=ids, progress=False)
+    ev = {r["tag"]: r for r in res.log["eval"]}
+    assert ev["final"]["loss"] < 0.7 * ev["initial"]["loss"], ev
+    assert res.meta["train_config"]["train_vocab"] == "fr:128"

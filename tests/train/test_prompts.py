@@ -1,0 +1,76 @@
+"""The self-distillation prompt mix: kinds derived from ShareGPT-style records, exclusions."""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+import pytest
+
+from specjax.train.prompts import candidates, load_exclusions, prompt_mix
+
+PROSE = ("The water cycle moves water between the oceans, the air and the land. Heat from the "
+         "sun makes water evaporate from the sea, and the vapour rises and cools into clouds. "
+         "When the droplets grow heavy they fall as rain or snow, which runs into rivers and "
+         "lakes or soaks into the ground, and in the end it flows back to the sea, where the "
+         "cycle begins again. Plants also return water to the air through their leaves.")
+GERMAN = ("Die Krise ist in der Mittelschicht angekommen, und viele Familien müssen jetzt mit "
+          "weniger Geld auskommen als früher.")
+
+
+class WordTokenizer:
+    """Stands in for a chat tokenizer: one id per whitespace word, plus a 2-token header."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
+        assert add_generation_prompt and tokenize and len(messages) == 1
+        return [1] + [10 + zlib.crc32(w.encode()) % 1000
+                      for w in messages[0]["content"].split()] + [2]
+
+
+def _conv(*turns):
+    return {"conversations": [{"from": w, "value": v} for w, v in turns]}
+
+
+def test_candidates_derive_each_kind():
+    c = candidates([{"role": "user", "content": "How does the water cycle work?"},
+                    {"role": "assistant", "content": PROSE}])
+    assert c["chat"] == "How does the water cycle work?"
+    assert ("summarize" in c) != ("passage_qa" in c)  # one passage, one kind
+    kind = "summarize" if "summarize" in c else "passage_qa"
+    assert PROSE in c[kind]
+    t = candidates([{"role": "user", "content": "Bitte übersetze das."},
+                    {"role": "assistant", "content": "Klar.\n\n" + GERMAN}])
+    assert t["translate"].startswith("Translate") and "German" in t["translate"]
+    assert GERMAN in t["translate"]
+    # Code and English text are never offered for translation.
+    assert "translate" not in candidates([{"role": "user", "content": PROSE},
+                                          {"role": "assistant", "content": "ok " * 10}])
+
+
+def test_prompt_mix_interleaves_kinds_and_drops_evaluation_questions(tmp_path):
+    evaluation = "Who played the part of Anna in the series once upon a time?"
+    records = [_conv(("human", evaluation), ("gpt", PROSE))]
+    for i in range(60):
+        q = f"Question number {i}: how does the water cycle work in region {i}?"
+        records.append(_conv(("human", q), ("gpt", PROSE.replace("sun", f"sun {i}"))))
+        records.append(_conv(("human", f"Schreib etwas {i}"), ("gpt", GERMAN + f" {i}")))
+    src = tmp_path / "sg.json"
+    src.write_text(json.dumps(records))
+    questions = tmp_path / "question.jsonl"
+    questions.write_text(json.dumps({"turns": [evaluation]}) + "\n")
+    prompts, kinds, stats = prompt_mix(WordTokenizer(), num=40, skip=0, source=src,
+                                       max_prompt_tokens=10_000,
+                                       exclude=load_exclusions([questions]), block=8)
+    assert len(prompts) == len(kinds) == 40
+    assert set(kinds) == {"chat", "summarize", "passage_qa", "translate"}
+    assert stats["excluded"] >= 1
+    banned = WordTokenizer().apply_chat_template([{"role": "user", "content": evaluation}],
+                                                 True, True, False)
+    assert banned not in prompts
+    # Every block of 8 holds several kinds and is sorted by length.
+    for s in range(0, 40, 8):
+        assert len(set(kinds[s:s + 8])) >= 2
+        lens = [len(p) for p in prompts[s:s + 8]]
+        assert lens == sorted(lens)
+    with pytest.raises(ValueError, match="unknown prompt kinds"):
+        prompt_mix(WordTokenizer(), num=4, source=src, weights={"poetry": 1.0})

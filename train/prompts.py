@@ -1,0 +1,191 @@
+"""A broad prompt mix for self-distillation, built from ShareGPT alone.
+
+The drafter is used where the target answers: chat, code, questions about a given
+passage, summaries of a given text, translation, math. ShareGPT's first user turns
+cover chat, code and math, but rarely hand the model a text to summarise or a
+passage to answer from, and its non-English turns are seldom translation requests.
+The mix below derives those prompt kinds from ShareGPT's own text:
+
+* ``chat``: a first user turn, as it is;
+* ``summarize``: an English prose answer from ShareGPT as the text to summarise;
+* ``passage_qa``: an English prose answer as the passage, the user turn that asked
+  for it as the question (so the question is answerable from the passage);
+* ``translate``: a German / French / Spanish / Italian / Portuguese turn, to English.
+
+Spec-Bench's questions are the evaluation and never training data: any prompt that
+shares an 8-word shingle with one of them is dropped (:func:`load_exclusions`).
+
+The list is interleaved by kind and sorted by length inside blocks, so any prefix of
+it (self-distillation resumes and may be stopped early) is a mix, and a batch of
+consecutive prompts wastes little padding.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import zlib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from specjax.train.data import iter_records, normalize_messages, sharegpt_path
+
+KINDS = ("chat", "summarize", "passage_qa", "translate")
+DEFAULT_WEIGHTS = {"chat": 0.45, "summarize": 0.2, "passage_qa": 0.2, "translate": 0.15}
+
+_SUMMARIZE = ("Summarize: {text}",
+              "Summarize the following text in a few sentences.\n\n{text}",
+              "Write a short summary of this text:\n{text}")
+_PASSAGE_QA = ("{text}\n\nQuestion: {q}",
+               "Answer the question using the passage below.\n\nPassage: {text}\n\nQuestion: {q}",
+               "Read the text and answer the question.\n\n{text}\n\n{q}")
+_TRANSLATE = ("Translate {lang} to English: {text}",
+              "Translate the following {lang} text into English.\n\n{text}")
+
+# Stop-word rates tell the language of a short turn well enough to phrase a request.
+_STOPWORDS = {
+    "German": "und der die das ist nicht ich wir mit für ein eine auf sie es zu den von",
+    "French": "le la les et est une des pour dans avec pas je vous il qui sur du au",
+    "Spanish": "el los las y es una para con por que del no se lo como más pero su",
+    "Italian": "il di che è per una non sono della con gli del le da si anche",
+    "Portuguese": "os é uma para com não que do da em um se mais por",
+}
+_WORD = re.compile(r"[^\W\d_]+", re.UNICODE)
+_ENGLISH = set(("the and is of to in that it for with as on are this be by you we a an or at "
+                "from not can will what how i my your have has do if so").split())
+
+
+def _language(text: str) -> str | None:
+    """The language whose stop words make up >= 20% of ``text``'s words, English included."""
+    words = [w.lower() for w in _WORD.findall(text)]
+    if len(words) < 6:
+        return None
+    rates = {lang: sum(w in set(sw.split()) for w in words) / len(words)
+             for lang, sw in _STOPWORDS.items()}
+    rates["English"] = sum(w in _ENGLISH for w in words) / len(words)
+    best = max(rates, key=rates.get)
+    if best != "English" and rates["English"] >= 0.08:  # mixed text: not worth translating
+        return None
+    return best if rates[best] >= 0.2 else None
+
+
+def _is_prose(text: str, min_words: int, max_words: int) -> bool:
+    """Plain English paragraphs: no code fences or tables, a length in words."""
+    if "```" in text or "|---" in text or text.count("\n") > 40:
+        return False
+    n = len(text.split())
+    return min_words <= n <= max_words and _language(text) == "English"
+
+
+def _shingles(text: str, n: int = 8) -> set[tuple[str, ...]]:
+    words = [w.lower() for w in _WORD.findall(text)]
+    return {tuple(words[i:i + n]) for i in range(max(0, len(words) - n + 1))}
+
+
+def load_exclusions(paths: Iterable[str | Path]) -> set[tuple[str, ...]]:
+    """8-word shingles of every turn of the given Spec-Bench-style ``question.jsonl`` files."""
+    out: set[tuple[str, ...]] = set()
+    for path in paths:
+        for line in Path(path).read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                for turn in json.loads(line).get("turns", []):
+                    out |= _shingles(turn)
+    return out
+
+
+def candidates(messages: list[dict[str, str]]) -> dict[str, str]:
+    """The prompt of each kind that one conversation yields (a kind may be missing)."""
+    out: dict[str, str] = {}
+    user = messages[0]["content"] if messages[0]["role"] == "user" else None
+    if user is not None:
+        out["chat"] = user
+    # The first (question, answer) pair whose answer is English prose gives a passage.
+    pairs = [(q["content"], a["content"]) for q, a in zip(messages, messages[1:], strict=False)
+             if q["role"] == "user" and a["role"] == "assistant"]
+    for question, answer in pairs:
+        if not _is_prose(answer, 60, 300):
+            continue
+        h = zlib.crc32(answer.encode())  # fixed choices per text, run to run
+        # One passage serves one kind, so that the two kinds never share a text.
+        if h % 2 and 3 <= len(question.split()) <= 40 and "\n" not in question.strip():
+            out["passage_qa"] = _PASSAGE_QA[h % len(_PASSAGE_QA)].format(
+                text=answer.strip(), q=question.strip())
+        else:
+            out["summarize"] = _SUMMARIZE[h % len(_SUMMARIZE)].format(text=answer.strip())
+        break
+    # Translation: a non-English paragraph of any turn (answers in German, French, ... are
+    # far more common in ShareGPT than short non-English questions).
+    for m in messages:
+        for para in m["content"].split("\n\n"):
+            if 8 <= len(para.split()) <= 80 and "```" not in para and para.count("\n") <= 3:
+                lang = _language(para)
+                if lang not in (None, "English"):
+                    template = _TRANSLATE[zlib.crc32(para.encode()) % len(_TRANSLATE)]
+                    out["translate"] = template.format(lang=lang, text=para.strip())
+                    return out
+    return out
+
+
+def prompt_mix(tokenizer: Any, *, num: int, skip: int = 2000, max_prompt_tokens: int = 320,
+               weights: Mapping[str, float] | None = None, source: str | Path = "sharegpt",
+               exclude: set[tuple[str, ...]] | None = None, block: int = 192,
+               seed: int = 0) -> tuple[list[list[int]], list[str], dict]:
+    """``num`` chat-templated prompts drawn from ``source`` after ``skip`` records.
+
+    Args:
+      weights: share of each kind (default :data:`DEFAULT_WEIGHTS`); a kind that runs
+        out of candidates leaves its share to the others.
+      exclude: shingles of evaluation questions (:func:`load_exclusions`); a prompt
+        sharing one is dropped.
+      block: prompts are sorted by length inside consecutive blocks of this size.
+    Returns:
+      (prompt ids, their kinds, stats) in generation order; each prompt ends with the
+      assistant header and has at most ``max_prompt_tokens`` tokens.
+    """
+    weights = dict(DEFAULT_WEIGHTS if weights is None else weights)
+    if unknown := set(weights) - set(KINDS):
+        raise ValueError(f"unknown prompt kinds {sorted(unknown)}; known: {KINDS}")
+    quota = {k: round(num * w / sum(weights.values())) for k, w in weights.items() if w > 0}
+    pools: dict[str, list[list[int]]] = {k: [] for k in quota}
+    stats = {"records": 0, "excluded": 0, "too_long": 0}
+    path = sharegpt_path() if str(source) == "sharegpt" else Path(source)
+    for i, rec in enumerate(iter_records(path)):
+        if i < skip:
+            continue
+        stats["records"] += 1
+        msgs = normalize_messages(rec)
+        if not msgs:
+            continue
+        for kind, text in candidates(msgs).items():
+            if kind not in pools or len(pools[kind]) >= quota[kind]:
+                continue
+            if exclude and _shingles(text) & exclude:
+                stats["excluded"] += 1
+                continue
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)
+            if len(ids) > max_prompt_tokens:
+                stats["too_long"] += 1
+                continue
+            pools[kind].append(list(ids))
+        if all(len(pools[k]) >= quota[k] for k in pools):
+            break
+    # Interleave by kind (largest remaining share first), then sort blocks by length.
+    order: list[tuple[str, list[int]]] = []
+    taken = dict.fromkeys(pools, 0)
+    while len(order) < sum(map(len, pools.values())):
+        left = [k for k in pools if taken[k] < len(pools[k])]
+        k = min(left, key=lambda k: (taken[k] + 1) / len(pools[k]))
+        order.append((k, pools[k][taken[k]]))
+        taken[k] += 1
+    rng = random.Random(seed)
+    out: list[tuple[str, list[int]]] = []
+    for start in range(0, len(order), block):
+        chunk = order[start:start + block]
+        rng.shuffle(chunk)
+        out += sorted(chunk, key=lambda kp: len(kp[1]))
+    stats["per_kind"] = {k: len(v) for k, v in pools.items()}
+    return [p for _, p in out], [k for k, _ in out], stats
