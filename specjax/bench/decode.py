@@ -55,11 +55,13 @@ def load_hf_model(src: Path, dtype: str) -> Any:
     from transformers import AutoModelForCausalLM
 
     torch_dtype = getattr(torch, dtype)
+    # trust_remote_code=False: never run (or prompt to run) code shipped in a model folder.
     if src.suffix == ".gguf":
         model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
-                                                     dtype=torch_dtype)
+                                                     dtype=torch_dtype, trust_remote_code=False)
     else:
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype)
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype,
+                                                     trust_remote_code=False)
     return model.eval()
 
 
