@@ -64,6 +64,12 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
                    help="score the CE term over this FR-Spec shortlist during training (the "
                         "rows `--vocab fr:N` drafts from; counts default to the shipped "
                         "drafter's); about 5x less LM-head work at N=8192 (default: all V)")
+    p.add_argument("--ttt-steps", type=int, default=1,
+                   help="training-time test: draft steps unrolled on the drafter's own "
+                        "features, so deeper drafts train on what they read at inference "
+                        "(default 1: EAGLE-1)")
+    p.add_argument("--ttt-decay", type=float, default=1.0,
+                   help="weight of unrolled step k's loss: decay**(k-1) (default 1)")
     p.add_argument("--extra-cache", action="append", default=[], metavar="DIR",
                    help="another complete hidden-state cache of the same target whose train "
                         "and held-out splits are added to this run's (repeatable)")
@@ -280,7 +286,8 @@ def run_train(args: argparse.Namespace) -> int:
                      init=args.init, fc_init=args.fc_init, seed=args.seed,
                      checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
                      max_eval_tokens=args.max_eval_tokens, ce_weight=args.ce_weight,
-                     train_vocab=args.train_vocab,
+                     train_vocab=args.train_vocab, ttt_steps=args.ttt_steps,
+                     ttt_decay=args.ttt_decay,
                      init_from=str(Path(args.init_from).resolve()) if args.init_from else None)
     train_ids = None if args.train_vocab is None else _train_shortlist(args.train_vocab, target)
     result = train_drafter(target.cfg, target.params, train, heldout, tc, ckpt_dir,

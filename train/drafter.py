@@ -67,6 +67,10 @@ class TrainConfig:
     # teacher is renormalised over the same rows. Held-out evaluation always uses the
     # whole vocabulary, so top-1 agreement stays comparable between runs.
     train_vocab: str | None = None
+    # Training-time test: draft steps unrolled on the drafter's own features (1 = EAGLE-1)
+    # and the weight decay of each deeper step's loss.
+    ttt_steps: int = 1
+    ttt_decay: float = 1.0
     noise: float = 0.2  # width of the uniform feature noise U(-noise/2, noise/2); 0 = off
     # "last-layer": the target's last layer with its residual outputs (wo, w_down) zeroed;
     # "last-layer-raw": an unmodified copy; "random": normal(0.02) like EAGLE.
@@ -194,10 +198,63 @@ def score_cap(n_scored: int, n_rows: int, steps: int = 8) -> int:
     return max(1, math.ceil(max(n_scored, 1) * steps / n_rows) * n_rows // steps)
 
 
+def ttt_mask(t: int, step: int) -> Array:
+    """[t, step * t] keys visible to the queries of unrolled draft step ``step`` (1-based).
+
+    Keys are the drafter rows of steps 1..step, each ``t`` long. A step-k query at
+    position p plays the k-th token of a draft chain whose first token sits at
+    p - k + 1: at inference it sees the context rows (step 1, positions <= p - k + 1,
+    computed from the target's features) and the chain's own rows, the step-m row at
+    position p - k + m for m = 2..k (computed from the drafter's predicted features).
+    Step 1 is plain causal attention.
+    """
+    i = jnp.arange(t)[:, None]
+    j = jnp.arange(step * t)[None, :]
+    m, pos = j // t + 1, j % t
+    return ((m == 1) & (pos <= i - step + 1)) | ((m >= 2) & (pos == i - step + m))
+
+
+def unrolled_features(model: EagleDrafter, embed: Array, tokens: Array, feats: Array,
+                      steps: int) -> list[Array]:
+    """Training-time test (EAGLE-3, HASS): the drafter's predictions for ``steps`` draft steps.
+
+    Step 1 is teacher-forced (row t reads the target's f_{t-1}); step k >= 2 reads the
+    drafter's own step k-1 prediction at t-1 and attends as a depth-k chain node would
+    (:func:`ttt_mask`), so the deeper drafts are trained on the inputs they get at
+    inference. Tokens stay teacher-forced: step k row t is scored on f_t, the state
+    after x_t, like step 1.
+
+    Args:
+      tokens: [B, T]; feats: [B, T, d] step 1's input features (f_{t-1}, noised).
+    Returns:
+      ``steps`` predicted features, each [B, T, d].
+    """
+    from specjax.drafter import drafter_hidden, init_drafter_cache
+
+    b, t = tokens.shape
+    dp = model.params()
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    # One cache holds every step's rows: step k writes rows (k-1)T .. kT-1. Lengths stay 0,
+    # so the block mask alone decides what each query sees.
+    cache = init_drafter_cache(model.cfg, b, steps * t, feats.dtype)
+    preds = []
+    for k in range(1, steps + 1):
+        if k > 1:
+            feats = jnp.pad(preds[-1][:, :-1], ((0, 0), (1, 0), (0, 0)))
+        block = jnp.broadcast_to(ttt_mask(t, k), (b, t, k * t))
+        big = jnp.pad(block, ((0, 0), (0, 0), (0, (steps - k) * t)))  # later steps: unseen
+        rows = jnp.broadcast_to((k - 1) * t + jnp.arange(t), (b, t))
+        pred, cache = drafter_hidden(dp, model.cfg, embed, tokens, feats, positions, cache,
+                                     block_mask=big, write_rows=rows)
+        preds.append(pred)
+    return preds
+
+
 def eagle_loss(model: EagleDrafter, embed: Array, head: Array, tokens: Array, hidden: Array,
                loss_mask: Array, noise_key: Array | None, noise: float,
-               ce_weight: float, cap: int | None = None) -> tuple[Array, dict[str, Array]]:
-    """EAGLE-1 loss over masked rows, plus agreement statistics.
+               ce_weight: float, cap: int | None = None, ttt_steps: int = 1,
+               ttt_decay: float = 1.0) -> tuple[Array, dict[str, Array]]:
+    """EAGLE-1 loss over masked rows (optionally unrolled), plus agreement statistics.
 
     Args:
       embed: [V, d] the target's frozen embedding.
@@ -207,9 +264,12 @@ def eagle_loss(model: EagleDrafter, embed: Array, head: Array, tokens: Array, hi
       noise_key: PRNG key for the uniform feature noise (None: no noise, eval).
       cap: static number of rows the head scores (>= the mask's count); None scores
         all B*T rows.
+      ttt_steps: draft steps unrolled (:func:`unrolled_features`); 1 is EAGLE-1.
+      ttt_decay: step k's loss is weighted ``ttt_decay ** (k - 1)``.
     Returns:
       (loss, stats) with stats sums over masked rows: reg, ce, top1 (argmax
-      of drafter logits == argmax of teacher logits over ``head``) and n (rows).
+      of drafter logits == argmax of teacher logits over ``head``) and n (rows), for
+      step 1; top1_k for the unrolled steps k >= 2.
     """
     feats = jnp.pad(hidden[:, :-1], ((0, 0), (1, 0), (0, 0)))  # f_{t-1}, zeros at t = 0
     if noise_key is not None and noise > 0:
@@ -217,26 +277,34 @@ def eagle_loss(model: EagleDrafter, embed: Array, head: Array, tokens: Array, hi
         # imperfect predictions at deeper draft steps.
         feats = feats + jax.random.uniform(noise_key, feats.shape, feats.dtype,
                                            -noise / 2, noise / 2)
-    pred = model(embed, tokens, feats)  # ĥ_t [B, T, d]
+    if ttt_steps == 1:
+        preds = [model(embed, tokens, feats)]  # ĥ_t [B, T, d]
+    else:
+        preds = unrolled_features(model, embed, tokens, feats, ttt_steps)
     m = loss_mask.astype(jnp.float32)
     n = jnp.sum(m)
-    reg = jnp.mean(_smooth_l1(pred - hidden), axis=-1)  # [B, T]
     if cap is None:
-        h_rows, p_rows, m_rows = hidden, pred, m
+        h_rows, m_rows = hidden, m
     else:
-        (h_rows, valid), (p_rows, _) = (scored_rows(hidden, loss_mask, cap),
-                                         scored_rows(pred, loss_mask, cap))
+        h_rows, valid = scored_rows(hidden, loss_mask, cap)
         m_rows = valid.astype(jnp.float32)
     teacher = jnp.einsum("...d,vd->...v", h_rows, head, preferred_element_type=jnp.float32)
-    logits = jnp.einsum("...d,vd->...v", p_rows, head, preferred_element_type=jnp.float32)
     p = jax.lax.stop_gradient(jax.nn.softmax(teacher, axis=-1))
-    ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)  # [B, T] or [cap]
-    top1 = (jnp.argmax(logits, -1) == jnp.argmax(teacher, -1)).astype(jnp.float32)
-    denom = jnp.maximum(n, 1.0)
-    loss = (jnp.sum(reg * m) + ce_weight * jnp.sum(ce * m_rows)) / denom
-    stats = {"reg": jnp.sum(reg * m), "ce": jnp.sum(ce * m_rows),
-             "top1": jnp.sum(top1 * m_rows), "n": n}
-    return loss, stats
+    target = jnp.argmax(teacher, -1)
+    total, stats = 0.0, {"n": n}
+    for k, pred in enumerate(preds, start=1):
+        reg = jnp.mean(_smooth_l1(pred - hidden), axis=-1)  # [B, T]
+        p_rows = pred if cap is None else scored_rows(pred, loss_mask, cap)[0]
+        logits = jnp.einsum("...d,vd->...v", p_rows, head, preferred_element_type=jnp.float32)
+        ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)  # [B, T] or [cap]
+        top1 = jnp.sum((jnp.argmax(logits, -1) == target).astype(jnp.float32) * m_rows)
+        total = total + ttt_decay ** (k - 1) * (jnp.sum(reg * m)
+                                                + ce_weight * jnp.sum(ce * m_rows))
+        if k == 1:
+            stats |= {"reg": jnp.sum(reg * m), "ce": jnp.sum(ce * m_rows), "top1": top1}
+        else:
+            stats[f"top1_{k}"] = top1
+    return total / jnp.maximum(n, 1.0), stats
 
 
 def make_optimizer(tc: TrainConfig, total_steps: int) -> optax.GradientTransformation:
@@ -263,7 +331,7 @@ def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, tc: Tra
 
     def loss_fn(params, embed, head, tokens, hidden, mask, key, cap=None):
         return eagle_loss(nnx.merge(graphdef, params), embed, head, tokens, hidden, mask, key,
-                          tc.noise, tc.ce_weight, cap)
+                          tc.noise, tc.ce_weight, cap, tc.ttt_steps, tc.ttt_decay)
 
     @partial(jax.jit, donate_argnums=(0, 1), static_argnames=("cap",))
     def train_step(params, opt_state, embed, head, tokens, hidden, mask, key, cap=None):
@@ -282,22 +350,28 @@ def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, tc: Tra
 
 def evaluate(eval_step: Callable, params: Any, embed: Array, head: Array, split: HiddenSplit,
              token_budget: int, ce_weight: float, max_tokens: int | None = None) -> dict:
-    """Held-out loss and top-1 agreement, averaged over every masked row of ``split``."""
+    """Held-out loss and top-1 agreement, averaged over every masked row of ``split``.
+
+    With training-time test the result also has ``top1_k``: step k's agreement when the
+    k-1 earlier drafts were right (their tokens are teacher-forced).
+    """
     lengths = split.lengths
     if max_tokens is not None:  # a fixed prefix of the split, so every evaluation sees the same
         keep = int(np.searchsorted(np.cumsum(lengths), max_tokens, side="right"))
         lengths = lengths[: max(keep, 1)]
     buckets = sorted({b for b in _split_buckets(split)})
-    tot = {"reg": 0.0, "ce": 0.0, "top1": 0.0, "n": 0.0}
+    tot: dict[str, float] = {}
     for t, rows in plan_batches(lengths, buckets, token_budget):
         b = split.batch(t, rows, rows_for(t, token_budget))
         s = eval_step(params, embed, head, jnp.asarray(b["tokens"]), jnp.asarray(b["hidden"]),
                       jnp.asarray(b["loss_mask"]))
-        for k in tot:
-            tot[k] += float(s[k])
-    n = max(tot["n"], 1.0)
-    return {"loss": (tot["reg"] + ce_weight * tot["ce"]) / n, "reg": tot["reg"] / n,
-            "ce": tot["ce"] / n, "top1": tot["top1"] / n, "rows": int(tot["n"])}
+        for k, v in s.items():
+            tot[k] = tot.get(k, 0.0) + float(v)
+    n = max(tot.get("n", 0.0), 1.0)
+    deeper = {k: v / n for k, v in tot.items() if k.startswith("top1_")}
+    return {"loss": (tot.get("reg", 0.0) + ce_weight * tot.get("ce", 0.0)) / n,
+            "reg": tot.get("reg", 0.0) / n, "ce": tot.get("ce", 0.0) / n,
+            "top1": tot.get("top1", 0.0) / n, "rows": int(tot.get("n", 0.0)), **deeper}
 
 
 def _split_buckets(split: HiddenSplit) -> tuple[int, ...]:
@@ -378,6 +452,9 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
     per_epoch = len(plan_batches(train.lengths, buckets, tc.token_budget))
     total = tc.steps if tc.steps is not None else max(1, math.ceil(tc.epochs * per_epoch))
 
+    if tc.ttt_steps < 1 or not 0 < tc.ttt_decay <= 1:
+        raise ValueError(f"ttt_steps must be >= 1 and ttt_decay in (0, 1], not "
+                         f"{tc.ttt_steps} and {tc.ttt_decay}")
     if tc.fc_init not in ("lstsq", "normal"):
         raise ValueError(f"fc_init must be lstsq or normal, not {tc.fc_init!r}")
     mgr = ckpt_manager(ckpt_dir)
@@ -439,8 +516,9 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
         r |= {"step": step, "tag": tag, "eval_s": round(time.time() - t0, 1)}
         log["eval"].append(r)
         if progress:
-            tqdm.write(f"[eval {tag} step {step}] loss {r['loss']:.4f} top1 {r['top1']:.4f} "
-                       f"({r['rows']} rows)")
+            deeper = "".join(f" {k} {v:.4f}" for k, v in r.items() if k.startswith("top1_"))
+            tqdm.write(f"[eval {tag} step {step}] loss {r['loss']:.4f} top1 {r['top1']:.4f}"
+                       f"{deeper} ({r['rows']} rows)")
 
     def save(step: int) -> None:
         epoch, batch = divmod(step, per_epoch)
@@ -479,6 +557,7 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
             rec = {"step": step, "loss": float(loss), "reg": float(stats["reg"]) / n,
                    "ce": float(stats["ce"]) / n, "top1": float(stats["top1"]) / n,
                    "grad_norm": float(stats["grad_norm"]), "tokens_seen": tokens_seen,
+                   **{k: float(v) / n for k, v in stats.items() if k.startswith("top1_")},
                    "wall_s": round(wall0 + time.time() - t_run, 2)}
             log["train"].append(rec)
             ema = rec["loss"] if ema is None else 0.95 * ema + 0.05 * rec["loss"]

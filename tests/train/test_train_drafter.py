@@ -388,3 +388,50 @@ def test_shortlist_training_head_trains_and_evaluates_on_the_full_vocabulary(tar
     ev = {r["tag"]: r for r in res.log["eval"]}
     assert ev["final"]["loss"] < 0.7 * ev["initial"]["loss"], ev
     assert res.meta["train_config"]["train_vocab"] == "fr:128"
+
+
+def test_unrolled_steps_equal_a_drafted_chain(target, cache):
+    """Training-time test: step k of the unroll computes exactly what the drafter computes
+    for the k-th node of a chain at inference (the context rows from the target's features,
+    then its own predicted features), for every chain start in the sequence."""
+    from specjax.drafter import drafter_hidden, init_drafter_cache
+    from specjax.train.drafter import unrolled_features
+
+    train = load_split(cache, "train")
+    b = train.batch(32, [0], 1)
+    tokens, hidden = jnp.asarray(b["tokens"]), jnp.asarray(b["hidden"])
+    model = init_drafter(target.cfg, target.params, _tc(init="random"))
+    feats = jnp.pad(hidden[:, :-1], ((0, 0), (1, 0), (0, 0)))
+    preds = unrolled_features(model, target.params.embed, tokens, feats, 3)
+    dp, cfg, embed = model.params(), model.cfg, target.params.embed
+    for start in (0, 1, 5, 17):  # the chain's first token is x_start
+        # Context pass (rows 0..start with the target's features), as the engine's catch-up.
+        c = init_drafter_cache(cfg, 1, 64)
+        pos = jnp.arange(start + 1)[None]
+        h, c = drafter_hidden(dp, cfg, embed, tokens[:, :start + 1], feats[:, :start + 1], pos,
+                              c)
+        c = dataclasses.replace(c, lengths=c.lengths + start + 1)
+        np.testing.assert_allclose(np.asarray(h[0, start]), np.asarray(preds[0][0, start]),
+                                   rtol=2e-4, atol=2e-5)
+        prev = h[:, start:start + 1]
+        for k in (2, 3):  # chain node k reads x_{start+k-1} and the node before's prediction
+            p = start + k - 1
+            h, c = drafter_hidden(dp, cfg, embed, tokens[:, p:p + 1], prev, jnp.array([[p]]), c)
+            c = dataclasses.replace(c, lengths=c.lengths + 1)
+            np.testing.assert_allclose(np.asarray(h[0, 0]), np.asarray(preds[k - 1][0, p]),
+                                       rtol=2e-4, atol=2e-5)
+            prev = h
+
+
+def test_training_time_test_trains_every_step(target, cache, tmp_path):
+    train, held = load_split(cache, "train"), load_split(cache, "heldout")
+    res = train_drafter(target.cfg, target.params, train, held, _tc(ttt_steps=3, ttt_decay=0.8),
+                        tmp_path / "ckpt", progress=False)
+    ev = {r["tag"]: r for r in res.log["eval"]}
+    assert ev["final"]["loss"] < 0.6 * ev["initial"]["loss"], ev
+    for k in ("top1_2", "top1_3"):
+        assert ev["final"][k] > ev["initial"][k], ev
+    assert "top1_3" in res.log["train"][-1]
+    with pytest.raises(ValueError, match="ttt_steps"):
+        train_drafter(target.cfg, target.params, train, held, _tc(ttt_steps=0),
+                      tmp_path / "bad", progress=False)
