@@ -422,6 +422,12 @@ def _load_into(model: EagleDrafter, path: Path, target_cfg: ModelConfig) -> None
         model.layer[name][...] = jnp.asarray(getattr(dp.layer, name), jnp.float32)
 
 
+def _prior_tokens(path: Path, target_cfg: ModelConfig) -> int:
+    """Tokens the drafter at ``path`` was trained on, its own starting point's included."""
+    meta = load_drafter(path, target_cfg)[2]
+    return int(meta.get("tokens_seen_total", meta.get("tokens_seen", 0)))
+
+
 def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenSplit,
                   heldout: HiddenSplit | None, tc: TrainConfig, ckpt_dir: Path, *,
                   train_ids: np.ndarray | None = None, resume: bool = False,
@@ -513,7 +519,8 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
         t0 = time.time()
         r = evaluate(eval_step, params, embed, head, heldout, tc.token_budget, tc.ce_weight,
                      tc.max_eval_tokens)
-        r |= {"step": step, "tag": tag, "eval_s": round(time.time() - t0, 1)}
+        r |= {"step": step, "tag": tag, "tokens_seen": tokens_seen,
+              "eval_s": round(time.time() - t0, 1)}
         log["eval"].append(r)
         if progress:
             deeper = "".join(f" {k} {v:.4f}" for k, v in r.items() if k.startswith("top1_"))
@@ -577,7 +584,9 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
 
     final = nnx.merge(graphdef, params)
     evals = {r["tag"]: r for r in log["eval"]}
-    meta = {"tokens_seen": tokens_seen, "steps": step, "total_steps": total,
+    prior = _prior_tokens(Path(tc.init_from), target_cfg) if tc.init_from else 0
+    meta = {"tokens_seen": tokens_seen, "prior_tokens_seen": prior,
+            "tokens_seen_total": prior + tokens_seen, "steps": step, "total_steps": total,
             "complete": step >= total, "train_wall_s": round(log["wall_s"], 1),
             "heldout_top1": evals.get("final", {}).get("top1"),
             "heldout_loss": evals.get("final", {}).get("loss"),
@@ -599,7 +608,7 @@ def plot_log(log: dict, out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    fig, ax = plt.subplots(1, 3, figsize=(16, 4))
     steps = np.array([r["step"] for r in log["train"]])
     for i, key in enumerate(("loss", "top1")):
         vals = np.array([r[key] for r in log["train"]])
@@ -616,6 +625,22 @@ def plot_log(log: dict, out: Path) -> Path:
         ax[i].set_ylabel(key if key == "loss" else "top-1 agreement with target")
         ax[i].grid(alpha=0.3)
         ax[i].legend()
+    # The learning curve: held-out agreement against every token the drafter has seen,
+    # the runs it was fine-tuned from included (log scale: data is what a drafter lacks).
+    prior = log.get("meta", {}).get("prior_tokens_seen", 0)
+    ev = [r for r in log["eval"] if "tokens_seen" in r]
+    keys = ["top1"] + sorted({k for r in ev for k in r if k.startswith("top1_")})
+    for key in keys:
+        pts = [(prior + r["tokens_seen"], r[key]) for r in ev if key in r]
+        if pts:
+            label = "draft step 1" if key == "top1" else f"draft step {key[5:]} (unrolled)"
+            ax[2].plot(*zip(*pts, strict=True), "o-", label=label)
+    ax[2].set_xscale("symlog", linthresh=max(prior, 1e4))
+    ax[2].set_xlabel("tokens seen (earlier runs included)")
+    ax[2].set_ylabel("held-out top-1 agreement")
+    ax[2].grid(alpha=0.3)
+    if ev:
+        ax[2].legend()
     ce_weight = log.get("train_config", {}).get("ce_weight", 0.1)
     fig.suptitle(f"EAGLE drafter: smooth-L1 + {ce_weight:g} CE")
     fig.tight_layout()
@@ -631,5 +656,5 @@ def write_drafter(out: Path, result: TrainResult, extra_meta: dict | None = None
     path = save_drafter(Path(out), result.cfg, result.params, meta=meta, overwrite=overwrite)
     # Written after the manifest: they document the run and are not needed to load it.
     write_json_atomic(path / LOG_FILE, result.log | {"meta": meta})
-    plot_log(result.log, path / PLOT_FILE)
+    plot_log(result.log | {"meta": meta}, path / PLOT_FILE)
     return path

@@ -302,6 +302,10 @@ def test_fine_tuning_starts_from_the_given_drafter(target, cache, tmp_path):
     ev = {r["tag"]: r for r in first.log["eval"]}, {r["tag"]: r for r in tuned.log["eval"]}
     assert ev[1]["initial"]["loss"] == pytest.approx(ev[0]["final"]["loss"], rel=1e-5)
     assert ev[1]["initial"]["top1"] == ev[0]["final"]["top1"]
+    # The learning curve counts the source's tokens too.
+    assert tuned.meta["prior_tokens_seen"] == first.meta["tokens_seen"] > 0
+    assert tuned.meta["tokens_seen_total"] == first.meta["tokens_seen"] + tuned.meta["tokens_seen"]
+    assert [r["tokens_seen"] for r in tuned.log["eval"]][0] == 0
 
 
 def test_cli_adds_extra_caches_and_refuses_another_targets(target, cache, tmp_path, capsys):
