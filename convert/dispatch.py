@@ -8,9 +8,16 @@ from pathlib import Path
 
 import numpy as np
 
-from specjax.checkpoint import CheckpointError, save_target, write_atomically
-from specjax.config import ModelConfig
+from specjax.checkpoint import (
+    CheckpointError,
+    check_output,
+    output_lock,
+    save_target,
+    write_atomically,
+)
+from specjax.config import ModelConfig, UnsupportedModelError
 from specjax.convert.hf import load_hf_state, params_from_hf_state
+from specjax.tokenizer import check_folder, read_json
 
 # Tokenizer files copied verbatim from an HF folder when present.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -22,6 +29,11 @@ def convert(src: str | Path, out: str | Path, *, overwrite: bool = False,
             dtype: str = "float32", progress: bool = True) -> Path:
     """Convert an HF Llama/Qwen folder, a ``.gguf`` file or an EAGLE drafter folder.
 
+    OUT is checked before anything is read or dequantized, and its lock is held until the
+    new folder is renamed into place (:func:`specjax.checkpoint.output_lock`): a second
+    conversion to the same OUT meanwhile is refused. Never replaced: the source itself, a
+    folder containing it or inside it, a file, or a non-empty folder specjax did not write.
+
     Args:
       src: an HF folder (config.json + ``*.safetensors``), a GGUF file, or an
         EAGLE-1/2/3 drafter folder (``fc.*`` + one layer; see ``convert.eagle``).
@@ -31,10 +43,22 @@ def convert(src: str | Path, out: str | Path, *, overwrite: bool = False,
       The absolute path of the written folder. Nothing is left at ``out`` if
       conversion fails.
     """
+    if not isinstance(src, str | Path) or not isinstance(out, str | Path):
+        raise TypeError("src and out must be str or Path")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     src = Path(src)
-    np_dtype = np.dtype(dtype) if dtype != "bfloat16" else __import__("ml_dtypes").bfloat16
     if not src.exists():
         raise CheckpointError(f"{src}: no such file or folder")
+    # Checked before the lock too, so a refused OUT leaves nothing behind (no lock file).
+    check_output(Path(out), overwrite=overwrite, sources=[src])
+    with output_lock(Path(out)) as out_path:
+        check_output(out_path, overwrite=overwrite, sources=[src])
+        return _convert(src, out_path, overwrite=overwrite, dtype=dtype, progress=progress)
+
+
+def _convert(src: Path, out: Path, *, overwrite: bool, dtype: str, progress: bool) -> Path:
+    np_dtype = np.dtype(dtype) if dtype != "bfloat16" else __import__("ml_dtypes").bfloat16
     if src.is_dir():
         from specjax.convert.eagle import convert_eagle_folder, eagle_kind
 
@@ -44,8 +68,16 @@ def convert(src: str | Path, out: str | Path, *, overwrite: bool = False,
         if not (src / "config.json").exists():
             raise CheckpointError(f"{src}: no config.json; expected an HF model folder "
                                   "(config.json + *.safetensors) or a .gguf file")
-        hf_config = json.loads((src / "config.json").read_text())
-        cfg = ModelConfig.from_hf(hf_config)
+        # The tokenizer files are copied into OUT; a folder whose tokenizer asks to run code
+        # would be refused at every load, so it is refused here, before any work.
+        check_folder(src)
+        hf_config = read_json(src / "config.json")
+        try:
+            cfg = ModelConfig.from_hf(hf_config)
+        except UnsupportedModelError:
+            raise
+        except ValueError as e:
+            raise CheckpointError(f"{src / 'config.json'}: {e}") from e
         state = load_hf_state(src, progress=progress)
 
         def write_tokenizer(tmp: Path) -> None:
@@ -56,7 +88,12 @@ def convert(src: str | Path, out: str | Path, *, overwrite: bool = False,
         from specjax.convert.gguf import read_gguf, save_gguf_tokenizer
 
         hf_config, state = read_gguf(src, progress=progress)
-        cfg = ModelConfig.from_hf(hf_config)
+        try:
+            cfg = ModelConfig.from_hf(hf_config)
+        except UnsupportedModelError:
+            raise
+        except ValueError as e:
+            raise CheckpointError(f"{src}: its metadata gives an invalid config ({e})") from e
 
         def write_tokenizer(tmp: Path) -> None:
             save_gguf_tokenizer(src, tmp)
@@ -71,4 +108,4 @@ def convert(src: str | Path, out: str | Path, *, overwrite: bool = False,
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=1))
         save_target(tmp, cfg, params, source=str(src.absolute()))
 
-    return write_atomically(Path(out), build, overwrite=overwrite)
+    return write_atomically(out, build, overwrite=overwrite, sources=[src])

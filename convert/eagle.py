@@ -31,7 +31,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
-from specjax.checkpoint import CheckpointError
+from specjax.checkpoint import CheckpointError, check_output
 from specjax.config import ModelConfig
 from specjax.convert.hf import layer_from_hf, to_f32
 from specjax.drafter import DrafterConfig, DrafterParams, save_drafter
@@ -132,9 +132,16 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: no config.json; expected an EAGLE drafter folder "
                               "(config.json + model.safetensors or pytorch_model.bin)")
     try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as e:
+        hf = json.loads(file.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file} is not valid JSON ({e})") from e
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{file} holds a JSON {type(hf).__name__}, not an object")
+    if "auto_map" in hf:  # the same rule as every folder specjax reads: no custom code
+        raise CheckpointError(f"{file} has an \"auto_map\" field, which asks to run Python "
+                              "code shipped in the folder; specjax never runs code from a "
+                              "checkpoint: remove the field or use a drafter without it")
+    return hf
 
 
 def _weight_names(path: Path) -> set[str] | None:
@@ -287,6 +294,7 @@ def convert_eagle(src: str | Path, out: str | Path, *, target_cfg: ModelConfig |
       The absolute path of the folder, readable with :func:`specjax.drafter.load_drafter`.
     """
     src = Path(src)
+    check_output(Path(out), overwrite=overwrite, sources=[src])  # before reading weights
     hf = _read_config(src)
     if eagle_kind(src) == "eagle3":
         raise CheckpointError(f"{src}: this is an EAGLE-3 drafter (midlayer / d2t); convert it "
@@ -344,6 +352,7 @@ def convert_eagle3(src: str | Path, out: str | Path, *, target_cfg: ModelConfig 
     Returns the absolute path, readable with :func:`specjax.eagle3.load_eagle3`.
     """
     src = Path(src)
+    check_output(Path(out), overwrite=overwrite, sources=[src])  # before reading weights
     hf = _read_config(src)
     if eagle_kind(src) == "eagle":
         raise CheckpointError(f"{src}: this is an EAGLE-1/2 drafter (layers.0, fc over 2d); "

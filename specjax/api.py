@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import drafter as drafter_lib
-from specjax.checkpoint import load_target
+from specjax._checks import check_bool, check_int, check_real, check_seed, check_text
+from specjax.checkpoint import load_target, read_manifest
 from specjax.config import ModelConfig
 from specjax.decode import PAD, bucket, decode_loop, decode_step_jit, prefill
 from specjax.drafter import DrafterConfig, DrafterParams
@@ -27,7 +28,10 @@ from specjax.speculative import (
     spec_prefill,
     verify_phase_jit,
 )
+from specjax.tokenizer import load_tokenizer, render_chat
 from specjax.vocab import VocabHead, resolve_head
+
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,44 +69,88 @@ class GenerationResult:
 def load(path: str | Path, dtype: str | None = None) -> Target:
     """Load a folder written by ``specjax convert``.
 
+    The tokenizer is loaded with :func:`specjax.tokenizer.load_tokenizer`, which never
+    runs code from the folder: a folder whose tokenizer asks for custom code is refused.
+
     Args:
       dtype: cast parameters, e.g. "bfloat16"; None keeps the stored dtype.
     """
-    from transformers import AutoTokenizer
-
+    if not isinstance(path, str | Path):
+        raise TypeError(f"path must be a str or Path, got {type(path).__name__}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or None, got {dtype!r}")
     path = Path(path)
+    read_manifest(path)  # cheap: a folder that is no checkpoint is refused first
+    # The tokenizer next: a folder that asks to run code is refused before its tensors
+    # are read.
+    tokenizer = load_tokenizer(path)
     cfg, params = load_target(path, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() \
-        or (path / "tokenizer.json").exists() else None
     return Target(cfg=cfg, params=params, tokenizer=tokenizer, path=path)
+
+
+def _is_id(x: Any) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_)
+
+
+def _token_ids(i: int, p: Any) -> list[int]:
+    """Prompt ``i`` given as token ids: a list/tuple of ints or a 1-D integer array."""
+    if isinstance(p, np.ndarray | jax.Array):
+        a = np.asarray(p)
+        if a.ndim != 1 or a.dtype.kind not in "iu":
+            raise TypeError(f"prompt {i} must be a 1-D integer array of token ids, got "
+                            f"{a.dtype} {a.shape}")
+        return a.astype(np.int64).tolist()
+    bad = next((x for x in p if not _is_id(x)), None)
+    if bad is not None:
+        raise TypeError(f"prompt {i} must hold int token ids, found {type(bad).__name__} "
+                        f"{bad!r}")
+    return [int(x) for x in p]
 
 
 def encode_prompts(target: Target, prompts: str | list[str] | list[list[int]], chat: bool,
                    system: str | None = None) -> list[list[int]]:
-    """Token ids per prompt; text goes through the chat template when ``chat``."""
+    """Token ids per prompt; text goes through the chat template when ``chat``.
+
+    Raises TypeError for prompts of the wrong type (naming which), ValueError for an
+    empty batch, an empty prompt, text that is not valid UTF-8, token ids outside the
+    vocabulary, or a chat template that fails.
+    """
     if isinstance(prompts, str):
         prompts = [prompts]
+    if not isinstance(prompts, list | tuple):
+        raise TypeError("prompts must be a str, a list of str, or a list of token-id lists "
+                        f"(e.g. [[1, 2, 3]]), got {type(prompts).__name__}")
     if not prompts:
-        raise ValueError("no prompts given")
-    if all(isinstance(p, list | tuple | np.ndarray) for p in prompts):
-        ids = [list(map(int, p)) for p in prompts]
+        raise ValueError("no prompts given: pass a str, a non-empty list of str, or a "
+                         "non-empty list of token-id lists")
+    if all(_is_id(p) for p in prompts):
+        raise TypeError("prompts is a flat list of ints; pass token ids as one list per "
+                        f"prompt, e.g. [{list(prompts[:3])}]")
+    if all(isinstance(p, list | tuple | np.ndarray | jax.Array) for p in prompts):
+        ids = [_token_ids(i, p) for i, p in enumerate(prompts)]
     elif all(isinstance(p, str) for p in prompts):
+        texts = [check_text(f"prompt {i}", p) for i, p in enumerate(prompts)]
+        if system is not None:
+            check_text("system", system)
         tok = target.tokenizer
         if tok is None:
             raise ValueError(f"{target.path} has no tokenizer files; pass token ids instead")
         if chat and tok.chat_template is None:
             raise ValueError(f"{target.path}'s tokenizer has no chat template; pass chat=False")
         ids = []
-        for p in prompts:
+        for p in texts:
             if chat:
                 msgs = ([{"role": "system", "content": system}] if system else []) + [
                     {"role": "user", "content": p}]
-                ids.append(list(tok.apply_chat_template(msgs, add_generation_prompt=True,
-                                                        tokenize=True, return_dict=False)))
+                ids.append(list(render_chat(tok, msgs, where=str(target.path),
+                                            add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)))
             else:
                 ids.append(tok.encode(p))
     else:
-        raise TypeError("prompts must be a str, a list of str, or a list of token-id lists")
+        kinds = sorted({type(p).__name__ for p in prompts})
+        raise TypeError("prompts must be a str, a list of str, or a list of token-id lists; "
+                        f"got a list of {', '.join(kinds)}")
     for i, p in enumerate(ids):
         if not p:
             raise ValueError(f"prompt {i} is empty")
@@ -128,6 +176,52 @@ def load_drafter(path: str | Path, target: Target, dtype: str | None = None) -> 
     dtype = dtype or str(target.params.embed.dtype)
     cfg, params, meta = drafter_lib.load_drafter(Path(path), target.cfg, dtype)
     return Drafter(cfg=cfg, params=params, path=Path(path), meta=meta)
+
+
+def check_generate_args(target: Any, *, max_new_tokens: Any, temperature: Any, top_k: Any,
+                        top_p: Any, seed: Any, key: Any, chat: Any, system: Any,
+                        stop_on_eos: Any, mode: Any, drafter: Any, tree: Any,
+                        assume_q_one: Any, vocab: Any) -> tuple[int, int]:
+    """Refuse :func:`generate` arguments of the wrong type or range, naming the argument.
+
+    Everything is checked before any work (no tokenizer call, no compile), so a bad value
+    costs nothing. Returns ``(max_new_tokens, seed)`` as plain ints.
+    """
+    if not isinstance(target, Target):
+        raise TypeError("target must be a Target from specjax.load(path), got "
+                        f"{type(target).__name__}")
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1,
+                               hint="the number of new tokens to generate per prompt")
+    check_real("temperature", temperature, minimum=0.0, hint="0 = greedy")
+    v = target.cfg.vocab_size
+    check_int("top_k", top_k, minimum=0, maximum=v,
+              hint=f"0 = off; the vocabulary has {v} tokens")
+    check_real("top_p", top_p, minimum=0.0, maximum=1.0, open_min=True, hint="1 = off")
+    seed = check_seed("seed", seed)
+    if key is not None:
+        k = key if isinstance(key, jax.Array) else None
+        typed = k is not None and jax.dtypes.issubdtype(k.dtype, jax.dtypes.prng_key)
+        raw = k is not None and k.shape == (2,) and k.dtype == jnp.uint32
+        if not (typed and k.shape == ()) and not raw:
+            raise TypeError("key must be one PRNG key, jax.random.PRNGKey(seed) or "
+                            f"jax.random.key(seed); got {type(key).__name__} "
+                            f"{getattr(key, 'dtype', '')}{tuple(getattr(key, 'shape', ()))}")
+    for name, value in (("chat", chat), ("stop_on_eos", stop_on_eos),
+                        ("assume_q_one", assume_q_one)):
+        check_bool(name, value)
+    if system is not None and not isinstance(system, str):
+        raise TypeError(f"system must be a str or None, got {type(system).__name__}")
+    if mode not in ("compiled", "eager"):
+        raise ValueError(f"mode must be 'compiled' or 'eager', got {mode!r}")
+    if drafter is not None and not isinstance(drafter, Drafter):
+        raise TypeError("drafter must be a Drafter from specjax.load_drafter(path, target) or "
+                        f"None, got {type(drafter).__name__}")
+    if tree is not None and not isinstance(tree, TreeSpec):
+        raise TypeError(f"tree must be a specjax.TreeSpec or None, got {type(tree).__name__}")
+    if not (isinstance(vocab, str) or (callable(vocab) and hasattr(vocab, "capacity"))):
+        raise TypeError("vocab must be a spec string ('full', 'fr:N', 'dynaspec', ...) or a "
+                        f"VocabHead, got {type(vocab).__name__}")
+    return max_new_tokens, seed
 
 
 def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
@@ -172,14 +266,14 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
       committed token was in the root's shortlist)). The first call for a new shape bucket
       includes compilation in its times.
     """
+    max_new_tokens, seed = check_generate_args(
+        target, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+        top_p=top_p, seed=seed, key=key, chat=chat, system=system, stop_on_eos=stop_on_eos,
+        mode=mode, drafter=drafter, tree=tree, assume_q_one=assume_q_one, vocab=vocab)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-    if mode not in ("compiled", "eager"):
-        raise ValueError(f"mode must be 'compiled' or 'eager', got {mode!r}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if drafter is None and (tree is not None or vocab != "full"):
         raise ValueError("a draft tree or vocabulary head needs a drafter; pass "
-                         "drafter=load_drafter(...)")
+                         "drafter=load_drafter(...) (--drafter PATH on the command line)")
     head = None
     if drafter is not None:
         drafter.cfg.check_target(target.cfg)

@@ -121,6 +121,7 @@ def _resolve_model(path: str | None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``specjax`` command line; returns the exit code (2 for refused input)."""
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
@@ -128,6 +129,48 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input: say what is wrong, no traceback.
         print(f"specjax {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        # The file system refused (permissions, a file where a folder belongs, a full
+        # disk): the OS's own words name the path, which is what the user must change.
+        what = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)
+        print(f"specjax {args.command}: error: {what}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        # A chat template failing anywhere (training data, corpora) is the template's
+        # fault, not a specjax bug: name it instead of printing jinja2's traceback.
+        import jinja2
+
+        if not isinstance(e, jinja2.exceptions.TemplateError):
+            raise
+        print(f"specjax {args.command}: error: the chat template failed "
+              f"({type(e).__name__}: {e}); fix or remove chat_template in the model's "
+              "tokenizer files", file=sys.stderr)
+        return 2
+
+
+def check_generate_flags(args: argparse.Namespace) -> None:
+    """Refuse bad ``generate`` flags before the model is loaded, naming the flag.
+
+    The API checks the same values again (and what needs the model, e.g. ``--top-k``
+    against the vocabulary); checking here first costs no model load or conversion.
+    """
+    from specjax._checks import check_int, check_real, check_seed, check_text
+
+    check_int("--max-new-tokens", args.max_new_tokens, minimum=1)
+    check_real("--temperature", args.temperature, minimum=0.0, hint="0 = greedy")
+    check_int("--top-k", args.top_k, minimum=0, hint="0 = off")
+    check_real("--top-p", args.top_p, minimum=0.0, maximum=1.0, open_min=True, hint="1 = off")
+    check_seed("--seed", args.seed)
+    for name in ("tree_depth", "tree_top_k", "tree_tokens"):
+        check_int(f"--{name.replace('_', '-')}", getattr(args, name), minimum=1)
+    for i, p in enumerate(args.prompt):
+        check_text(f"--prompt {i + 1}" if len(args.prompt) > 1 else "--prompt", p)
+    if args.system is not None:
+        check_text("--system", args.system)
+    if args.drafter not in (None, "none") and not Path(args.drafter).is_dir():
+        raise FileNotFoundError(f"--drafter {args.drafter}: no such folder; pass a drafter "
+                                "folder (`specjax convert` or `specjax train drafter` write "
+                                "one) or --drafter none")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -138,6 +181,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"wrote {out}")
         return 0
     if args.command == "generate":
+        check_generate_flags(args)
         target = specjax.load(_resolve_model(args.model), dtype=args.dtype)
         prompts = args.prompt if len(args.prompt) > 1 else args.prompt[0]
         drafter = _resolve_drafter(args, target)

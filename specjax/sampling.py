@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
+from specjax._checks import check_int, check_real
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
@@ -23,12 +25,14 @@ class SamplingConfig:
     top_p: float = 1.0  # 1.0 disables nucleus filtering.
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        # Non-finite values would pass a plain range test (inf >= 0) and sample noise.
+        object.__setattr__(self, "temperature", check_real(
+            "temperature", self.temperature, minimum=0.0, hint="0 = greedy"))
+        object.__setattr__(self, "top_k", check_int("top_k", self.top_k, minimum=0,
+                                                    hint="0 = off"))
+        object.__setattr__(self, "top_p", check_real("top_p", self.top_p, minimum=0.0,
+                                                     maximum=1.0, open_min=True,
+                                                     hint="1 = off"))
 
     @property
     def greedy(self) -> bool:

@@ -128,7 +128,9 @@ def required_tokens(tokenizer: Any, eos_ids: Iterable[int]) -> list[int]:
 
 
 def _render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False)
+    from specjax.tokenizer import render_chat
+
+    return render_chat(tokenizer, messages, where="the counting tokenizer", tokenize=False)
 
 
 def iter_record_docs(path: str | Path, tokenizer: Any | None = None,
@@ -143,7 +145,7 @@ def iter_record_docs(path: str | Path, tokenizer: Any | None = None,
     counted in ``stats``.
     """
     has_template = tokenizer is not None and bool(_chat_template_text(tokenizer))
-    for rec in iter_records(Path(path), stats):
+    for rec in _utf8_records(path, stats):
         if stats is not None:
             stats.records += 1
         if isinstance(rec, dict) and isinstance(rec.get("text"), str):
@@ -168,6 +170,14 @@ def iter_record_docs(path: str | Path, tokenizer: Any | None = None,
         yield doc
 
 
+def _utf8_records(path: str | Path, stats: ReadStats | None) -> Iterator[Any]:
+    """:func:`specjax.train.data.iter_records`, naming the file when it is not UTF-8."""
+    try:
+        yield from iter_records(Path(path), stats)
+    except UnicodeDecodeError as e:
+        raise ValueError(_not_utf8(path, e)) from None
+
+
 def iter_text_docs(path: str | Path) -> Iterator[str]:
     """Paragraphs of a ``.txt`` file: blocks of lines separated by blank lines.
 
@@ -178,7 +188,8 @@ def iter_text_docs(path: str | Path) -> Iterator[str]:
     """
     para: list[str] = []
     with open(path, encoding="utf-8") as f:
-        for line in f:
+        lines = _utf8_lines(f, path)
+        for line in lines:
             if line.strip():
                 para.append(line)
             elif para:
@@ -186,6 +197,32 @@ def iter_text_docs(path: str | Path) -> Iterator[str]:
                 para = []
     if para:
         yield "".join(para).rstrip("\n")
+
+
+def _utf8_lines(f: Any, path: str | Path) -> Iterator[str]:
+    """Lines of a text file opened as UTF-8; bytes that are not UTF-8 name the file and line."""
+    try:
+        yield from f
+    except UnicodeDecodeError as e:
+        raise ValueError(_not_utf8(path, e)) from None
+
+
+def _not_utf8(path: str | Path, e: UnicodeDecodeError) -> str:
+    """The message for a corpus that is not UTF-8, with the line of its first bad byte.
+
+    The text reader decodes in blocks, so its error has no line number: the file is read
+    again as bytes, line by line (UTF-8 never uses byte 0x0A inside a character).
+    """
+    where = ""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                where = f": line {n}, byte {bad.start + 1}"
+                break
+    return (f"corpus {path}{where} is not valid UTF-8 ({e.reason}); re-encode the file as "
+            "UTF-8")
 
 
 def iter_sharegpt_docs(tokenizer: Any, stats: ReadStats | None = None) -> Iterator[str]:

@@ -84,6 +84,16 @@ def parse_sizes(text: str) -> list[int]:
     return sizes
 
 
+def check_out_folder(out: Path) -> None:
+    """Refuse an ``--out`` that cannot be a folder: a file, or a path through a file."""
+    for p in (out, *out.parents):
+        if p.exists():
+            if not p.is_dir():
+                what = "is a file" if p == out else f"lies inside {p}, which is a file"
+                raise ValueError(f"--out {out} {what}; pass a folder (it is created if missing)")
+            return
+
+
 def _load_model(model: str | None, progress: bool) -> tuple[Path, ModelConfig, Any]:
     """(folder, ModelConfig, tokenizer or None) without loading the weights."""
     from specjax.checkpoint import read_manifest
@@ -95,14 +105,15 @@ def _load_model(model: str | None, progress: bool) -> tuple[Path, ModelConfig, A
         model_dir = ensure_default_target(progress=progress)
     else:
         model_dir = Path(model)
-    cfg = ModelConfig.from_json(read_manifest(model_dir)["config"])
-    tokenizer = None
-    # The same rule as specjax.load: a converted folder carries the tokenizer files.
-    if (model_dir / "tokenizer_config.json").exists() or (model_dir / "tokenizer.json").exists():
-        from transformers import AutoTokenizer
+    manifest = read_manifest(model_dir)
+    try:
+        cfg = ModelConfig.from_json(manifest.get("config"))
+    except ValueError as e:
+        raise ValueError(f"{model_dir / 'specjax.json'}: {e}; convert the model again") from e
+    from specjax.tokenizer import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return model_dir, cfg, tokenizer
+    # The same loader as specjax.load: never runs code from the folder.
+    return model_dir, cfg, load_tokenizer(model_dir)
 
 
 def _tallied(docs: Iterator[str], tally: dict[str, int], key: str) -> Iterator[str]:
@@ -172,6 +183,7 @@ def run_build_shortlist(args: argparse.Namespace) -> int:
 
     progress = not args.no_progress
     out = Path(args.out)
+    check_out_folder(out)
     sizes = parse_sizes(args.sizes)
     if args.max_docs is not None and args.max_docs < 1:
         raise ValueError(f"--max-docs must be >= 1, got {args.max_docs}")

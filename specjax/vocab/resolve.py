@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from specjax._checks import check_text
 from specjax.vocab.head import VocabHead, full_head
 
 
@@ -72,6 +73,7 @@ def resolve_head(spec: str | VocabHead, target: Any, drafter: Any) -> VocabHead:
     """
     if not isinstance(spec, str):
         return spec
+    spec = check_text("vocab", spec)
     name, _, arg = spec.partition(":")
     if name == "full" and not arg:
         return full_head(target.cfg.vocab_size)
@@ -79,9 +81,13 @@ def resolve_head(spec: str | VocabHead, target: Any, drafter: Any) -> VocabHead:
         from specjax.vocab.frequency import frequency_head
 
         size, _, path = arg.partition(":")
-        if not size.isdigit():
-            raise ValueError(f"--vocab {spec}: expected {name}:N[:PATH] with N the shortlist "
-                             "size, e.g. fr:32768")
+        if not (size.isascii() and size.isdigit()) or int(size) < 1:
+            raise ValueError(f"--vocab {spec}: expected {name}:N[:PATH] with N >= 1 the "
+                             "shortlist size, e.g. fr:32768")
+        v = target.cfg.vocab_size
+        if int(size) > v:
+            raise ValueError(f"--vocab {spec}: N={int(size)} exceeds the vocabulary's {v} "
+                             f"tokens; use N <= {v}, or --vocab full for the whole vocabulary")
         path = _artifact(path, drafter, "freq_counts.npy",
                          f"pass {name}:{size}:PATH with counts from `specjax build-shortlist`")
         return frequency_head(target.params.head, frequency_ranking(path, target),

@@ -24,8 +24,10 @@ import collections
 import dataclasses
 import io
 import json
+import math
 import pickle
 import zipfile
+import zlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -210,6 +212,11 @@ def _rebuild_tensor(storage: np.ndarray, offset: int, size: Sequence[int],
     last = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
     if offset < 0 or last >= storage.size or min(stride, default=0) < 0:
         raise ValueError("torch file: a tensor lies outside its storage (corrupt file)")
+    if min(size, default=0) < 0 or math.prod(size) > storage.size:
+        # A zero stride could make a few stored bytes a huge tensor; a list of ids never
+        # repeats its storage, so refuse before copying terabytes.
+        raise ValueError(f"torch file: a tensor of shape {size} does not fit its storage of "
+                         f"{storage.size} elements (corrupt or crafted file)")
     view = np.lib.stride_tricks.as_strided(storage[offset:], size,
                                            tuple(s * storage.itemsize for s in stride))
     return np.array(view)
@@ -257,19 +264,32 @@ def read_torch_file(path: str | Path) -> Any:
         raise ValueError(f"{path}: not a zip-format torch file (legacy torch < 1.6 format, or "
                          "not a torch file); re-save it with a recent torch, or export the ids "
                          "as .npy or .json")
-    with zipfile.ZipFile(path) as z:
-        pkl = [n for n in z.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
-        if len(pkl) != 1:
-            raise ValueError(f"{path}: a torch archive holds exactly one data.pkl, found "
-                             f"{len(pkl)}")
-        prefix = pkl[0][: -len("data.pkl")]
-        names = set(z.namelist())
-        order = (z.read(prefix + "byteorder").decode().strip()
-                 if prefix + "byteorder" in names else "little")
-        try:
-            return _TorchUnpickler(z.read(pkl[0]), z, prefix, order).load()
-        except (pickle.UnpicklingError, KeyError, EOFError) as e:
-            raise ValueError(f"{path}: cannot read it as a token list ({e})") from e
+    try:
+        with zipfile.ZipFile(path) as z:
+            pkl = [n for n in z.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
+            if len(pkl) != 1:
+                raise ValueError(f"{path}: a torch archive holds exactly one data.pkl, found "
+                                 f"{len(pkl)}")
+            prefix = pkl[0][: -len("data.pkl")]
+            names = set(z.namelist())
+            order = (z.read(prefix + "byteorder").decode().strip()
+                     if prefix + "byteorder" in names else "little")
+            try:
+                return _TorchUnpickler(z.read(pkl[0]), z, prefix, order).load()
+            except (pickle.UnpicklingError, KeyError, EOFError) as e:
+                raise ValueError(f"{path}: cannot read it as a token list ({e})") from e
+            except Exception as e:  # noqa: BLE001
+                # A crafted or damaged pickle can call an allowed function with wrong arguments
+                # (TypeError), or with sizes that do not fit (ValueError, OverflowError, ...).
+                # Only the allowed functions ever run, so any failure means a bad file.
+                raise ValueError(f"{path}: not a valid torch token list "
+                                 f"({type(e).__name__}: {e}); re-save it with "
+                                 "torch.save(list_of_ids) or export the ids as .npy or .json"
+                                 ) from e
+    except (zipfile.BadZipFile, zlib.error, NotImplementedError, UnicodeDecodeError) as e:
+        # The archive itself is damaged (a CRC or compression error, a bad byteorder).
+        raise ValueError(f"{path}: damaged torch archive ({type(e).__name__}: {e}); "
+                         "re-save or re-download it") from e
 
 
 def _as_id_array(obj: Any, where: Path) -> np.ndarray:

@@ -100,8 +100,13 @@ def test_existing_out_needs_overwrite(src, tmp_path):
     with pytest.raises(FileExistsError, match="--overwrite"):
         specjax.convert(src, out, progress=False)
     assert (out / "keep.txt").read_text() == "mine"
+    # --overwrite replaces only folders specjax wrote (issue 11): the user's file stays.
+    with pytest.raises(FileExistsError, match="not a specjax folder"):
+        specjax.convert(src, out, overwrite=True, progress=False)
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()  # an empty folder may be written into
     specjax.convert(src, out, overwrite=True, progress=False)
-    assert (out / "specjax.json").exists() and not (out / "keep.txt").exists()
+    assert (out / "specjax.json").exists()
 
 
 def test_failed_overwrite_keeps_the_old_folder(src, tmp_path):
