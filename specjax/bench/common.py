@@ -138,9 +138,11 @@ def jsonable(x: Any) -> Any:
 
 
 def write_json(path: Path, result: dict[str, Any]) -> Path:
-    """Write ``result`` as indented JSON, creating parent folders."""
+    """Write ``result`` as indented JSON (atomically), creating parent folders."""
+    from specjax.checkpoint import atomic_write_bytes
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(jsonable(result), indent=1) + "\n")
+    atomic_write_bytes(path, (json.dumps(jsonable(result), indent=1) + "\n").encode())
     return path
 
 
