@@ -117,6 +117,11 @@ def encode_prompts(target: Target, prompts: str | list[str] | list[list[int]], c
     """
     if isinstance(prompts, str):
         prompts = [prompts]
+    if isinstance(prompts, np.ndarray | jax.Array):
+        if prompts.ndim != 2:
+            raise TypeError(f"a token-id array of prompts must be 2-D [batch, length], got "
+                            f"shape {prompts.shape}")
+        prompts = list(np.asarray(prompts))
     if not isinstance(prompts, list | tuple):
         raise TypeError("prompts must be a str, a list of str, or a list of token-id lists "
                         f"(e.g. [[1, 2, 3]]), got {type(prompts).__name__}")
@@ -173,6 +178,11 @@ class Drafter:
 
 def load_drafter(path: str | Path, target: Target, dtype: str | None = None) -> Drafter:
     """Load a drafter folder; refuses one built for a target of another shape."""
+    if not isinstance(target, Target):
+        raise TypeError("target must be a Target from specjax.load(path), got "
+                        f"{type(target).__name__}")
+    if not isinstance(path, str | Path):
+        raise TypeError(f"path must be a str or Path, got {type(path).__name__}")
     dtype = dtype or str(target.params.embed.dtype)
     cfg, params, meta = drafter_lib.load_drafter(Path(path), target.cfg, dtype)
     return Drafter(cfg=cfg, params=params, path=Path(path), meta=meta)

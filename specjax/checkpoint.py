@@ -162,10 +162,13 @@ def output_lock(out: Path, *, wait: bool = False) -> Iterator[Path]:
 def resolve_output(out: Path) -> Path:
     """The absolute path OUT names, symlinks resolved (a symlinked OUT is written through)."""
     out = Path(out)
-    if out.is_symlink() and not out.exists():
-        raise CheckpointError(f"{out} is a symlink to {os.readlink(out)}, which does not exist; "
-                              "remove the link or point it at a folder")
-    return out.resolve()
+    try:
+        if out.is_symlink() and not out.exists():
+            raise CheckpointError(f"{out} is a symlink to {os.readlink(out)}, which does not "
+                                  "exist (or loops); remove the link or point it at a folder")
+        return out.resolve()
+    except (RuntimeError, OSError) as e:  # a symlink loop (RuntimeError before Python 3.13)
+        raise CheckpointError(f"{out} cannot be resolved ({e}); is it a symlink loop?") from e
 
 
 def clean_stale(out: Path) -> None:
@@ -203,7 +206,7 @@ def check_output(out: Path, *, overwrite: bool, sources: Sequence[Path] = ()) ->
     """
     out = resolve_output(out)
     for src in sources:
-        src = Path(src).resolve()
+        src = resolve_output(Path(src))
         if out == src or src in out.parents or out in src.parents:
             rel = ("is" if out == src else "lies inside" if src in out.parents else "contains")
             raise CheckpointError(f"OUT {out} {rel} the source {src}; writing it would destroy "
@@ -331,6 +334,9 @@ def save_target(dir_: Path, cfg: ModelConfig, params: Params, source: str) -> No
 
 def read_manifest(dir_: Path, fmt: str = FORMAT) -> dict[str, Any]:
     dir_ = Path(dir_)
+    if dir_.is_file():
+        raise CheckpointError(f"{dir_} is a file; pass the checkpoint folder (a .gguf or HF "
+                              "checkpoint must first be converted: `specjax convert SRC OUT`)")
     if not dir_.is_dir():
         raise CheckpointError(f"{dir_}: no such checkpoint folder; create one with "
                               "`specjax convert SRC OUT`")

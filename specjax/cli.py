@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -120,15 +121,50 @@ def _resolve_model(path: str | None) -> Path:
     return ensure_default_target()
 
 
+def finite_float(text: str) -> float:
+    """argparse type for every float flag: a finite number (``inf`` and ``nan`` are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def _finite_float_flags(parser: argparse.ArgumentParser) -> None:
+    """Give every ``type=float`` flag of ``parser`` and its subcommands :func:`finite_float`.
+
+    Python's float() accepts "inf" and "nan", and no flag of specjax (temperature, top-p,
+    learning rates, fractions...) means anything with them; refusing them at parse time
+    covers the train and bench commands too.
+    """
+    for action in parser._actions:
+        if action.type is float:
+            action.type = finite_float
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _finite_float_flags(sub)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``specjax`` command line; returns the exit code (2 for refused input)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    _finite_float_flags(parser)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse has printed its message (or --help)
+        return e.code if isinstance(e.code, int) else 2
     try:
         return _run(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         # Bad input: say what is wrong, no traceback.
         print(f"specjax {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Every write is atomic (see docs/reliability.md): an interrupt leaves no half file.
+        print(f"specjax {args.command}: interrupted", file=sys.stderr)
+        return 130
     except OSError as e:
         # The file system refused (permissions, a file where a folder belongs, a full
         # disk): the OS's own words name the path, which is what the user must change.

@@ -208,5 +208,5 @@ def load_drafter(path: Path, target_cfg: ModelConfig | None = None,
     layer = LayerParams(**{f.name: flat.get(f"layer.{f.name}") for f in dataclasses.fields(
         LayerParams)})
     return cfg, DrafterParams(fc=flat["fc"], layer=layer, fc_bias=flat.get("fc_bias")), \
-        manifest["meta"]
+        manifest.get("meta") or {}
 

@@ -256,3 +256,19 @@ def test_corpus_errors_name_the_file(rel_target, rel_dir, tmp_path, capsys, name
                str(tmp_path / "out"), "--sizes", "8", "--no-progress"])
     assert rc == 2 and message in capsys.readouterr().err
     assert corpus.read_bytes() == data
+
+
+def test_an_interrupt_is_one_line(monkeypatch, rel_src, tmp_path, capsys):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(specjax, "convert", interrupted)
+    assert main(["convert", str(rel_src), str(tmp_path / "out")]) == 130
+    assert capsys.readouterr().err.strip() == "specjax convert: interrupted"
+
+
+def test_missing_drafter_folder(rel_target, tmp_path):
+    with pytest.raises(CheckpointError, match="no such checkpoint folder"):
+        specjax.load_drafter(tmp_path / "nope", rel_target)
+    with pytest.raises(TypeError, match="target must be a Target"):
+        specjax.load_drafter(tmp_path / "nope", "target")

@@ -131,11 +131,15 @@ def test_a_failed_build_leaves_nothing(tmp_path):
     assert not out.exists() and not hidden_leftovers(tmp_path)
 
 
-def test_dangling_symlink_out(rel_src, tmp_path, capsys):
+def test_dangling_or_looping_symlink_out(rel_src, tmp_path, capsys):
     (tmp_path / "out").symlink_to(tmp_path / "gone")
     rc, err = _convert(capsys, rel_src, tmp_path / "out")
     assert rc == 2 and "does not exist" in err
     assert os.path.islink(tmp_path / "out") and not (tmp_path / "gone").exists()
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    rc, err = _convert(capsys, rel_src, tmp_path / "a", "--overwrite")
+    assert rc == 2 and "loops" in err and os.path.islink(tmp_path / "a")
 
 
 def test_convert_api_checks_its_arguments(rel_src, tmp_path):

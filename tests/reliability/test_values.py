@@ -143,9 +143,24 @@ def test_valid_arguments_pass(rel_target):
     assert len(res.tokens[0]) == 2
 
 
-def test_target_and_load_arguments(rel_dir):
+def test_token_id_arrays(rel_target):
+    import numpy as np
+
+    assert len(specjax.generate(rel_target, np.array([[1, 2, 3]]), max_new_tokens=1)
+               .tokens) == 1
+    with pytest.raises(TypeError, match="must be 2-D"):
+        specjax.generate(rel_target, np.array([1, 2, 3]))
+    with pytest.raises(TypeError, match="1-D integer array"):
+        specjax.generate(rel_target, [np.array([1.5, 2.0])])
+
+
+def test_target_and_load_arguments(rel_dir, tmp_path, capsys):
     with pytest.raises(TypeError, match="target must be a Target"):
         specjax.generate(str(rel_dir), "hi")
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"GGUF")
+    assert main(["generate", "--model", str(f), "--prompt", "hi"]) == 2
+    assert "is a file; pass the checkpoint folder" in capsys.readouterr().err
     with pytest.raises(ValueError, match="dtype"):
         specjax.load(rel_dir, dtype="int8")
     with pytest.raises(TypeError, match="path"):
@@ -178,9 +193,10 @@ def test_vocab_specs(rel_target, rel_drafter, spec, message):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--temperature", "inf"], "--temperature must be a finite number"),
-    (["--temperature", "nan"], "--temperature must be a finite number"),
-    (["--top-p", "nan"], "--top-p must be a finite number"),
+    (["--temperature", "inf"], "argument --temperature: must be a finite number"),
+    (["--temperature", "nan"], "argument --temperature: must be a finite number"),
+    (["--top-p", "nan"], "argument --top-p: must be a finite number"),
+    (["--top-p=-inf"], "argument --top-p: must be a finite number"),
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--top-k", "-1"], "--top-k must be >= 0"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
@@ -197,6 +213,16 @@ def test_generate_flags_are_checked_before_loading(tmp_path, capsys, flags, mess
     rc = main(["generate", "--model", str(tmp_path / "none"), "--prompt", "hi", *flags])
     err = capsys.readouterr().err
     assert rc == 2 and message in err, err
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "drafter", "--out", "d", "--lr", "inf"],
+    ["train", "router", "--data", "d", "--out", "r", "--weight-decay", "nan"],
+    ["train", "drafter", "--out", "d", "--noise=-inf"],
+])
+def test_every_float_flag_refuses_non_finite_values(capsys, argv):
+    assert main(argv) == 2
+    assert "must be a finite number" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, message", [
