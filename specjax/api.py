@@ -18,7 +18,7 @@ from specjax.checkpoint import load_target, read_manifest
 from specjax.config import ModelConfig
 from specjax.decode import PAD, bucket, decode_loop, decode_step_jit, prefill
 from specjax.drafter import DrafterConfig, DrafterParams
-from specjax.model import Params
+from specjax.model import Params, fuse_params
 from specjax.sampling import SamplingConfig
 from specjax.speculative import (
     Engine,
@@ -85,6 +85,7 @@ def load(path: str | Path, dtype: str | None = None) -> Target:
     # are read.
     tokenizer = load_tokenizer(path)
     cfg, params = load_target(path, dtype)
+    params = fuse_params(params)  # Q/K/V and gate/up as one product each (inference layout)
     return Target(cfg=cfg, params=params, tokenizer=tokenizer, path=path)
 
 

@@ -49,7 +49,7 @@ def flatten_params(params: Params) -> dict[str, Any]:
     if params.lm_head is not None:
         flat["lm_head"] = params.lm_head
     for i, lp in enumerate(params.layers):
-        for f in dataclasses.fields(lp):
+        for f in dataclasses.fields(LayerParams):  # the stored layout, fused or not
             v = getattr(lp, f.name)
             if v is not None:
                 flat[f"layers.{i}.{f.name}"] = v

@@ -3,6 +3,10 @@
 Layout conventions (the converters in ``specjax.convert`` produce these):
 
 * linear weights are ``[in, out]`` so a projection is ``x @ w``;
+* stored (and trained) layers keep Q, K, V and gate, up as separate matrices
+  (:class:`LayerParams`); :func:`fuse_params` concatenates them for inference
+  (:class:`FusedLayerParams`), so a layer runs one Q/K/V and one gate/up product,
+  as production engines store them; the forward pass takes either form;
 * the embedding and the LM head are ``[V, d]``: a vocabulary entry is a
   contiguous row, which is what the shortlist heads gather;
 * the KV cache is preallocated, one ``[B, S, Hkv, Dh]`` buffer per layer, and
@@ -50,10 +54,75 @@ class LayerParams:
     k_norm: Array | None = None  # [Dh]
 
 
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down", "bqkv",
+                      "q_norm", "k_norm"],
+         meta_fields=["q_dim", "kv_dim"])
+@dataclasses.dataclass(frozen=True)
+class FusedLayerParams:
+    """A decoder layer as inference runs it: one [d, q + 2 kv] product for Q/K/V and one
+    [d, 2F] product for gate/up (fewer, larger matrix products stream the weights faster
+    on XLA:CPU than five separate ones; see docs/benchmarks.md, issue 10).
+
+    ``wq``, ``wk``, ``wv``, ``w_gate``, ``w_up`` (and the biases) are still readable, as
+    slices, for code written against :class:`LayerParams` (e.g. a drafter initialised from
+    the target's last layer).
+    """
+
+    attn_norm: Array | None  # [d]
+    wqkv: Array  # [d, q_dim + 2 * kv_dim]: [wq | wk | wv]
+    wo: Array  # [q_dim, d]
+    mlp_norm: Array  # [d]
+    w_gate_up: Array  # [d, 2F]: [w_gate | w_up]
+    w_down: Array  # [F, d]
+    bqkv: Array | None = None  # [q_dim + 2 * kv_dim], Qwen2
+    q_norm: Array | None = None  # [Dh], Qwen3
+    k_norm: Array | None = None
+    q_dim: int = 0  # Hq * Dh (static)
+    kv_dim: int = 0  # Hkv * Dh (static)
+
+    def _qkv(self, x: Array | None, i: int) -> Array | None:
+        if x is None:
+            return None
+        cuts = (0, self.q_dim, self.q_dim + self.kv_dim, self.q_dim + 2 * self.kv_dim)
+        return x[..., cuts[i]:cuts[i + 1]]
+
+    wq = property(lambda self: self._qkv(self.wqkv, 0))
+    wk = property(lambda self: self._qkv(self.wqkv, 1))
+    wv = property(lambda self: self._qkv(self.wqkv, 2))
+    bq = property(lambda self: self._qkv(self.bqkv, 0))
+    bk = property(lambda self: self._qkv(self.bqkv, 1))
+    bv = property(lambda self: self._qkv(self.bqkv, 2))
+    w_gate = property(lambda self: self.w_gate_up[:, : self.w_gate_up.shape[1] // 2])
+    w_up = property(lambda self: self.w_gate_up[:, self.w_gate_up.shape[1] // 2:])
+
+
+def fuse_layer(lp: LayerParams | FusedLayerParams) -> FusedLayerParams:
+    """The fused inference form of a layer (unchanged if already fused)."""
+    if isinstance(lp, FusedLayerParams):
+        return lp
+    cat = partial(jnp.concatenate, axis=-1)
+    return FusedLayerParams(
+        attn_norm=lp.attn_norm, wqkv=cat([lp.wq, lp.wk, lp.wv]), wo=lp.wo,
+        mlp_norm=lp.mlp_norm, w_gate_up=cat([lp.w_gate, lp.w_up]), w_down=lp.w_down,
+        bqkv=None if lp.bq is None else cat([lp.bq, lp.bk, lp.bv]), q_norm=lp.q_norm,
+        k_norm=lp.k_norm, q_dim=int(lp.wq.shape[1]), kv_dim=int(lp.wk.shape[1]))
+
+
+def unfuse_layer(lp: LayerParams | FusedLayerParams) -> LayerParams:
+    """The stored (training) form of a layer (unchanged if not fused)."""
+    if isinstance(lp, LayerParams):
+        return lp
+    return LayerParams(attn_norm=lp.attn_norm, wq=lp.wq, wk=lp.wk, wv=lp.wv, wo=lp.wo,
+                       mlp_norm=lp.mlp_norm, w_gate=lp.w_gate, w_up=lp.w_up,
+                       w_down=lp.w_down, bq=lp.bq, bk=lp.bk, bv=lp.bv, q_norm=lp.q_norm,
+                       k_norm=lp.k_norm)
+
+
 @pytree_dataclass
 class Params:
     embed: Array  # [V, d]
-    layers: tuple[LayerParams, ...]
+    layers: tuple[LayerParams | FusedLayerParams, ...]
     final_norm: Array  # [d]
     lm_head: Array | None = None  # [V, d]; None when tied to `embed`.
 
@@ -61,6 +130,21 @@ class Params:
     def head(self) -> Array:
         """The LM head as [V, d], whether tied or not."""
         return self.embed if self.lm_head is None else self.lm_head
+
+
+def fuse_params(params: Params) -> Params:
+    """``params`` with every layer in the fused inference form (:class:`FusedLayerParams`).
+
+    The same numbers, concatenated: Q/K/V and gate/up become one matrix product each.
+    Checkpoints and training keep :class:`LayerParams`; loading a target for inference
+    (:func:`specjax.load`) fuses. Idempotent.
+    """
+    return dataclasses.replace(params, layers=tuple(fuse_layer(lp) for lp in params.layers))
+
+
+def unfuse_params(params: Params) -> Params:
+    """The inverse of :func:`fuse_params`: every layer as :class:`LayerParams`."""
+    return dataclasses.replace(params, layers=tuple(unfuse_layer(lp) for lp in params.layers))
 
 
 @pytree_dataclass
@@ -150,8 +234,9 @@ def _write_rows(buf: Array, rows: Array, new: Array) -> Array:
     return buf.at[jnp.arange(b)[:, None], rows].set(new.astype(buf.dtype), mode="drop")
 
 
-def attention(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array, inv_freq: Array,
-              k_buf: Array, v_buf: Array, rows: Array, mask: Array):
+def attention(cfg: ModelConfig, lp: LayerParams | FusedLayerParams, x: Array,
+              positions: Array, inv_freq: Array, k_buf: Array, v_buf: Array, rows: Array,
+              mask: Array):
     """GQA self-attention of new tokens over the cache; K/V rows written at ``rows``.
 
     x: [B, T, in] (in = d, or 2d for an EAGLE-3 layer); only the attention
@@ -159,11 +244,17 @@ def attention(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array, inv
     """
     b, t, _ = x.shape
     dh = cfg.head_dim
-    q = x @ lp.wq
-    k = x @ lp.wk
-    v = x @ lp.wv
-    if lp.bq is not None:
-        q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
+    if isinstance(lp, FusedLayerParams):
+        qkv = x @ lp.wqkv
+        if lp.bqkv is not None:
+            qkv = qkv + lp.bqkv
+        q, k, v = jnp.split(qkv, [lp.q_dim, lp.q_dim + lp.kv_dim], axis=-1)
+    else:
+        q = x @ lp.wq
+        k = x @ lp.wk
+        v = x @ lp.wv
+        if lp.bq is not None:
+            q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
     q = q.reshape(b, t, cfg.num_heads, dh)
     k = k.reshape(b, t, cfg.num_kv_heads, dh)
     v = v.reshape(b, t, cfg.num_kv_heads, dh)
@@ -185,7 +276,7 @@ def attention(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array, inv
     return out @ lp.wo, k_buf, v_buf
 
 
-def decoder_layer(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array,
+def decoder_layer(cfg: ModelConfig, lp: LayerParams | FusedLayerParams, x: Array, positions: Array,
                   inv_freq: Array, k_buf: Array, v_buf: Array, rows: Array,
                   mask: Array) -> tuple[Array, Array, Array]:
     """One pre-norm decoder layer; the target's layers and the drafter's share it.
@@ -199,7 +290,11 @@ def decoder_layer(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array,
     attn, k_buf, v_buf = attention(cfg, lp, h, positions, inv_freq, k_buf, v_buf, rows, mask)
     x = x + attn
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-    x = x + (jax.nn.silu(h @ lp.w_gate) * (h @ lp.w_up)) @ lp.w_down
+    if isinstance(lp, FusedLayerParams):
+        gate, up = jnp.split(h @ lp.w_gate_up, 2, axis=-1)
+    else:
+        gate, up = h @ lp.w_gate, h @ lp.w_up
+    x = x + (jax.nn.silu(gate) * up) @ lp.w_down
     return x, k_buf, v_buf
 
 
