@@ -94,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
         "vocab", help="vocabulary heads (full, FR, PA-FR, DynaSpec): MAL, shortlist, speed"))
     add_gemm_args(bsub.add_parser(
         "gemm", help="gathered-column GEMM (XLA path) vs the full head, by shortlist size"))
+    from specjax.bench.latency import add_latency_args
+    from specjax.bench.oracle import add_oracle_args
+
+    add_latency_args(bsub.add_parser(
+        "latency", help="target forward latency against tokens per forward T (JSON + plot)"))
+    add_oracle_args(bsub.add_parser(
+        "oracle", help="the speculative loop's ceiling with a never-wrong drafter"))
     from specjax.train.cli import add_train_parser
     from specjax.vocab.freq_cli import add_build_shortlist_parser
 
@@ -253,6 +260,13 @@ def _run(args: argparse.Namespace) -> int:
         from specjax.bench.breakdown import run_breakdown_from_args
 
         run_breakdown_from_args(args)
+        return 0
+    if args.command == "bench" and args.bench in ("latency", "oracle"):
+        from specjax.bench import latency, oracle
+
+        run = latency.run_latency_from_args if args.bench == "latency" \
+            else oracle.run_oracle_from_args
+        run(args)
         return 0
     if args.command == "bench" and args.bench in ("vocab", "gemm"):
         from specjax.bench import gemm, vocab
