@@ -216,9 +216,23 @@ def check_generate_flags(args: argparse.Namespace) -> None:
                                 "one) or --drafter none")
 
 
+def stats_line(stats: dict) -> str:
+    """One short line of speed and acceptance, printed after the generated text."""
+    line = (f"[{stats['new_tokens']} tokens, {stats['decode_tokens_per_s']:.1f} tok/s decode, "
+            f"prefill {stats['prefill_s']:.2f} s, compile {stats['compile_s']:.1f} s")
+    if "mean_accepted_length" in stats:
+        line += (f", {stats['mean_accepted_length']:.2f} tokens per target forward "
+                 f"({stats['target_forwards']} forwards)")
+    return line + "]"
+
+
 def _run(args: argparse.Namespace) -> int:
     import specjax
 
+    if args.command in ("generate", "bench"):
+        from specjax.compile_cache import enable_compilation_cache
+
+        enable_compilation_cache()  # a second run of the same shapes compiles nothing
     if args.command == "convert":
         out = specjax.convert(args.src, args.out, overwrite=args.overwrite, dtype=args.dtype)
         print(f"wrote {out}")
@@ -243,6 +257,7 @@ def _run(args: argparse.Namespace) -> int:
                               "stats": stats}))
         else:
             print("\n\n".join(res.texts))
+            print(stats_line(res.stats), file=sys.stderr)
         return 0
     if args.command == "bench" and args.bench == "decode":
         from specjax.bench.decode import run_decode_bench
