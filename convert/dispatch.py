@@ -11,6 +11,7 @@ import numpy as np
 from specjax.checkpoint import (
     CheckpointError,
     check_output,
+    clean_stale,
     output_lock,
     save_target,
     write_atomically,
@@ -53,6 +54,7 @@ def convert(src: str | Path, out: str | Path, *, overwrite: bool = False,
     # Checked before the lock too, so a refused OUT leaves nothing behind (no lock file).
     check_output(Path(out), overwrite=overwrite, sources=[src])
     with output_lock(Path(out)) as out_path:
+        clean_stale(out_path)  # may put back an OUT that a killed run had moved aside
         check_output(out_path, overwrite=overwrite, sources=[src])
         return _convert(src, out_path, overwrite=overwrite, dtype=dtype, progress=progress)
 
