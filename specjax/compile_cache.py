@@ -15,6 +15,7 @@ apart from decoding speed, and counts persistent-cache hits and misses.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,15 @@ def enable_compilation_cache(path: str | Path | None = None) -> Path | None:
     path = Path(path) if path is not None else default_cache_path()
     if path is None:
         return None
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        # The cache only saves time: an unwritable SPECJAX_HOME must not stop a run that
+        # needs nothing else from it (e.g. generate --model DIR).
+        print(f"specjax: no compilation cache ({e.strerror or e}: {path}); set "
+              f"{ENV}=PATH or SPECJAX_HOME to a writable folder, or {ENV}=off",
+              file=sys.stderr)
+        return None
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)

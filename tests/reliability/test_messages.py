@@ -123,10 +123,22 @@ def test_unwritable_specjax_home_names_the_variable(tmp_path, monkeypatch, capsy
     assert blocker.read_text() == "not a folder"
 
 
+def test_unwritable_specjax_home_does_not_stop_an_explicit_model(rel_dir, tmp_path,
+                                                                monkeypatch, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("SPECJAX_HOME", str(blocker / "home"))
+    monkeypatch.delenv("SPECJAX_JAX_CACHE", raising=False)
+    rc = main(["generate", "--model", str(rel_dir), "--prompt", "hi", "--max-new-tokens", "1"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "no compilation cache" in err and "SPECJAX_HOME" in err
+
+
 def test_read_only_specjax_home_names_the_variable(tmp_path, monkeypatch, capsys):
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("SPECJAX_HOME", str(home))
+    monkeypatch.setenv("SPECJAX_JAX_CACHE", "off")  # this test simulates only the lock
 
     class ReadOnly:  # what creating the lock file in a read-only folder gives (even as root)
         def __init__(self, path):
