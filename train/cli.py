@@ -240,8 +240,10 @@ def run_train(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     t_start = time.time()
     out = Path(args.out)
-    if out.exists() and not args.overwrite and not args.cache_only:
-        raise FileExistsError(f"{out} already exists; choose another --out or pass --overwrite")
+    if not args.cache_only:  # refused now, not after hours of training
+        from specjax.checkpoint import check_output
+
+        check_output(out, overwrite=args.overwrite)
     target_dir, target = _load_target(args, progress)
     cache_dir = Path(args.cache_dir) if args.cache_dir else _default_cache_dir(target_dir, args)
     ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else cache_dir / "checkpoints"
@@ -425,8 +427,9 @@ def run_train_router(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     t_start = time.time()
     out = Path(args.out)
-    if out.exists() and not args.overwrite:
-        raise FileExistsError(f"{out} already exists; choose another --out or pass --overwrite")
+    from specjax.checkpoint import check_output
+
+    check_output(out, overwrite=args.overwrite)  # before collecting and training
     try:
         eval_ks = tuple(int(k) for k in args.eval_ks.split(","))
     except ValueError as e:

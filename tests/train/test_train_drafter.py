@@ -290,6 +290,16 @@ def test_cli_end_to_end_on_pretokenised_data(target, tmp_path, capsys):
     assert meta["data"]["conversations"] == {"train": 9, "heldout": 3}
     assert train_main(args) == 2  # --out exists: a one-line error
     assert "--overwrite" in capsys.readouterr().err
+    # A folder of the user's files is refused before anything is cached or trained, even
+    # with --overwrite, and left as it was.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    bad = args[:args.index("--out") + 1] + [str(mine)] + args[args.index("--out") + 2:]
+    bad[bad.index("--cache-dir") + 1] = str(tmp_path / "c2")
+    assert train_main(bad + ["--overwrite"]) == 2
+    assert "not a specjax folder" in capsys.readouterr().err
+    assert (mine / "notes.txt").read_text() == "keep me" and not (tmp_path / "c2").exists()
 
 
 def test_fine_tuning_starts_from_the_given_drafter(target, cache, tmp_path):
