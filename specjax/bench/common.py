@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import math
@@ -183,3 +184,11 @@ def bar_plot(path: Path, series: dict[str, Sequence[float | None]], labels: Sequ
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     return save_figure(fig, path, dpi=120)
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """An argparse type: ``"1,2,4"`` -> (1, 2, 4)."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None

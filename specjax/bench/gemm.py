@@ -27,7 +27,7 @@ import numpy as np
 from jax import Array
 from tqdm import tqdm
 
-from specjax.bench.common import machine_info, save_figure, write_json
+from specjax.bench.common import int_list, machine_info, save_figure, write_json
 from specjax.bench.spec import time_calls
 from specjax.kernels.gathered_gemm import gathered_matmul
 
@@ -192,8 +192,6 @@ def summary(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
 
 
 def add_gemm_args(p: argparse.ArgumentParser) -> None:
@@ -202,9 +200,9 @@ def add_gemm_args(p: argparse.ArgumentParser) -> None:
                    help="V, rows of the random head (default 49152, SmolLM2's)")
     p.add_argument("--hidden-size", type=int, default=576,
                    help="d, the head's width (default 576, SmolLM2's)")
-    p.add_argument("--rows", type=_int_list, default=ROWS,
+    p.add_argument("--rows", type=int_list, default=ROWS,
                    help="comma-separated N, hidden rows per call (default 1,4)")
-    p.add_argument("--sizes", type=_int_list, default=SIZES,
+    p.add_argument("--sizes", type=int_list, default=SIZES,
                    help="comma-separated shortlist sizes C (default 1024,...,32768)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--impl", default="auto", choices=["auto", "xla", "pallas"],

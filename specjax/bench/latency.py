@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from specjax.bench.common import (
     decode_weight_bytes,
+    int_list,
     machine_info,
     measure_bandwidth,
     save_figure,
@@ -274,11 +275,6 @@ def summary(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
 
 
 def add_latency_args(p: argparse.ArgumentParser) -> None:
@@ -287,7 +283,7 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
                    help="converted target folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="cast parameters at load (default: as stored)")
-    p.add_argument("--sizes", type=_int_list, default=SIZES,
+    p.add_argument("--sizes", type=int_list, default=SIZES,
                    help="comma-separated T (default " + ",".join(map(str, SIZES)) + ")")
     p.add_argument("--context", type=int, default=200, help="committed cache rows (default 200)")
     p.add_argument("--capacity", type=int, default=320,

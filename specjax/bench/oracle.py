@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 import specjax
 from specjax.api import Drafter, Target, encode_prompts
-from specjax.bench.common import machine_info, save_figure, write_json
+from specjax.bench.common import int_list, machine_info, save_figure, write_json
 from specjax.decode import bucket
 from specjax.drafter import DrafterConfig, DrafterParams
 from specjax.model import forward_hidden, init_cache, unfuse_layer
@@ -273,11 +273,6 @@ def summary(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
 
 
 def add_oracle_args(p: argparse.ArgumentParser) -> None:
@@ -285,7 +280,7 @@ def add_oracle_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="converted target folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
-    p.add_argument("--depths", type=_int_list, default=(1, 2, 3, 4),
+    p.add_argument("--depths", type=int_list, default=(1, 2, 3, 4),
                    help="chain depths (default 1,2,3,4)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompts", type=int, default=len(PROMPTS),
