@@ -187,10 +187,16 @@ def scored_rows(x: Array, mask: Array, cap: int) -> tuple[Array, Array]:
     scored row is dropped; the point is that the V-wide head runs on ``cap`` rows,
     not on every prompt and padding row of the batch.
     """
+    idx, valid = scored_index(mask, cap)
+    return x.reshape(-1, x.shape[-1])[idx], valid
+
+
+def scored_index(mask: Array, cap: int) -> tuple[Array, Array]:
+    """(flat row indices [cap], valid [cap]) of ``mask`` [B, T]'s true rows, as packed by
+    :func:`scored_rows`; computed once per step and reused for every tensor packed."""
     flat = mask.reshape(-1)
     idx = jnp.nonzero(flat, size=cap, fill_value=0)[0]
-    valid = jnp.arange(cap) < jnp.sum(flat.astype(jnp.int32))
-    return x.reshape(-1, x.shape[-1])[idx], valid
+    return idx, jnp.arange(cap) < jnp.sum(flat.astype(jnp.int32))
 
 
 def score_cap(n_scored: int, n_rows: int, steps: int = 8) -> int:
@@ -286,15 +292,15 @@ def eagle_loss(model: EagleDrafter, embed: Array, head: Array, tokens: Array, hi
     if cap is None:
         h_rows, m_rows = hidden, m
     else:
-        h_rows, valid = scored_rows(hidden, loss_mask, cap)
-        m_rows = valid.astype(jnp.float32)
+        idx, valid = scored_index(loss_mask, cap)
+        h_rows, m_rows = hidden.reshape(-1, hidden.shape[-1])[idx], valid.astype(jnp.float32)
     teacher = jnp.einsum("...d,vd->...v", h_rows, head, preferred_element_type=jnp.float32)
     p = jax.lax.stop_gradient(jax.nn.softmax(teacher, axis=-1))
     target = jnp.argmax(teacher, -1)
     total, stats = 0.0, {"n": n}
     for k, pred in enumerate(preds, start=1):
         reg = jnp.mean(_smooth_l1(pred - hidden), axis=-1)  # [B, T]
-        p_rows = pred if cap is None else scored_rows(pred, loss_mask, cap)[0]
+        p_rows = pred if cap is None else pred.reshape(-1, pred.shape[-1])[idx]
         logits = jnp.einsum("...d,vd->...v", p_rows, head, preferred_element_type=jnp.float32)
         ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)  # [B, T] or [cap]
         top1 = jnp.sum((jnp.argmax(logits, -1) == target).astype(jnp.float32) * m_rows)
@@ -422,9 +428,12 @@ def _load_into(model: EagleDrafter, path: Path, target_cfg: ModelConfig) -> None
         model.layer[name][...] = jnp.asarray(getattr(dp.layer, name), jnp.float32)
 
 
-def _prior_tokens(path: Path, target_cfg: ModelConfig) -> int:
+def _prior_tokens(path: Path) -> int:
     """Tokens the drafter at ``path`` was trained on, its own starting point's included."""
-    meta = load_drafter(path, target_cfg)[2]
+    from specjax.checkpoint import read_manifest
+    from specjax.drafter import FORMAT
+
+    meta = read_manifest(Path(path), FORMAT)["meta"]  # the manifest alone: no tensors read
     return int(meta.get("tokens_seen_total", meta.get("tokens_seen", 0)))
 
 
@@ -584,7 +593,7 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
 
     final = nnx.merge(graphdef, params)
     evals = {r["tag"]: r for r in log["eval"]}
-    prior = _prior_tokens(Path(tc.init_from), target_cfg) if tc.init_from else 0
+    prior = _prior_tokens(Path(tc.init_from)) if tc.init_from else 0
     meta = {"tokens_seen": tokens_seen, "prior_tokens_seen": prior,
             "tokens_seen_total": prior + tokens_seen, "steps": step, "total_steps": total,
             "complete": step >= total, "train_wall_s": round(log["wall_s"], 1),

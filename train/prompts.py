@@ -52,6 +52,7 @@ _STOPWORDS = {
     "Italian": "il di che è per una non sono della con gli del le da si anche",
     "Portuguese": "os é uma para com não que do da em um se mais por",
 }
+_STOPWORDS = {lang: frozenset(words.split()) for lang, words in _STOPWORDS.items()}
 _WORD = re.compile(r"[^\W\d_]+", re.UNICODE)
 _ENGLISH = set(("the and is of to in that it for with as on are this be by you we a an or at "
                 "from not can will what how i my your have has do if so").split())
@@ -62,8 +63,7 @@ def _language(text: str) -> str | None:
     words = [w.lower() for w in _WORD.findall(text)]
     if len(words) < 6:
         return None
-    rates = {lang: sum(w in set(sw.split()) for w in words) / len(words)
-             for lang, sw in _STOPWORDS.items()}
+    rates = {lang: sum(w in sw for w in words) / len(words) for lang, sw in _STOPWORDS.items()}
     rates["English"] = sum(w in _ENGLISH for w in words) / len(words)
     best = max(rates, key=rates.get)
     if best != "English" and rates["English"] >= 0.08:  # mixed text: not worth translating
