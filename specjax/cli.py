@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_oracle_args(bsub.add_parser(
         "oracle", help="the speculative loop's ceiling with a never-wrong drafter"))
     from specjax.train.cli import add_train_parser
-    from specjax.vocab.freq_cli import add_build_shortlist_parser
+    from specjax.vocab.build_shortlist import add_build_shortlist_parser
 
     add_train_parser(sub)
     add_build_shortlist_parser(sub)
@@ -290,7 +290,7 @@ def _run(args: argparse.Namespace) -> int:
         run(args)
         return 0
     if args.command == "build-shortlist":
-        from specjax.vocab.freq_cli import run_build_shortlist
+        from specjax.vocab.build_shortlist import run_build_shortlist
 
         return run_build_shortlist(args)
     if args.command == "train":

@@ -319,7 +319,7 @@ def run_train(args: argparse.Namespace) -> int:
 def _train_shortlist(spec: str, target: Any) -> Any:
     """The ids of ``--train-vocab fr:N[:PATH]``: exactly the rows ``--vocab fr:N`` scores."""
     from specjax.defaults import default_drafter_dir
-    from specjax.vocab.frequency import frequency_order
+    from specjax.vocab.fr_head import frequency_order
     from specjax.vocab.resolve import always_kept, frequency_ranking
 
     name, _, rest = spec.partition(":")

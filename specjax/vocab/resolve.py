@@ -27,7 +27,7 @@ from specjax.vocab.head import VocabHead, full_head
 
 def always_kept(target: Any) -> list[int]:
     """EOS ids and the chat template's special tokens: in every shortlist."""
-    from specjax.vocab.freq import required_tokens
+    from specjax.vocab.corpus_counts import required_tokens
 
     if target.tokenizer is None:
         return list(target.eos_ids)
@@ -46,7 +46,7 @@ def _artifact(arg: str, drafter: Any, name: str, how: str) -> Path:
 
 def frequency_ranking(path: Path, target: Any) -> np.ndarray:
     """Token ids by decreasing frequency, from a count file or a (possibly imported) list."""
-    from specjax.vocab.freq import COUNTS_FORMAT, load_counts, tokenizer_fingerprint
+    from specjax.vocab.corpus_counts import COUNTS_FORMAT, load_counts, tokenizer_fingerprint
     from specjax.vocab.shortlist import (
         SHORTLIST_FORMAT,
         import_token_list,
@@ -78,7 +78,7 @@ def resolve_head(spec: str | VocabHead, target: Any, drafter: Any) -> VocabHead:
     if name == "full" and not arg:
         return full_head(target.cfg.vocab_size)
     if name in ("fr", "pafr"):
-        from specjax.vocab.frequency import frequency_head
+        from specjax.vocab.fr_head import frequency_head
 
         size, _, path = arg.partition(":")
         if not (size.isascii() and size.isdigit()) or int(size) < 1:

@@ -1,6 +1,6 @@
 """FR-Spec shortlists: rank token counts, store the lists, exchange them with other tools.
 
-This module ranks the token counts of :mod:`specjax.vocab.freq` into drafter vocabularies::
+This module ranks the token counts of :mod:`specjax.vocab.corpus_counts` into drafter vocabularies::
 
     counts [V] int64 (count_tokens, or load_counts of freq_counts.npy)
       -> build_shortlist         Shortlist: N ids, most frequent first, EOS and chat specials kept
@@ -13,7 +13,7 @@ and converts the lists other tools ship: FR-Spec's ``freq_{N}.pt`` and SGLang's
 
 A shortlist is a ``.npy`` array and a ``.json`` sidecar holding the array's sha256, the
 vocabulary size and the tokenizer fingerprint
-(:func:`~specjax.vocab.freq.tokenizer_fingerprint`; see :mod:`specjax.vocab._files`), so
+(:func:`~specjax.vocab.corpus_counts.tokenizer_fingerprint`; see :mod:`specjax.vocab._files`), so
 a list built for another tokenizer, a truncated copy or a mismatched pair is refused when
 loaded rather than silently drafting the wrong tokens.
 """
@@ -75,7 +75,7 @@ class Shortlist:
 
     ids: [N] int32 unique token ids, most frequent first, EOS and chat specials included.
     vocab_size: V of the model whose ids these are.
-    tokenizer_fingerprint: :func:`~specjax.vocab.freq.tokenizer_fingerprint` of the
+    tokenizer_fingerprint: :func:`~specjax.vocab.corpus_counts.tokenizer_fingerprint` of the
       tokenizer the ranking was counted with; None for an imported list that does not say.
     source: where the ranking comes from (corpus description or imported file).
     """

@@ -32,7 +32,7 @@ from specjax.bench.spec import (
 )
 from specjax.decode import bucket
 from specjax.speculative import TreeSpec
-from specjax.vocab.frequency import frequency_head
+from specjax.vocab.fr_head import frequency_head
 from tests.tiny import make_hf_checkpoint
 
 GRID = (TreeSpec("chain", depth=2), TreeSpec("eagle2", depth=2, top_k=2, total_tokens=3))

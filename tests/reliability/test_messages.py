@@ -15,7 +15,7 @@ import pytest
 import specjax
 from specjax.checkpoint import MANIFEST, CheckpointError
 from specjax.cli import main
-from specjax.vocab.freq import iter_corpus
+from specjax.vocab.corpus_counts import iter_corpus
 from specjax.vocab.shortlist import import_token_list
 from tests.reliability.conftest import snapshot
 

@@ -1,4 +1,4 @@
-"""Shared by the FR-Spec tests (test_freq, test_shortlist): a toy tokenizer and corpus."""
+"""Shared by the FR-Spec tests (test_corpus_counts, test_shortlist): a toy tokenizer and corpus."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import specjax
 from specjax.speculative import TreeSpec
 from specjax.vocab.clusters import Clusters
 from specjax.vocab.dynaspec import cluster_budget, routed_head
-from specjax.vocab.frequency import frequency_head, pa_fr_budget
+from specjax.vocab.fr_head import frequency_head, pa_fr_budget
 from specjax.vocab.head import full_head
 from specjax.vocab.router import Router, RouterConfig, router_logits
 from tests.speculative.conftest import PROMPTS

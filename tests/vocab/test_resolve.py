@@ -13,7 +13,7 @@ from specjax.bench.spec import random_drafter
 from specjax.defaults import default_drafter_dir
 from specjax.vocab import resolve_head
 from specjax.vocab.dynaspec import RoutedHead
-from specjax.vocab.frequency import FrequencyHead
+from specjax.vocab.fr_head import FrequencyHead
 from specjax.vocab.router import RouterMismatchError
 
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from specjax.vocab.freq import required_tokens, tokenizer_fingerprint
+from specjax.vocab.corpus_counts import required_tokens, tokenizer_fingerprint
 from specjax.vocab.shortlist import (
     Shortlist,
     build_shortlist,

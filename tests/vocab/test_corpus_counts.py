@@ -8,8 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from specjax.vocab import freq
-from specjax.vocab.freq import (
+from specjax.vocab import corpus_counts
+from specjax.vocab.build_shortlist import add_build_shortlist_parser, main, run_build_shortlist
+from specjax.vocab.corpus_counts import (
     TokenCounts,
     count_tokens,
     iter_corpus,
@@ -19,7 +20,6 @@ from specjax.vocab.freq import (
     save_counts,
     tokenizer_fingerprint,
 )
-from specjax.vocab.freq_cli import add_build_shortlist_parser, main, run_build_shortlist
 from specjax.vocab.shortlist import build_shortlist, load_shortlist
 from tests.vocab.conftest import TEMPLATE, WORDS, hand_count, toy_docs, toy_tokenizer
 
@@ -52,7 +52,7 @@ def test_corpus_readers(tok, tmp_path):
         {"text": "a dog ran"}, {"conversations": conv},
         {"messages": [{"role": "user", "content": "hi"}]},  # no assistant turn: skipped
         {"other": 1}]) + "\n")
-    stats = freq.ReadStats()
+    stats = corpus_counts.ReadStats()
     docs = list(iter_corpus(jl, tok, stats))
     assert docs == ["a dog ran", tok.apply_chat_template(
         [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
@@ -64,12 +64,12 @@ def test_corpus_readers(tok, tmp_path):
         (tmp_path / "c.csv").write_text("x")
         iter_corpus(tmp_path / "c.csv", tok)
     # The description changes with the file's content and with the chat template.
-    d1 = freq.corpus_description(jl, tok)
+    d1 = corpus_counts.corpus_description(jl, tok)
     jl.write_text(jl.read_text() + "\n")
-    assert freq.corpus_description(jl, tok) != d1
+    assert corpus_counts.corpus_description(jl, tok) != d1
     other = toy_tokenizer()
     other.chat_template = TEMPLATE.replace("\n", " ")
-    assert freq.corpus_description(jl, other) != freq.corpus_description(jl, tok)
+    assert corpus_counts.corpus_description(jl, other) != corpus_counts.corpus_description(jl, tok)
 
 
 def test_resume_after_interruption_equals_one_run(tok, tmp_path):
@@ -109,17 +109,17 @@ def test_kill_mid_checkpoint_recovers_pending_counts(tok, tmp_path, monkeypatch)
     kw = dict(corpus="synthetic", batch_size=2, checkpoint_every=4, progress=False)
     whole = count_tokens(tok, toy_docs(20), out_dir=None, **kw)
     count_tokens(tok, toy_docs(8), out_dir=tmp_path, **kw)
-    real_replace = freq.os.replace
+    real_replace = corpus_counts.os.replace
 
     def killed(src, dst):  # dies after progress.json names the new counts, before the rename
-        if str(dst).endswith(freq.COUNTS_FILE):
+        if str(dst).endswith(corpus_counts.COUNTS_FILE):
             raise KeyboardInterrupt
         real_replace(src, dst)
 
-    monkeypatch.setattr(freq.os, "replace", killed)
+    monkeypatch.setattr(corpus_counts.os, "replace", killed)
     with pytest.raises(KeyboardInterrupt):
         count_tokens(tok, toy_docs(20), out_dir=tmp_path, **kw)
-    monkeypatch.setattr(freq.os, "replace", real_replace)
+    monkeypatch.setattr(corpus_counts.os, "replace", real_replace)
     assert read_progress(tmp_path)["docs"] == 12  # the first checkpoint of the second run
     np.testing.assert_array_equal(count_tokens(tok, toy_docs(20), out_dir=tmp_path, **kw), whole)
     # Counts edited behind progress.json's back are refused, not trusted.
@@ -190,7 +190,7 @@ def test_cli_counts_and_writes_shortlists(tok, model_dir, tmp_path, capsys):
     tc = load_counts(out / "freq_counts", vocab_size=32, fingerprint=fp)
     np.testing.assert_array_equal(tc.counts, expect)
     assert tc.meta["docs"] == 31 and tc.meta["docs_per_corpus"] == {str(txt): 30, str(jl): 1}
-    assert tc.meta["command"].startswith("python -m specjax.vocab.freq_cli build-shortlist")
+    assert tc.meta["command"].startswith("python -m specjax.vocab.build_shortlist build-shortlist")
     assert "--sizes 8,4" in tc.meta["command"]
     for n in (4, 8):
         sl = load_shortlist(out / f"fr_{n}", vocab_size=32, fingerprint=fp, eos_ids=[1, 3])

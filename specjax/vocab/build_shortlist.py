@@ -13,7 +13,7 @@ Output folder::
     OUT/fr_{N}.ids.json                      --export-json: the bare id list, for other tools
 
 Wire into ``specjax/cli.py`` with :func:`add_build_shortlist_parser` and
-:func:`run_build_shortlist`; ``python -m specjax.vocab.freq_cli build-shortlist ...`` runs
+:func:`run_build_shortlist`; ``python -m specjax.vocab.build_shortlist build-shortlist ...`` runs
 it standalone.
 """
 
@@ -169,7 +169,7 @@ def _run_import(args: argparse.Namespace, out: Path, model_dir: Path, cfg: Model
 def run_build_shortlist(args: argparse.Namespace) -> int:
     """Run ``specjax build-shortlist``; returns the exit code."""
     from specjax.train.data import ReadStats
-    from specjax.vocab.freq import (
+    from specjax.vocab.corpus_counts import (
         TokenCounts,
         corpus_description,
         count_tokens,
@@ -254,13 +254,13 @@ def run_build_shortlist(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry point: ``python -m specjax.vocab.freq_cli build-shortlist ...``."""
+    """Standalone entry point: ``python -m specjax.vocab.build_shortlist build-shortlist ...``."""
     parser = argparse.ArgumentParser(prog="specjax")
     sub = parser.add_subparsers(dest="command", required=True)
     add_build_shortlist_parser(sub)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    args.command_line = "python -m specjax.vocab.freq_cli " + shlex.join(argv)
+    args.command_line = "python -m specjax.vocab.build_shortlist " + shlex.join(argv)
     try:
         return run_build_shortlist(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
