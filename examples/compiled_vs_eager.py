@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import specjax  # noqa: E402
-from specjax.defaults import ensure_default_target  # noqa: E402
+from specjax.defaults import resolve_model  # noqa: E402
 
 PROMPT = "Write a short paragraph about the history of the printing press."
 
@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--out", default="results/compiled_vs_eager.json")
     args = ap.parse_args()
 
-    target = specjax.load(args.model or ensure_default_target())
+    target = specjax.load(resolve_model(args.model))
     runs: dict[str, list[float]] = {"compiled": [], "eager": []}
     tokens = {}
     for mode in tqdm(runs, desc="modes"):

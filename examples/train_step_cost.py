@@ -23,7 +23,7 @@ from flax import nnx
 
 import specjax
 from specjax.defaults import ensure_default_target
-from specjax.train.cli import _train_shortlist
+from specjax.train.cli import train_shortlist
 from specjax.train.data import load_split, plan_batches, rows_for
 from specjax.train.drafter import (
     TrainConfig,
@@ -49,7 +49,7 @@ def main() -> None:
     t = Counter(t for t, _ in plan).most_common(1)[0][0]  # the most common bucket
     batches = [split.batch(t, rows, rows_for(t, args.tokens))
                for tt, rows in plan if tt == t][: args.batches]
-    short = jnp.take(target.params.head, jnp.asarray(_train_shortlist(args.shortlist, target)),
+    short = jnp.take(target.params.head, jnp.asarray(train_shortlist(args.shortlist, target)),
                      axis=0)
     best = {}
     for name, head, packed, ttt in [("full vocabulary, every row", target.params.head, False, 1),

@@ -79,6 +79,15 @@ def ensure_default_target(progress: bool = True) -> Path:
             "converted folder") from e
 
 
+def resolve_model(path: str | Path | None, progress: bool = True) -> Path:
+    """The target folder a ``--model`` flag names: ``path``, else the default target.
+
+    The default is converted on first use (:func:`ensure_default_target`), so a command
+    given an explicit folder never touches the wheel or the cache.
+    """
+    return Path(path) if path is not None else ensure_default_target(progress=progress)
+
+
 def default_drafter_dir() -> Path:
     """The EAGLE drafter shipped for the default target (trained by ``specjax train drafter``)."""
     path = Path(__file__).parent / "assets" / "drafters" / DEFAULT_MODEL_NAME

@@ -6,7 +6,7 @@ pre-tokenised records for ``train drafter --data``.
 ``specjax train router``: router data (collected with the drafter) + token
 clusters of the target's LM head -> DynaSpec router.
 
-Wire into ``specjax/cli.py`` with :func:`add_train_parser` and :func:`run_train`;
+Wire into ``specjax/cli.py`` with :func:`add_parser`;
 ``python -m specjax.train.cli drafter|self-distill|router ...`` runs them standalone.
 """
 
@@ -184,17 +184,21 @@ def _add_subcommands(tsub: argparse._SubParsersAction) -> None:
     d = tsub.add_parser("drafter", help="train an EAGLE-1 drafter for a target",
                         description=__doc__)
     _add_drafter_args(d)
+    d.set_defaults(run=run_train_drafter)
     g = tsub.add_parser("self-distill", help="generate the target's own greedy answers to "
                                              "ShareGPT prompts (drafter training data)",
                         description=__doc__)
     _add_self_distill_args(g)
+    g.set_defaults(run=run_self_distill)
     r = tsub.add_parser("router", help="train a DynaSpec router (token clusters + "
                                        "meta-classifier) for a drafter", description=__doc__)
     _add_router_args(r)
+    r.set_defaults(run=run_train_router)
 
 
-def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``train`` (``drafter`` and ``router`` subcommands) to a parser's subparsers."""
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``train`` (``drafter``, ``self-distill``, ``router``) to a parser's subparsers;
+    ``args.run`` runs the chosen one."""
     t = subparsers.add_parser("train", help="train drafters (EAGLE) on cached target states "
                                             "and DynaSpec routers")
     tsub = t.add_subparsers(dest="train", required=True)
@@ -220,14 +224,8 @@ def _cache_summary(cache_dir: Path) -> dict:
             "tokens": {k: v["tokens"] for k, v in m["splits"].items()}}
 
 
-def run_train(args: argparse.Namespace) -> int:
-    """Run ``specjax train drafter|self-distill|router``; returns the exit code."""
-    if args.train == "router":
-        return run_train_router(args)
-    if args.train == "self-distill":
-        return run_self_distill(args)
-    if args.train != "drafter":
-        raise ValueError(f"unknown train target {args.train!r}")
+def run_train_drafter(args: argparse.Namespace) -> int:
+    """Run ``specjax train drafter``; returns the exit code (1 if training stopped early)."""
     from specjax.train.data import (
         cache_hidden_states,
         check_same_target,
@@ -291,7 +289,7 @@ def run_train(args: argparse.Namespace) -> int:
                      train_vocab=args.train_vocab, ttt_steps=args.ttt_steps,
                      ttt_decay=args.ttt_decay,
                      init_from=str(Path(args.init_from).resolve()) if args.init_from else None)
-    train_ids = None if args.train_vocab is None else _train_shortlist(args.train_vocab, target)
+    train_ids = None if args.train_vocab is None else train_shortlist(args.train_vocab, target)
     result = train_drafter(target.cfg, target.params, train, heldout, tc, ckpt_dir,
                            train_ids=train_ids, resume=args.resume, progress=progress)
     summary = {"source": str(args.data), "conversations": {k: v["examples"]
@@ -316,7 +314,7 @@ def run_train(args: argparse.Namespace) -> int:
     return 0 if m["complete"] else 1
 
 
-def _train_shortlist(spec: str, target: Any) -> Any:
+def train_shortlist(spec: str, target: Any) -> Any:
     """The ids of ``--train-vocab fr:N[:PATH]``: exactly the rows ``--vocab fr:N`` scores."""
     from specjax.defaults import default_drafter_dir
     from specjax.vocab.fr_head import frequency_order
@@ -333,13 +331,9 @@ def _train_shortlist(spec: str, target: Any) -> Any:
 
 def _load_target(args: argparse.Namespace, progress: bool) -> tuple[Path, Any]:
     import specjax
+    from specjax.defaults import resolve_model
 
-    if args.target is None:
-        from specjax.defaults import ensure_default_target
-
-        target_dir = ensure_default_target(progress=progress)
-    else:
-        target_dir = Path(args.target)
+    target_dir = resolve_model(args.target, progress=progress)
     return target_dir, specjax.load(target_dir)
 
 
@@ -370,7 +364,7 @@ def run_self_distill(args: argparse.Namespace) -> int:
 
 def _mixed_prompts(args: argparse.Namespace, tokenizer: Any) -> tuple[list, list, str]:
     """``--mix``: prompts of several kinds, none sharing text with the excluded questions."""
-    from specjax.bench.spec import resolve_questions
+    from specjax.bench.questions import resolve_questions
     from specjax.train.prompts import DEFAULT_WEIGHTS, load_exclusions, prompt_mix
 
     if args.mix == "default":
@@ -518,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.command_line = "python -m specjax.train.cli " + shlex.join(argv)
     try:
-        return run_train(args)
+        return args.run(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"specjax train: error: {e}", file=sys.stderr)
         return 2

@@ -65,7 +65,7 @@ class _TransformersEngine:
             raise ValueError("engine 'transformers' needs torch (pip install -e '.[test]'); "
                              "or use engine 'specjax' (--engine specjax)") from None
 
-        from specjax.bench.decode import load_hf_model, resolve_hf_source
+        from specjax.transformers_model import load_hf_model, resolve_hf_source
 
         if threads:
             torch.set_num_threads(threads)

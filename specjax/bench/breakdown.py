@@ -41,20 +41,12 @@ from tqdm import tqdm
 
 import specjax
 from specjax.api import Drafter, Target
-from specjax.bench.common import machine_info, save_figure, write_json
-from specjax.bench.spec import (
-    add_tree_args,
-    draft_latency,
-    generate_capacity,
-    random_features,
-    resolve_drafter,
-    time_calls,
-    tree_dict,
-    tree_from_args,
-    tree_label,
-    verify_latency,
-)
+from specjax.bench.common import as_command, machine_info, save_figure, write_json
+from specjax.bench.phases import draft_latency, random_features, resolve_drafter
+from specjax.bench.timing import generate_capacity, time_calls, verify_latency
+from specjax.bench.trees import add_tree_args, tree_dict, tree_from_args, tree_label
 from specjax.decode import bucket
+from specjax.defaults import resolve_model
 from specjax.drafter import DrafterConfig, DrafterParams, init_drafter_cache
 from specjax.model import Params, cache_mask, decoder_layer, lm_head, rope_inv_freq
 from specjax.speculative import TreeSpec
@@ -364,12 +356,16 @@ def add_breakdown_args(p: argparse.ArgumentParser) -> None:
 
 def run_breakdown_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Run :func:`run_breakdown` from :func:`add_breakdown_args`'s flags."""
-    if args.model is not None:
-        model = Path(args.model)
-    else:
-        from specjax.defaults import ensure_default_target
-
-        model = ensure_default_target()
+    model = resolve_model(args.model)
     tree = tree_from_spec_json(args.from_spec) if args.from_spec else tree_from_args(args)
     return run_breakdown(model, args.drafter, tree=tree, out=Path(args.out),
                          context=args.context, runs=args.runs, dtype=args.dtype)
+
+
+def add_parser(bench: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``breakdown`` to ``specjax bench``'s subparsers; ``args.run`` runs it."""
+    p = bench.add_parser("breakdown",
+                         help="time breakdown of one draft step (JSON + stacked bars)")
+    add_breakdown_args(p)
+    p.set_defaults(run=as_command(run_breakdown_from_args))
+    return p

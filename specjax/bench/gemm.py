@@ -27,8 +27,8 @@ import numpy as np
 from jax import Array
 from tqdm import tqdm
 
-from specjax.bench.common import int_list, machine_info, save_figure, write_json
-from specjax.bench.spec import time_calls
+from specjax.bench.common import as_command, int_list, machine_info, save_figure, write_json
+from specjax.bench.timing import time_calls
 from specjax.kernels.gathered_gemm import gathered_matmul
 
 SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -218,3 +218,12 @@ def run_gemm_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return run_gemm_bench(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
                           rows=args.rows, sizes=args.sizes, dtype=args.dtype, impl=args.impl,
                           runs=args.runs, seed=args.seed, out=Path(args.out))
+
+
+def add_parser(bench: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``gemm`` to ``specjax bench``'s subparsers; ``args.run`` runs it."""
+    p = bench.add_parser(
+        "gemm", help="gathered-column GEMM (XLA path) vs the full head, by shortlist size")
+    add_gemm_args(p)
+    p.set_defaults(run=as_command(run_gemm_from_args))
+    return p

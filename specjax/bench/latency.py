@@ -32,6 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from specjax.bench.common import (
+    as_command,
     decode_weight_bytes,
     int_list,
     machine_info,
@@ -39,6 +40,8 @@ from specjax.bench.common import (
     save_figure,
     write_json,
 )
+from specjax.bench.timing import monotone_fit, verify_call
+from specjax.defaults import resolve_model
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 GOALS = {4: 1.2, 8: 1.45}  # issue 10: latency(T) / latency(1) at most this
@@ -98,8 +101,6 @@ def latency_curves(target: Any, variants: dict[str, Any], sizes: tuple[int, ...]
     every (variant, T) is compiled first, then each round times each of them once."""
     import dataclasses
 
-    from specjax.bench.spec import verify_call
-
     calls = {}
     for name, params in variants.items():
         tv = dataclasses.replace(target, params=params)
@@ -141,7 +142,6 @@ def run_latency_bench(model_dir: Path, *, sizes: tuple[int, ...] = SIZES, contex
       compare: an earlier result of this benchmark to overlay and compare with.
     """
     import specjax
-    from specjax.bench.spec import monotone_fit
 
     sizes = tuple(sorted(set(int(t) for t in sizes)))
     if sizes[0] < 1 or runs < 1:
@@ -300,17 +300,21 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
 
 def run_latency_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Run :func:`run_latency_bench` from :func:`add_latency_args`'s flags."""
-    if args.model is not None:
-        model = Path(args.model)
-    else:
-        from specjax.defaults import ensure_default_target
-
-        model = ensure_default_target()
-    return run_latency_bench(model, sizes=args.sizes, context=args.context,
-                             capacity=args.capacity, runs=args.runs, dtype=args.dtype,
+    return run_latency_bench(resolve_model(args.model), sizes=args.sizes,
+                             context=args.context, capacity=args.capacity, runs=args.runs,
+                             dtype=args.dtype,
                              layouts=tuple(x for x in args.layouts.split(",") if x),
                              out=Path(args.out), label=args.label,
                              compare=None if args.compare is None else Path(args.compare))
+
+
+def add_parser(bench: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``latency`` to ``specjax bench``'s subparsers; ``args.run`` runs it."""
+    p = bench.add_parser(
+        "latency", help="target forward latency against tokens per forward T (JSON + plot)")
+    add_latency_args(p)
+    p.set_defaults(run=as_command(run_latency_from_args))
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,8 +35,9 @@ from tqdm import tqdm
 
 import specjax
 from specjax.api import Drafter, Target, encode_prompts
-from specjax.bench.common import int_list, machine_info, save_figure, write_json
+from specjax.bench.common import as_command, int_list, machine_info, save_figure, write_json
 from specjax.decode import bucket
+from specjax.defaults import resolve_model
 from specjax.drafter import DrafterConfig, DrafterParams
 from specjax.model import forward_hidden, init_cache, unfuse_layer
 from specjax.speculative import TreeSpec
@@ -291,15 +292,18 @@ def add_oracle_args(p: argparse.ArgumentParser) -> None:
 
 def run_oracle_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Run :func:`run_oracle_bench` from :func:`add_oracle_args`'s flags."""
-    if args.model is not None:
-        model = Path(args.model)
-    else:
-        from specjax.defaults import ensure_default_target
+    return run_oracle_bench(resolve_model(args.model), prompts=PROMPTS[:max(1, args.prompts)],
+                            depths=args.depths, max_new_tokens=args.max_new_tokens,
+                            runs=args.runs, out=Path(args.out), dtype=args.dtype)
 
-        model = ensure_default_target()
-    return run_oracle_bench(model, prompts=PROMPTS[:max(1, args.prompts)], depths=args.depths,
-                            max_new_tokens=args.max_new_tokens, runs=args.runs,
-                            out=Path(args.out), dtype=args.dtype)
+
+def add_parser(bench: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``oracle`` to ``specjax bench``'s subparsers; ``args.run`` runs it."""
+    p = bench.add_parser(
+        "oracle", help="the speculative loop's ceiling with a never-wrong drafter")
+    add_oracle_args(p)
+    p.set_defaults(run=as_command(run_oracle_from_args))
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:

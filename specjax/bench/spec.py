@@ -26,41 +26,63 @@ useless drafter gives 1.0).
 
 Per-prompt results are appended to ``<out stem>.partial.jsonl`` as they finish, and a
 restarted run with the same configuration skips them (and reuses the tree selection).
+
+The pieces this run shares with the other benchmarks live beside it: the questions in
+:mod:`~specjax.bench.questions`, timing and the latency curve in
+:mod:`~specjax.bench.timing`, the draft phase and drafters in :mod:`~specjax.bench.phases`,
+tree flags and names in :mod:`~specjax.bench.trees`, the partial file in
+:mod:`~specjax.bench.partial`.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from functools import partial
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import Array
 from tqdm import tqdm
 
 import specjax
 from specjax.api import Drafter, Target, encode_prompts
-from specjax.bench.common import jsonable, machine_info, save_figure, write_json
+from specjax.bench.common import (
+    as_command,
+    first_mismatch,
+    jsonable,
+    machine_info,
+    save_figure,
+    write_json,
+)
+from specjax.bench.partial import append_record, partial_path, read_partial
+from specjax.bench.phases import draft_latency, resolve_drafter
+from specjax.bench.questions import (
+    QUESTIONS_ENV,
+    TASKS,
+    load_questions,
+    resolve_questions,
+    select_questions,
+)
+from specjax.bench.timing import (
+    cache_geometry,
+    count_compiles,
+    generate_capacity,
+    interp_latency,
+    latency_curve,
+    tree_spare,
+    warmup_tokens,
+)
+from specjax.bench.trees import add_tree_args, tree_dict, tree_from_args, tree_label
 from specjax.decode import bucket
-from specjax.drafter import init_drafter_cache
-from specjax.model import KVCache, Params, forward_hidden, init_cache, lm_head
-from specjax.sampling import SamplingConfig
-from specjax.speculative import Engine, SpecState, TreeSpec, draft_phase_jit
+from specjax.defaults import resolve_model
+from specjax.speculative import TreeSpec
 from specjax.vocab.head import VocabHead, full_head
 from specjax.vocab.resolve import resolve_head
 
-MT_BENCH_CATEGORIES = frozenset({"writing", "roleplay", "reasoning", "math", "coding",
-                                 "extraction", "stem", "humanities"})
-TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 # Calibration uses short-prompt tasks only: each config compiles once per prompt bucket,
 # and summarization / rag prompts (~700-1600 tokens) would add a 1024-2048 bucket per config.
 CALIB_TASKS = ("mt_bench", "translation", "qa", "math_reasoning")
@@ -78,344 +100,6 @@ DEFAULT_GRID = (
 )
 MAL_NOTE = ("MAL = tokens committed per target forward, the target's bonus token included "
             "(Spec-Bench / EAGLE convention; 1.0 means no draft token was ever accepted)")
-QUESTIONS_ENV = "SPECJAX_SPEC_BENCH"
-_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-# --------------------------------------------------------------------------------------
-# Questions
-# --------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Question:
-    """One Spec-Bench question (its first turn only)."""
-
-    question_id: int
-    task: str  # "mt_bench" for MT-bench's 8 categories, else the category
-    category: str
-    text: str
-
-
-def resolve_questions(path: str | Path | None = None) -> Path:
-    """The Spec-Bench ``question.jsonl``: ``path``, else ``$SPECJAX_SPEC_BENCH``, else
-    ``../shared/data/spec_bench/question.jsonl`` relative to the repository root.
-
-    Raises:
-      FileNotFoundError: naming every place looked at.
-    """
-    if path is not None:
-        tried = [Path(path)]
-    elif os.environ.get(QUESTIONS_ENV):
-        tried = [Path(os.environ[QUESTIONS_ENV])]
-    else:
-        root = Path(specjax.__file__).resolve().parent.parent
-        tried = [root.parent / "shared" / "data" / "spec_bench" / "question.jsonl"]
-    for p in tried:
-        if p.is_file():
-            return p
-    raise FileNotFoundError(
-        f"Spec-Bench questions not found at {', '.join(map(str, tried))}; pass --questions "
-        f"PATH or set ${QUESTIONS_ENV} to hemingkx/Spec-Bench's data/spec_bench/question.jsonl")
-
-
-def load_questions(path: Path) -> list[Question]:
-    """Every question of a Spec-Bench ``question.jsonl``, in file order."""
-    out = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            q = json.loads(line)
-            cat = q["category"]
-            out.append(Question(int(q["question_id"]),
-                                "mt_bench" if cat in MT_BENCH_CATEGORIES else cat, cat,
-                                q["turns"][0]))
-        except (ValueError, KeyError, IndexError, TypeError) as e:
-            raise ValueError(f"{path}:{n}: not a Spec-Bench question ({e!r})") from None
-    return out
-
-
-def select_questions(questions: Sequence[Question], tasks: Sequence[str], per_task: int,
-                     *, last: bool = False,
-                     exclude: frozenset[int] = frozenset()) -> list[Question]:
-    """The first (or ``last``) ``per_task`` questions of each task, grouped by task."""
-    out = []
-    for task in tasks:
-        pool = [q for q in questions if q.task == task and q.question_id not in exclude]
-        if not pool:
-            known = sorted({q.task for q in questions})
-            raise ValueError(f"no questions for task {task!r}; tasks are {known}")
-        out += pool[-per_task:] if last else pool[:per_task]
-    return out
-
-
-# --------------------------------------------------------------------------------------
-# Drafter, geometry, timing helpers
-# --------------------------------------------------------------------------------------
-
-
-def random_drafter(target: Target, seed: int = 0) -> Drafter:
-    """An untrained EAGLE drafter (layer initialised from the target's last): MAL ~ 1.
-
-    Only for checking the pipeline; its figures say nothing about speculative decoding.
-    """
-    from flax import nnx
-
-    from specjax.drafter import DrafterConfig, EagleDrafter
-
-    m = EagleDrafter(DrafterConfig(target.cfg), rngs=nnx.Rngs(seed),
-                     init_layer=target.params.layers[-1])
-    dtype = target.params.embed.dtype
-    params = jax.tree.map(lambda a: a.astype(dtype), m.params())
-    return Drafter(cfg=m.cfg, params=params, meta={"random": True, "seed": seed})
-
-
-def resolve_drafter(drafter_dir: str | Path | None, target: Target) -> tuple[Drafter, str]:
-    """(drafter, name) for ``drafter_dir``: a folder, None for the shipped one, "random"."""
-    if drafter_dir is not None and str(drafter_dir) == "none":
-        raise ValueError("this benchmark compares speculative with vanilla decoding and needs "
-                         "a drafter: pass --drafter PATH (or 'random' to check the pipeline)")
-    if drafter_dir is not None and str(drafter_dir) == "random":
-        return random_drafter(target), "random"
-    from specjax.defaults import default_drafter_dir
-
-    path = Path(drafter_dir) if drafter_dir is not None else default_drafter_dir()
-    return specjax.load_drafter(path, target), str(path)
-
-
-def cache_geometry(prompt_len: int, max_new_tokens: int, spare: int) -> tuple[int, int]:
-    """(context, capacity) of a representative decode step.
-
-    context: committed cache rows midway through generation; capacity: rows allocated as
-    :func:`specjax.generate` does (bucketed prompt + bucketed output + tree spare). Attention
-    runs over the whole capacity (masked), so capacity is what sets its cost.
-    """
-    return prompt_len + max_new_tokens // 2, bucket(prompt_len) + bucket(max_new_tokens) + spare
-
-
-def tree_spare(tree: TreeSpec) -> int:
-    """Cache rows :func:`specjax.generate` reserves past the output for one tree step."""
-    return max(tree.num_nodes, tree.workspace, tree.max_depth + 1)
-
-
-def generate_capacity(prompt_len: int, max_new_tokens: int, tree: TreeSpec) -> int:
-    """The cache capacity :func:`specjax.generate` allocates (so shapes, and compiled
-    programs, are shared with real runs)."""
-    return bucket(prompt_len) + bucket(max_new_tokens) + tree_spare(tree)
-
-
-def warmup_tokens(max_new_tokens: int) -> int:
-    """The fewest new tokens (but 2) that land in ``max_new_tokens``' output bucket.
-
-    Limits are arrays and shapes are bucketed, so a call with this budget compiles exactly
-    the programs the timed call runs, at about half its cost. At least 2 tokens (when the
-    budget allows): with 1 the prefill's token ends the call before eager mode has run,
-    and so compiled, a single step.
-    """
-    b = bucket(max_new_tokens)
-    return min(max_new_tokens, 2) if b == bucket(1) else b // 2 + 1
-
-
-def time_calls(fn: Callable[[], Any], runs: int) -> dict[str, float]:
-    """``fn`` once untimed (compile), then ``runs`` timed calls: best and median, in ms.
-
-    The best is the least disturbed by other load on a shared machine; decisions use it.
-    """
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return {"best_ms": 1e3 * min(times), "median_ms": 1e3 * float(np.median(times)),
-            "runs": runs}
-
-
-@contextlib.contextmanager
-def count_compiles() -> Iterator[list[int]]:
-    """Count XLA backend compilations inside the block (``[n]``, read after it)."""
-    n = [0]
-
-    def listener(event: str, duration: float, **kwargs: Any) -> None:
-        if event == _COMPILE_EVENT:
-            n[0] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield n
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-
-
-@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def _verify_forward(params: Params, cfg, tokens: Array, positions: Array,
-                    cache: KVCache) -> tuple[Array, KVCache]:
-    """Greedy verify pass of T tokens: [1, T] -> argmax [1, T] and the written cache.
-
-    The cache is donated and threaded through like the decode loop's state, so its K/V
-    rows are written in place instead of copying every layer's buffer each call.
-    """
-    hidden, cache, _ = forward_hidden(params, cfg, tokens, positions, cache)
-    return jnp.argmax(lm_head(params, hidden), axis=-1), cache
-
-
-def verify_call(target: Target, num_tokens: int, *, context: int,
-                capacity: int) -> Callable[[], Array]:
-    """A closure running one target forward (+ full-vocabulary head) over ``num_tokens``.
-
-    B=1, the ``context`` committed rows of a ``capacity``-row cache (K/V values are zeros:
-    the cost does not depend on them); the cache is threaded from call to call.
-    """
-    cfg = target.cfg
-    if context + num_tokens > capacity:
-        raise ValueError(f"context {context} + {num_tokens} tokens exceeds capacity {capacity}")
-    cache = init_cache(cfg, 1, capacity, target.params.embed.dtype)
-    cache = dataclasses.replace(cache, lengths=jnp.full((1,), context, jnp.int32))
-    tokens = jnp.asarray((np.arange(num_tokens)[None] * 7919 + 11) % cfg.vocab_size, jnp.int32)
-    positions = jnp.asarray(context + np.arange(num_tokens)[None], jnp.int32)
-    state = {"cache": cache}
-
-    def call() -> Array:
-        out, state["cache"] = _verify_forward(target.params, cfg, tokens, positions,
-                                              state["cache"])
-        return out
-
-    return call
-
-
-def verify_latency(target: Target, num_tokens: int, *, context: int, capacity: int,
-                   runs: int) -> dict[str, float]:
-    """:func:`time_calls` of :func:`verify_call`."""
-    return time_calls(verify_call(target, num_tokens, context=context, capacity=capacity),
-                      runs)
-
-
-def monotone_fit(values: Sequence[float]) -> list[float]:
-    """The least-squares non-decreasing fit (isotonic regression, pool adjacent violators).
-
-    A forward over more tokens does no less work, so a latency that drops as T grows is
-    other load on the machine; the tree choice reads this fit, not the raw points.
-    """
-    blocks: list[list[float]] = []  # [sum, count] of pooled runs
-    for v in values:
-        blocks.append([float(v), 1])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, n = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += n
-    return [total / n for total, n in blocks for _ in range(int(n))]
-
-
-def latency_curve(target: Target, sizes: Sequence[int], *, context: int, capacity: int,
-                  runs: int, bar: tqdm | None = None) -> dict[str, Any]:
-    """Forward latency for each T in ``sizes``: best and median of ``runs`` (ms), and the
-    monotone fit of the best (:func:`monotone_fit`), which estimates read.
-
-    Every size is compiled first; then each of ``runs`` rounds times every size once, so
-    a burst of other load spreads over all sizes instead of skewing one.
-    """
-    calls = {}
-    for t in sizes:
-        if bar is not None:
-            bar.set_description(f"latency T={t} (compile)")
-        calls[t] = verify_call(target, t, context=context, capacity=capacity)
-        jax.block_until_ready(calls[t]())
-        if bar is not None:
-            bar.update()
-    times: dict[int, list[float]] = {t: [] for t in sizes}
-    if bar is not None:
-        bar.set_description("latency curve")
-    for _ in range(runs):
-        for t, call in calls.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(call())
-            times[t].append(1e3 * (time.perf_counter() - t0))
-    best = [min(times[t]) for t in sizes]
-    return {"context": context, "capacity": capacity, "batch": 1, "sizes": [int(t) for t in sizes],
-            "best_ms": best, "median_ms": [float(np.median(times[t])) for t in sizes],
-            "fit_ms": monotone_fit(best), "runs": runs,
-            "what": "jitted forward_hidden + lm_head + argmax, B=1, causal block"}
-
-
-def interp_latency(curve: dict[str, Any], num_tokens: int) -> float:
-    """Latency (ms) at ``num_tokens`` from the monotone fit, linear between measured sizes."""
-    sizes = curve["sizes"]
-    if not sizes[0] <= num_tokens <= sizes[-1]:
-        raise ValueError(f"T={num_tokens} is outside the measured sizes {sizes}")
-    return float(np.interp(num_tokens, sizes, curve["fit_ms"]))
-
-
-def random_features(shape: tuple[int, ...], dtype: Any, seed: int = 0) -> Array:
-    """Unit-scale Gaussian features made in numpy (no compile for a throwaway array)."""
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
-
-
-def synthetic_state(target: Target, drafter: Drafter, *, context: int, capacity: int,
-                    out_len: int, seed: int = 0) -> SpecState:
-    """A B=1 :class:`SpecState` as it stands after ``context`` committed tokens.
-
-    Both caches have ``context`` rows committed (zeros: costs do not depend on values) in a
-    ``capacity``-row buffer; the root feature is random. Shapes and dtypes are those of
-    :func:`specjax.speculative.spec_prefill`'s state for the same capacity and ``out_len``,
-    so the draft phase compiled here is the one eager generation runs. For timing only.
-    """
-    dtype = target.params.embed.dtype
-    lengths = jnp.full((1,), context, jnp.int32)
-    tcache = dataclasses.replace(init_cache(target.cfg, 1, capacity, dtype), lengths=lengths)
-    dcache = dataclasses.replace(init_drafter_cache(drafter.cfg, 1, capacity, dtype),
-                                 lengths=lengths)
-    return SpecState(
-        tcache=tcache, dcache=dcache, root=jnp.full((1,), 11 % target.cfg.vocab_size, jnp.int32),
-        root_feat=random_features((1, target.cfg.hidden_size), dtype, seed),
-        out=jnp.zeros((1, out_len), jnp.int32), num_new=jnp.ones((1,), jnp.int32),
-        done=jnp.zeros((1,), bool), accept_lens=jnp.zeros((1, out_len), jnp.int32),
-        steps=jnp.zeros((1,), jnp.int32), shortlist_size=jnp.zeros((1,), jnp.float32),
-        shortlist_hits=jnp.zeros((1,), jnp.int32), key=jax.random.PRNGKey(seed),
-        max_new=jnp.int32(out_len))
-
-
-def greedy_engine(target: Target, drafter: Drafter, tree: TreeSpec) -> Engine:
-    """The static engine :func:`specjax.generate` builds for greedy decoding."""
-    return Engine(cfg=target.cfg, dcfg=drafter.cfg, tree=tree,
-                  sampling=SamplingConfig(temperature=0.0).static())
-
-
-def draft_latency(target: Target, drafter: Drafter, tree: TreeSpec, *, context: int,
-                  capacity: int, out_len: int, runs: int,
-                  head: VocabHead | None = None) -> dict[str, float]:
-    """Latency of the jitted greedy draft phase (tree build with the drafter), B=1.
-
-    ``head``: the vocabulary head (default: the full vocabulary).
-    ``context`` committed rows of a ``capacity``-row cache; ``out_len``: the output buffer.
-    """
-    state = synthetic_state(target, drafter, context=context, capacity=capacity,
-                            out_len=out_len)
-    eng = greedy_engine(target, drafter, tree)
-    temperature = jnp.float32(0.0)
-    head = head or full_head(target.cfg.vocab_size)
-    return time_calls(lambda: draft_phase_jit(target.params, drafter.params, head, state,
-                                              temperature, eng=eng), runs)
-
-
-def tree_dict(tree: TreeSpec) -> dict[str, Any]:
-    """A tree's fields plus its node count T (root included), for JSON."""
-    d = dataclasses.asdict(tree)
-    d["num_nodes"] = tree.num_nodes
-    if tree.kind != "eagle2":
-        d.pop("top_k"), d.pop("total_tokens")
-    if tree.kind != "static":
-        d.pop("paths")
-    return d
-
-
-def tree_label(tree: TreeSpec) -> str:
-    """Short name: ``chain d4`` or ``eagle2 d4 k4 n12``."""
-    if tree.kind == "chain":
-        return f"chain d{tree.depth}"
-    if tree.kind == "eagle2":
-        return f"eagle2 d{tree.depth} k{tree.top_k} n{tree.total_tokens}"
-    return f"static n{tree.num_nodes - 1}"
 
 
 # --------------------------------------------------------------------------------------
@@ -471,14 +155,6 @@ def select_tree(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
 # --------------------------------------------------------------------------------------
 # Evaluation
 # --------------------------------------------------------------------------------------
-
-
-def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first differing token (or the shorter length); None if equal."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def _method_record(res: specjax.GenerationResult, compiles: int) -> dict[str, Any]:
@@ -568,56 +244,15 @@ def aggregate(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------
-# Resumable partial results
-# --------------------------------------------------------------------------------------
-
-
-def partial_path(out: Path) -> Path:
-    """``results/bench_spec.json`` -> ``results/bench_spec.partial.jsonl``."""
-    return out.with_name(out.stem + ".partial.jsonl")
-
-
-def _read_partial(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    recs = []
-    for line in path.read_text().splitlines():
-        try:
-            recs.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut by an interrupted write
-    return recs
-
-
-def _append(path: Path, rec: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        f.write(json.dumps(jsonable(rec)) + "\n")
-        f.flush()
-
-
-# --------------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------------
 
 
-def run_spec_bench(model_dir: str | Path, drafter_dir: str | Path | None, *, per_task: int = 4,
-                   max_new_tokens: int = 128, tree: TreeSpec | None = None,
-                   questions: str | Path | None = None,
-                   out: str | Path = "results/bench_spec.json",
-                   tasks: Sequence[str] = TASKS, eager_per_task: int = 1,
-                   grid: Sequence[TreeSpec] = DEFAULT_GRID,
-                   calib_tasks: Sequence[str] = CALIB_TASKS, calib_per_task: int = 1,
-                   calib_max_new_tokens: int = 48,
-                   latency_sizes: Sequence[int] = LATENCY_SIZES, runs: int = 7,
-                   stop_on_eos: bool = True, dtype: str | None = None,
-                   prompts: Sequence[dict[str, Any]] | None = None,
-                   calib_prompts: Sequence[Sequence[int]] | None = None,
-                   drafter: Drafter | None = None, resume: bool = True,
-                   vocab: str | VocabHead = "full") -> dict[str, Any]:
-    """Benchmark greedy speculative decoding on a Spec-Bench subset; write JSON + PNG.
+@dataclasses.dataclass(frozen=True)
+class SpecBenchConfig:
+    """The settings of one ``specjax bench spec`` run.
 
-    Args:
+    Attributes:
       model_dir: a converted target folder.
       drafter_dir: a drafter folder; None for the shipped one; "random" for an untrained
         drafter (pipeline check only).
@@ -630,85 +265,140 @@ def run_spec_bench(model_dir: str | Path, drafter_dir: str | Path | None, *, per
         ``<stem>.partial.jsonl`` (removed once the JSON is written).
       tasks: which tasks to evaluate (default all six: mt_bench + Spec-Bench's five).
       eager_per_task: prompts per task also run in eager mode (slow).
+      grid: the candidate trees when ``tree`` is None.
       calib_tasks, calib_per_task, calib_max_new_tokens: the calibration prompts (the last
         ``calib_per_task`` questions of each calibration task, never evaluated) and budget.
-      latency_sizes: T values of the latency curve (must cover every tree's node count).
+      latency_sizes: T values of the latency curve (every tree's node count is added).
       runs: timed repeats of each micro-benchmark (after one untimed compile call).
+      stop_on_eos: whether EOS ends a prompt's generation before ``max_new_tokens``.
+      dtype: cast the target's parameters at load ("float32", "bfloat16"; None: as stored).
+      resume: reuse matching records of an interrupted run's partial file.
+      vocab: the drafter's vocabulary head spec ("full", "fr:8192", "dynaspec", ...; see
+        :func:`specjax.vocab.resolve_head`) or a built head, used for calibration, draft
+        timing and evaluation. Verification is always over the full vocabulary.
+    """
+
+    model_dir: str | Path
+    drafter_dir: str | Path | None = None
+    per_task: int = 4
+    max_new_tokens: int = 128
+    tree: TreeSpec | None = None
+    questions: str | Path | None = None
+    out: str | Path = "results/bench_spec.json"
+    tasks: Sequence[str] = TASKS
+    eager_per_task: int = 1
+    grid: Sequence[TreeSpec] = DEFAULT_GRID
+    calib_tasks: Sequence[str] = CALIB_TASKS
+    calib_per_task: int = 1
+    calib_max_new_tokens: int = 48
+    latency_sizes: Sequence[int] = LATENCY_SIZES
+    runs: int = 7
+    stop_on_eos: bool = True
+    dtype: str | None = None
+    resume: bool = True
+    vocab: str | VocabHead = "full"
+
+    def __post_init__(self) -> None:
+        if self.per_task < 1 or self.max_new_tokens < 1 or self.eager_per_task < 0:
+            raise ValueError("need per_task >= 1, max_new_tokens >= 1 and eager_per_task >= 0")
+        if not self.trees:
+            raise ValueError("the tree grid is empty")
+
+    @property
+    def trees(self) -> tuple[TreeSpec, ...]:
+        """The trees the run considers: ``tree`` alone when given, else the grid."""
+        return (self.tree,) if self.tree is not None else tuple(self.grid)
+
+    @property
+    def curve_sizes(self) -> list[int]:
+        """The latency curve's T values: ``latency_sizes``, 1 (vanilla decoding), and the
+        largest tree's node count, so that no estimate extrapolates the curve."""
+        sizes = sorted({int(t) for t in self.latency_sizes} | {1})
+        largest = max(t.num_nodes for t in self.trees)
+        return sizes + [largest] if largest > sizes[-1] else sizes
+
+
+def _prompts(cfg: SpecBenchConfig, target: Target,
+             prompts: Sequence[dict[str, Any]] | None,
+             calib_prompts: Sequence[Sequence[int]] | None
+             ) -> tuple[list[dict[str, Any]], list[int] | None, list[list[int]], Path | None]:
+    """(evaluation prompts, calibration question ids, calibration ids, questions file).
+
+    Spec-Bench questions through the chat template, or given ids (tests).
+    """
+    if prompts is None:
+        qpath = resolve_questions(cfg.questions)
+        qs = load_questions(qpath)
+        chosen = select_questions(qs, cfg.tasks, cfg.per_task)
+        evals = [{"question_id": q.question_id, "task": q.task, "category": q.category,
+                  "ids": encode_prompts(target, q.text, chat=True)[0]} for q in chosen]
+        calib = select_questions(qs, cfg.calib_tasks, cfg.calib_per_task, last=True,
+                                 exclude=frozenset(q.question_id for q in chosen))
+        return (evals, [q.question_id for q in calib],
+                [encode_prompts(target, q.text, chat=True)[0] for q in calib], qpath)
+    if calib_prompts is None:
+        raise ValueError("pre-tokenised prompts need calib_prompts too")
+    evals = [{"question_id": int(p["question_id"]), "task": p["task"],
+              "category": p.get("category", p["task"]), "ids": list(map(int, p["ids"]))}
+             for p in prompts]
+    return evals, None, [list(map(int, p)) for p in calib_prompts], None
+
+
+def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | None = None,
+                   calib_prompts: Sequence[Sequence[int]] | None = None,
+                   drafter: Drafter | None = None) -> dict[str, Any]:
+    """Benchmark greedy speculative decoding on a Spec-Bench subset; write JSON + PNG.
+
+    Args:
+      cfg: the run's settings.
       prompts, calib_prompts: internal (tests): pre-tokenised evaluation prompts
         ``{"question_id", "task", "ids"}`` and calibration prompt ids, bypassing questions
         and the tokenizer.
-      drafter: internal: an already loaded drafter (overrides ``drafter_dir``).
-      resume: reuse matching records of an interrupted run's partial file.
-      vocab: the drafter's vocabulary head spec ("full", "fr:8192", "dynaspec", ...; see
-        :func:`specjax.vocab.resolve_head`), used for calibration, draft timing and
-        evaluation. Verification is always over the full vocabulary.
+      drafter: internal: an already loaded drafter (overrides ``cfg.drafter_dir``).
     Returns:
-      The dict written to ``out``.
+      The dict written to ``cfg.out``.
     """
-    if per_task < 1 or max_new_tokens < 1 or eager_per_task < 0:
-        raise ValueError("need per_task >= 1, max_new_tokens >= 1 and eager_per_task >= 0")
-    grid = (tree,) if tree is not None else tuple(grid)
-    if not grid:
-        raise ValueError("the tree grid is empty")
-    sizes = sorted({int(t) for t in latency_sizes} | {1})
-    if max(t.num_nodes for t in grid) > sizes[-1]:
-        sizes.append(max(t.num_nodes for t in grid))  # never extrapolate the curve
-    out = Path(out)
+    grid, sizes = cfg.trees, cfg.curve_sizes
+    max_new_tokens, stop_on_eos, runs = cfg.max_new_tokens, cfg.stop_on_eos, cfg.runs
+    out = Path(cfg.out)
     t_start = time.perf_counter()
     load_start = os.getloadavg()
 
-    target = specjax.load(model_dir, dtype)
+    target = specjax.load(cfg.model_dir, cfg.dtype)
     if drafter is not None:
         drafter_name = str(drafter.path) if drafter.path is not None else "in-memory"
     else:
-        drafter, drafter_name = resolve_drafter(drafter_dir, target)
-    head = resolve_head(vocab, target, drafter)
+        drafter, drafter_name = resolve_drafter(cfg.drafter_dir, target)
+    head = resolve_head(cfg.vocab, target, drafter)
 
-    # The prompts: Spec-Bench questions through the chat template, or given ids (tests).
-    qpath = None
-    if prompts is None:
-        qpath = resolve_questions(questions)
-        qs = load_questions(qpath)
-        chosen = select_questions(qs, tasks, per_task)
-        evals = [{"question_id": q.question_id, "task": q.task, "category": q.category,
-                  "ids": encode_prompts(target, q.text, chat=True)[0]} for q in chosen]
-        calib = select_questions(qs, calib_tasks, calib_per_task, last=True,
-                                 exclude=frozenset(q.question_id for q in chosen))
-        calib_qids = [q.question_id for q in calib]
-        calib_ids = [encode_prompts(target, q.text, chat=True)[0] for q in calib]
-    else:
-        if calib_prompts is None:
-            raise ValueError("pre-tokenised prompts need calib_prompts too")
-        evals = [{"question_id": int(p["question_id"]), "task": p["task"],
-                  "category": p.get("category", p["task"]), "ids": list(map(int, p["ids"]))}
-                 for p in prompts]
-        calib_qids, calib_ids = None, [list(map(int, p)) for p in calib_prompts]
+    evals, calib_qids, calib_ids, qpath = _prompts(cfg, target, prompts, calib_prompts)
     task_order = [t for t in dict.fromkeys(p["task"] for p in evals)]
     eager_qids = {p["question_id"] for t in task_order
-                  for p in [q for q in evals if q["task"] == t][:eager_per_task]}
+                  for p in [q for q in evals if q["task"] == t][:cfg.eager_per_task]}
 
     mean_prompt = int(round(np.mean([len(p["ids"]) for p in evals])))
     # Spare rows for the largest write: a T-token forward or a tree's drafter workspace.
     spare = max(sizes[-1], *map(tree_spare, grid))
     context, capacity = cache_geometry(mean_prompt, max_new_tokens, spare)
     config = {
-        "model": str(model_dir), "drafter": drafter_name, "dtype": str(target.params.embed.dtype),
-        "per_task": per_task, "max_new_tokens": max_new_tokens, "tasks": task_order,
-        "eager_per_task": eager_per_task, "greedy": True, "chat_template": prompts is None,
+        "model": str(cfg.model_dir), "drafter": drafter_name,
+        "dtype": str(target.params.embed.dtype), "per_task": cfg.per_task,
+        "max_new_tokens": max_new_tokens, "tasks": task_order,
+        "eager_per_task": cfg.eager_per_task, "greedy": True, "chat_template": prompts is None,
         "batch_size": 1, "stop_on_eos": stop_on_eos, "turns": "first turn only",
         "questions": None if qpath is None else str(qpath),
-        "tree_mode": "given" if tree is not None else "auto",
-        "grid": [tree_dict(t) for t in grid], "calib_tasks": list(calib_tasks),
-        "calib_per_task": calib_per_task, "calib_question_ids": calib_qids,
-        "calib_max_new_tokens": calib_max_new_tokens, "latency_sizes": sizes, "runs": runs,
+        "tree_mode": "given" if cfg.tree is not None else "auto",
+        "grid": [tree_dict(t) for t in grid], "calib_tasks": list(cfg.calib_tasks),
+        "calib_per_task": cfg.calib_per_task, "calib_question_ids": calib_qids,
+        "calib_max_new_tokens": cfg.calib_max_new_tokens, "latency_sizes": sizes, "runs": runs,
         "latency_context": context, "latency_capacity": capacity,
-        "vocab": vocab if isinstance(vocab, str) else repr(head),
+        "vocab": cfg.vocab if isinstance(cfg.vocab, str) else repr(head),
     }
 
     # Resume: a selection and prompt records written under the same configuration.
     ppath = partial_path(out)
-    old = _read_partial(ppath) if resume else []
-    if not resume and ppath.exists():
+    old = read_partial(ppath) if cfg.resume else []
+    if not cfg.resume and ppath.exists():
         ppath.unlink()
     # A drafter retrained in place must not resume from the old one's records.
     manifest = None if drafter.path is None else Path(drafter.path) / "specjax.json"
@@ -725,10 +415,10 @@ def run_spec_bench(model_dir: str | Path, drafter_dir: str | Path | None, *, per
                               bar=bar)
         selection = select_tree(target, drafter, grid, calib_ids, curve,
                                 prompt_len=mean_prompt, max_new_tokens=max_new_tokens,
-                                calib_max_new_tokens=calib_max_new_tokens,
+                                calib_max_new_tokens=cfg.calib_max_new_tokens,
                                 stop_on_eos=stop_on_eos, runs=runs, head=head, bar=bar)
         selection["latency"] = curve
-        _append(ppath, {"kind": "selection", "key": sel_key, "selection": selection})
+        append_record(ppath, {"kind": "selection", "key": sel_key, "selection": selection})
     else:
         tqdm.write(f"resuming: reusing the tree selection in {ppath}")
     chosen_tree = grid[selection["chosen_index"]]
@@ -766,7 +456,7 @@ def run_spec_bench(model_dir: str | Path, drafter_dir: str | Path | None, *, per
             if pos is not None:
                 tqdm.write(f"!!! GREEDY MISMATCH: question {qid} ({p['task']}): {name} output "
                            f"differs from vanilla at new token {pos} !!!")
-        _append(ppath, rec)
+        append_record(ppath, rec)
         records.append(rec)
     bar.close()
 
@@ -781,7 +471,7 @@ def run_spec_bench(model_dir: str | Path, drafter_dir: str | Path | None, *, per
                    "eager_first_mismatch": r["eager_first_mismatch"]}
                   for r in records if not r["greedy_match"] or r["eager_match"] is False]
     result = {
-        "benchmark": "spec", "model_name": Path(model_dir).name, "config": config,
+        "benchmark": "spec", "model_name": Path(cfg.model_dir).name, "config": config,
         "machine": machine_info() | {"loadavg_start": load_start,
                                      "loadavg_end": os.getloadavg()},
         "mal_note": MAL_NOTE, "mal_counts_bonus_token": True,
@@ -944,39 +634,6 @@ def summary(r: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------------------
 
 
-def add_tree_args(p: argparse.ArgumentParser, *, auto: bool) -> None:
-    """``--tree`` (+ depth / top-k / tokens); ``auto`` adds the measured choice."""
-    choices = ["auto", "eagle2", "chain"] if auto else ["eagle2", "chain"]
-    p.add_argument("--tree", default=choices[0], choices=choices,
-                   help="draft tree" + (": auto = chosen from the measured latency curve and "
-                                        "a calibration run (default)" if auto else
-                                        f" (default {choices[0]})"))
-    d = TreeSpec()
-    p.add_argument("--tree-depth", type=int, default=None,
-                   help=f"draft levels (default {d.depth})")
-    p.add_argument("--tree-top-k", type=int, default=None,
-                   help=f"EAGLE-2 beam width (default {d.top_k})")
-    p.add_argument("--tree-tokens", type=int, default=None,
-                   help=f"EAGLE-2 draft tokens per step, root excluded (default "
-                        f"{d.total_tokens})")
-
-
-def tree_from_args(args: argparse.Namespace) -> TreeSpec | None:
-    """The TreeSpec the flags name; None for ``--tree auto``."""
-    given = [f for f in ("tree_depth", "tree_top_k", "tree_tokens")
-             if getattr(args, f) is not None]
-    if args.tree == "auto":
-        if given:
-            raise ValueError("--tree-depth/--tree-top-k/--tree-tokens need --tree eagle2|chain")
-        return None
-    d = TreeSpec()
-    return TreeSpec(kind=args.tree,
-                    depth=d.depth if args.tree_depth is None else args.tree_depth,
-                    top_k=d.top_k if args.tree_top_k is None else args.tree_top_k,
-                    total_tokens=d.total_tokens if args.tree_tokens is None
-                    else args.tree_tokens)
-
-
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     """Attach ``specjax bench spec``'s flags to a (sub)parser."""
     p.add_argument("--model", default=None,
@@ -1004,17 +661,25 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="results/bench_spec.json")
 
 
+def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
+    """The :class:`SpecBenchConfig` that :func:`add_spec_args`'s flags describe."""
+    return SpecBenchConfig(resolve_model(args.model), args.drafter, per_task=args.per_task,
+                           max_new_tokens=args.max_new_tokens, tree=tree_from_args(args),
+                           questions=args.questions, out=Path(args.out),
+                           tasks=[t for t in args.tasks.split(",") if t],
+                           eager_per_task=args.eager_per_task, dtype=args.dtype,
+                           resume=not args.no_resume, vocab=args.vocab)
+
+
 def run_spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Run :func:`run_spec_bench` from :func:`add_spec_args`'s flags."""
-    if args.model is not None:
-        model = Path(args.model)
-    else:
-        from specjax.defaults import ensure_default_target
+    return run_spec_bench(config_from_args(args))
 
-        model = ensure_default_target()
-    return run_spec_bench(model, args.drafter, per_task=args.per_task,
-                          max_new_tokens=args.max_new_tokens, tree=tree_from_args(args),
-                          questions=args.questions, out=Path(args.out),
-                          tasks=[t for t in args.tasks.split(",") if t],
-                          eager_per_task=args.eager_per_task, dtype=args.dtype,
-                          resume=not args.no_resume, vocab=args.vocab)
+
+def add_parser(bench: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``spec`` to ``specjax bench``'s subparsers; ``args.run`` runs it."""
+    p = bench.add_parser("spec",
+                         help="Spec-Bench subset: MAL, speedup, greedy equality (JSON + plot)")
+    add_spec_args(p)
+    p.set_defaults(run=as_command(run_spec_from_args))
+    return p

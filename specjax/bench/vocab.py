@@ -36,24 +36,19 @@ from tqdm import tqdm
 
 import specjax
 from specjax.api import Drafter, Target, encode_prompts
-from specjax.bench.common import machine_info, save_figure, write_json
-from specjax.bench.spec import (
-    TASKS,
-    _append,
-    _read_partial,
-    count_compiles,
-    draft_latency,
+from specjax.bench.common import (
+    as_command,
     first_mismatch,
-    generate_capacity,
-    load_questions,
-    partial_path,
-    random_features,
-    resolve_drafter,
-    resolve_questions,
-    select_questions,
-    warmup_tokens,
+    machine_info,
+    save_figure,
+    write_json,
 )
+from specjax.bench.partial import append_record, partial_path, read_partial
+from specjax.bench.phases import draft_latency, random_features, resolve_drafter
+from specjax.bench.questions import TASKS, load_questions, resolve_questions, select_questions
+from specjax.bench.timing import count_compiles, generate_capacity, warmup_tokens
 from specjax.decode import bucket
+from specjax.defaults import resolve_model
 from specjax.drafter import drafter_hidden, init_drafter_cache
 from specjax.speculative import TreeSpec
 from specjax.vocab import VocabHead, resolve_head
@@ -145,7 +140,7 @@ def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
               "drafter": drafter_label}
     config = json.loads(json.dumps(config))  # as the partial file holds it (tuples -> lists)
     part = partial_path(out)
-    done = {r["question_id"]: r for r in _read_partial(part) if r.get("config") == config}
+    done = {r["question_id"]: r for r in read_partial(part) if r.get("config") == config}
     warm: set[tuple[str, int]] = set()
     bar = tqdm(total=len(qs) * (len(heads) + 1), desc="bench vocab")
     records = []
@@ -170,7 +165,7 @@ def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
                     tqdm.write(f"!! {spec} differs from vanilla on question {q.question_id} at "
                                f"token {rec[spec]['mismatch_at']}")
             bar.update()
-        _append(part, rec)
+        append_record(part, rec)
         records.append(rec)
     bar.close()
 
@@ -285,6 +280,7 @@ def summary(r: dict[str, Any]) -> str:
 
 
 def add_vocab_args(p: argparse.ArgumentParser) -> None:
+    """Attach ``specjax bench vocab``'s flags to a (sub)parser."""
     p.add_argument("--model", default=None, help="converted target (default: SmolLM2)")
     p.add_argument("--drafter", default=None, help="drafter folder (default: the shipped one)")
     p.add_argument("--heads", default=",".join(DEFAULT_HEADS),
@@ -301,14 +297,22 @@ def add_vocab_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_vocab_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    from specjax.cli import _resolve_model
-
+    """Run :func:`run_vocab_bench` from :func:`add_vocab_args`'s flags."""
     t0 = time.perf_counter()
     r = run_vocab_bench(
-        _resolve_model(args.model), args.drafter, heads=args.heads.split(","),
+        resolve_model(args.model), args.drafter, heads=args.heads.split(","),
         per_task=args.per_task, tasks=args.tasks.split(","), max_new_tokens=args.max_new_tokens,
         tree=TreeSpec(kind="eagle2", depth=args.tree_depth, top_k=args.tree_top_k,
                       total_tokens=args.tree_tokens),
         runs=args.runs, questions=args.questions, out=args.out)
     print(f"bench vocab: {time.perf_counter() - t0:.0f} s")
     return r
+
+
+def add_parser(bench: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``vocab`` to ``specjax bench``'s subparsers; ``args.run`` runs it."""
+    p = bench.add_parser(
+        "vocab", help="vocabulary heads (full, FR, PA-FR, DynaSpec): MAL, shortlist, speed")
+    add_vocab_args(p)
+    p.set_defaults(run=as_command(run_vocab_from_args))
+    return p

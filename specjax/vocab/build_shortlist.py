@@ -12,9 +12,8 @@ Output folder::
     OUT/fr_{N}.npy + .json                   the N-token shortlist (load_shortlist)
     OUT/fr_{N}.ids.json                      --export-json: the bare id list, for other tools
 
-Wire into ``specjax/cli.py`` with :func:`add_build_shortlist_parser` and
-:func:`run_build_shortlist`; ``python -m specjax.vocab.build_shortlist build-shortlist ...`` runs
-it standalone.
+Wire into ``specjax/cli.py`` with :func:`add_parser`;
+``python -m specjax.vocab.build_shortlist build-shortlist ...`` runs it standalone.
 """
 
 from __future__ import annotations
@@ -62,13 +61,14 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
-def add_build_shortlist_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``build-shortlist`` subcommand to a parser's subparsers."""
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``build-shortlist`` to a parser's subparsers; ``args.run`` runs it."""
     p = subparsers.add_parser("build-shortlist",
                               help="FR-Spec: count token frequencies, write drafter shortlists",
                               description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_args(p)
+    p.set_defaults(run=run_build_shortlist)
     return p
 
 
@@ -98,13 +98,9 @@ def _load_model(model: str | None, progress: bool) -> tuple[Path, ModelConfig, A
     """(folder, ModelConfig, tokenizer or None) without loading the weights."""
     from specjax.checkpoint import read_manifest
     from specjax.config import ModelConfig
+    from specjax.defaults import resolve_model
 
-    if model is None:
-        from specjax.defaults import ensure_default_target
-
-        model_dir = ensure_default_target(progress=progress)
-    else:
-        model_dir = Path(model)
+    model_dir = resolve_model(model, progress=progress)
     manifest = read_manifest(model_dir)
     try:
         cfg = ModelConfig.from_json(manifest.get("config"))
@@ -257,12 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     """Standalone entry point: ``python -m specjax.vocab.build_shortlist build-shortlist ...``."""
     parser = argparse.ArgumentParser(prog="specjax")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_build_shortlist_parser(sub)
+    add_parser(sub)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.command_line = "python -m specjax.vocab.build_shortlist " + shlex.join(argv)
     try:
-        return run_build_shortlist(args)
+        return args.run(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"specjax {args.command}: error: {e}", file=sys.stderr)
         return 2

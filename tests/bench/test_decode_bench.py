@@ -10,7 +10,8 @@ import pytest
 
 import specjax
 from specjax.bench.common import decode_weight_bytes, measure_bandwidth
-from specjax.bench.decode import leading_agreement, resolve_hf_source, run_decode_bench
+from specjax.bench.decode import leading_agreement, run_decode_bench
+from specjax.transformers_model import resolve_hf_source
 from tests.tiny import make_hf_checkpoint
 
 

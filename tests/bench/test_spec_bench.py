@@ -18,18 +18,13 @@ from specjax.bench.breakdown import (
     run_breakdown,
     tree_from_spec_json,
 )
-from specjax.bench.spec import (
-    add_spec_args,
-    first_mismatch,
-    load_questions,
-    monotone_fit,
-    partial_path,
-    resolve_questions,
-    run_spec_bench,
-    select_questions,
-    tree_from_args,
-    warmup_tokens,
-)
+from specjax.bench.common import first_mismatch
+from specjax.bench.partial import partial_path
+from specjax.bench.phases import random_drafter
+from specjax.bench.questions import TASKS, load_questions, resolve_questions, select_questions
+from specjax.bench.spec import SpecBenchConfig, add_spec_args, run_spec_bench
+from specjax.bench.timing import monotone_fit, warmup_tokens
+from specjax.bench.trees import tree_dict, tree_from_args
 from specjax.decode import bucket
 from specjax.speculative import TreeSpec
 from specjax.vocab.fr_head import frequency_head
@@ -99,9 +94,10 @@ def test_helpers(tmp_path, monkeypatch):
 
 def test_spec_bench_pipeline_on_a_tiny_model(tiny_model, tmp_path, monkeypatch, capsys):
     out = tmp_path / "res" / "bench_spec.json"
-    kw = dict(per_task=1, max_new_tokens=8, tree=None, questions=None, out=out, grid=GRID,
-              latency_sizes=(1, 4), runs=2, calib_max_new_tokens=8, prompts=PROMPTS,
-              calib_prompts=CALIB, eager_per_task=1, stop_on_eos=False)
+    cfg = SpecBenchConfig(tiny_model, "random", per_task=1, max_new_tokens=8, tree=None,
+                          questions=None, out=out, grid=GRID, latency_sizes=(1, 4), runs=2,
+                          calib_max_new_tokens=8, eager_per_task=1, stop_on_eos=False)
+    kw = dict(prompts=PROMPTS, calib_prompts=CALIB)
 
     # Interrupt the first run inside the second prompt: the partial file keeps the rest.
     real_call = spec_bench._Runner.__call__
@@ -113,7 +109,7 @@ def test_spec_bench_pipeline_on_a_tiny_model(tiny_model, tmp_path, monkeypatch, 
 
     monkeypatch.setattr(spec_bench._Runner, "__call__", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        run_spec_bench(tiny_model, "random", **kw)
+        run_spec_bench(cfg, **kw)
     kinds = [json.loads(x)["kind"] for x in partial_path(out).read_text().splitlines()]
     assert kinds == ["selection", "prompt"]
 
@@ -128,7 +124,7 @@ def test_spec_bench_pipeline_on_a_tiny_model(tiny_model, tmp_path, monkeypatch, 
         return rec
 
     monkeypatch.setattr(spec_bench, "_method_record", corrupt)
-    res = run_spec_bench(tiny_model, "random", **kw)
+    res = run_spec_bench(cfg, **kw)
     printed = capsys.readouterr()
     assert "GREEDY MISMATCH: question 9" in printed.out + printed.err
     assert "resuming" in printed.out + printed.err
@@ -181,15 +177,16 @@ def test_spec_bench_drafts_with_the_given_vocabulary_head(tiny_model, tmp_path):
     target = specjax.load(tiny_model)
     ranked = np.arange(target.cfg.vocab_size)[::-1].copy()
     head = frequency_head(target.params.head, ranked, always=list(target.eos_ids), k_max=32)
-    res = run_spec_bench(tiny_model, "random", per_task=1, max_new_tokens=8,
-                         tree=TreeSpec("chain", depth=2), out=tmp_path / "b.json",
-                         latency_sizes=(1, 4), runs=1, calib_max_new_tokens=8,
-                         prompts=PROMPTS[:1], calib_prompts=CALIB, eager_per_task=0,
-                         stop_on_eos=False, vocab=head)
+    res = run_spec_bench(SpecBenchConfig(tiny_model, "random", per_task=1, max_new_tokens=8,
+                                         tree=TreeSpec("chain", depth=2),
+                                         out=tmp_path / "b.json", latency_sizes=(1, 4), runs=1,
+                                         calib_max_new_tokens=8, eager_per_task=0,
+                                         stop_on_eos=False, vocab=head),
+                         prompts=PROMPTS[:1], calib_prompts=CALIB)
     assert "FrequencyHead" in res["config"]["vocab"]
     assert res["greedy_equality"]["all_match"]  # the head changes drafts, never the output
     spec = specjax.generate(target, [PROMPTS[0]["ids"]], max_new_tokens=8, stop_on_eos=False,
-                            drafter=spec_bench.random_drafter(target),
+                            drafter=random_drafter(target),
                             tree=TreeSpec("chain", depth=2), vocab=head)
     assert res["per_prompt"][0]["spec"]["accept_lengths"] == spec.stats["accept_lengths"][0]
 
@@ -215,7 +212,7 @@ def test_breakdown_on_a_tiny_model(tiny_model, tmp_path):
     assert res["capacity"] >= res["context"] + tree.workspace
 
     spec_json = tmp_path / "spec.json"
-    spec_json.write_text(json.dumps({"tree": spec_bench.tree_dict(tree)}))
+    spec_json.write_text(json.dumps({"tree": tree_dict(tree)}))
     assert tree_from_spec_json(spec_json) == tree
 
 
@@ -230,12 +227,12 @@ def test_spec_bench_smollm2(tmp_path):
         drafter = "random"
     model = ensure_default_target()
     out = tmp_path / "bench_spec.json"
-    res = run_spec_bench(model, drafter, per_task=1, max_new_tokens=32, out=out,
-                         grid=(TreeSpec("chain", depth=3),
-                               TreeSpec("eagle2", depth=4, top_k=4, total_tokens=8)),
-                         calib_per_task=1, calib_max_new_tokens=24, runs=3)
+    res = run_spec_bench(SpecBenchConfig(
+        model, drafter, per_task=1, max_new_tokens=32, out=out,
+        grid=(TreeSpec("chain", depth=3), TreeSpec("eagle2", depth=4, top_k=4, total_tokens=8)),
+        calib_per_task=1, calib_max_new_tokens=24, runs=3))
     assert out.exists() and out.with_suffix(".png").stat().st_size > 0
-    assert list(res["per_task"]) == list(spec_bench.TASKS)
+    assert list(res["per_task"]) == list(TASKS)
     assert res["greedy_equality"]["prompts"] == 6
     assert res["latency"]["sizes"] == list(spec_bench.LATENCY_SIZES)
     assert _finite_positive(res["overall"]["speedup"])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from specjax.vocab import corpus_counts
-from specjax.vocab.build_shortlist import add_build_shortlist_parser, main, run_build_shortlist
+from specjax.vocab.build_shortlist import add_parser, main, run_build_shortlist
 from specjax.vocab.corpus_counts import (
     TokenCounts,
     count_tokens,
@@ -165,7 +165,7 @@ def model_dir(tok, tmp_path_factory):
 
 def _cli(*argv):
     parser = argparse.ArgumentParser()
-    add_build_shortlist_parser(parser.add_subparsers(dest="command"))
+    add_parser(parser.add_subparsers(dest="command"))
     return run_build_shortlist(parser.parse_args(["build-shortlist", *argv]))
 
 

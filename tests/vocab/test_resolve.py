@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.bench.spec import random_drafter
+from specjax.bench.phases import random_drafter
 from specjax.defaults import default_drafter_dir
 from specjax.vocab import resolve_head
 from specjax.vocab.dynaspec import RoutedHead

@@ -1,0 +1,62 @@
+"""Draft-tree flags (``--tree`` and its sizes) and how a tree is named in results."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from specjax.speculative import TreeSpec
+
+
+def add_tree_args(p: argparse.ArgumentParser, *, auto: bool) -> None:
+    """``--tree`` (+ depth / top-k / tokens); ``auto`` adds the measured choice."""
+    choices = ["auto", "eagle2", "chain"] if auto else ["eagle2", "chain"]
+    p.add_argument("--tree", default=choices[0], choices=choices,
+                   help="draft tree" + (": auto = chosen from the measured latency curve and "
+                                        "a calibration run (default)" if auto else
+                                        f" (default {choices[0]})"))
+    d = TreeSpec()
+    p.add_argument("--tree-depth", type=int, default=None,
+                   help=f"draft levels (default {d.depth})")
+    p.add_argument("--tree-top-k", type=int, default=None,
+                   help=f"EAGLE-2 beam width (default {d.top_k})")
+    p.add_argument("--tree-tokens", type=int, default=None,
+                   help=f"EAGLE-2 draft tokens per step, root excluded (default "
+                        f"{d.total_tokens})")
+
+
+def tree_from_args(args: argparse.Namespace) -> TreeSpec | None:
+    """The TreeSpec the flags name; None for ``--tree auto``."""
+    given = [f for f in ("tree_depth", "tree_top_k", "tree_tokens")
+             if getattr(args, f) is not None]
+    if args.tree == "auto":
+        if given:
+            raise ValueError("--tree-depth/--tree-top-k/--tree-tokens need --tree eagle2|chain")
+        return None
+    d = TreeSpec()
+    return TreeSpec(kind=args.tree,
+                    depth=d.depth if args.tree_depth is None else args.tree_depth,
+                    top_k=d.top_k if args.tree_top_k is None else args.tree_top_k,
+                    total_tokens=d.total_tokens if args.tree_tokens is None
+                    else args.tree_tokens)
+
+
+def tree_dict(tree: TreeSpec) -> dict[str, Any]:
+    """A tree's fields plus its node count T (root included), for JSON."""
+    d = dataclasses.asdict(tree)
+    d["num_nodes"] = tree.num_nodes
+    if tree.kind != "eagle2":
+        d.pop("top_k"), d.pop("total_tokens")
+    if tree.kind != "static":
+        d.pop("paths")
+    return d
+
+
+def tree_label(tree: TreeSpec) -> str:
+    """Short name: ``chain d4`` or ``eagle2 d4 k4 n12``."""
+    if tree.kind == "chain":
+        return f"chain d{tree.depth}"
+    if tree.kind == "eagle2":
+        return f"eagle2 d{tree.depth} k{tree.top_k} n{tree.total_tokens}"
+    return f"static n{tree.num_nodes - 1}"

