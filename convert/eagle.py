@@ -291,7 +291,7 @@ def convert_eagle(src: str | Path, out: str | Path, *, target_cfg: ModelConfig |
         (:class:`specjax.drafter.DrafterMismatchError`).
       dtype: weight dtype to store ("float32" or "bfloat16").
     Returns:
-      The absolute path of the folder, readable with :func:`specjax.drafter.load_drafter`.
+      The absolute path of the folder, readable with :func:`specjax.drafter.read_drafter`.
     """
     src = Path(src)
     check_output(Path(out), overwrite=overwrite, sources=[src])  # before reading weights
@@ -349,7 +349,7 @@ def convert_eagle3(src: str | Path, out: str | Path, *, target_cfg: ModelConfig 
     ``midlayer.*`` may also be named ``layers.0.*`` (as vLLM / SGLang rename
     it). When the draft vocabulary is the full vocabulary, EAGLE ignores
     d2t / t2d, and so does this import: the map becomes the identity.
-    Returns the absolute path, readable with :func:`specjax.eagle3.load_eagle3`.
+    Returns the absolute path, readable with :func:`specjax.eagle3.read_eagle3`.
     """
     src = Path(src)
     check_output(Path(out), overwrite=overwrite, sources=[src])  # before reading weights

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from functools import partial
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -13,44 +13,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import drafter as drafter_lib
+from specjax import eagle3
 from specjax._checks import check_bool, check_int, check_real, check_seed, check_text
-from specjax.checkpoint import load_target, read_manifest
+from specjax.checkpoint import CheckpointError, load_target, read_manifest
 from specjax.compile_cache import CompileTimer
-from specjax.config import ModelConfig
-from specjax.decode import PAD, bucket, decode_loop, decode_step_jit, prefill
-from specjax.drafter import DrafterConfig, DrafterParams
-from specjax.model import Params, fuse_params
+from specjax.loaded import Drafter, Target
+from specjax.loop import PAD
+from specjax.model import fuse_params
+from specjax.runner import Request, SpecRunner, VanillaRunner, all_done
 from specjax.sampling import SamplingConfig
-from specjax.speculative import (
-    Engine,
-    TreeSpec,
-    draft_phase_jit,
-    spec_loop,
-    spec_prefill,
-    verify_phase_jit,
-)
+from specjax.speculative import TreeSpec
 from specjax.tokenizer import load_tokenizer, render_chat
 from specjax.vocab import VocabHead, resolve_head
 
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """A loaded target model: what :func:`generate` needs."""
-
-    cfg: ModelConfig
-    params: Params
-    tokenizer: Any  # transformers.PreTrainedTokenizerBase
-    path: Path
-
-    @property
-    def eos_ids(self) -> tuple[int, ...]:
-        """Every id that ends generation: config EOS and the tokenizer's EOS."""
-        ids = set(self.cfg.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        return tuple(sorted(ids))
 
 
 @dataclasses.dataclass
@@ -168,16 +144,6 @@ def encode_prompts(target: Target, prompts: str | list[str] | list[list[int]], c
     return ids
 
 
-@dataclasses.dataclass(frozen=True)
-class Drafter:
-    """A loaded drafter, checked against the target it will serve."""
-
-    cfg: DrafterConfig
-    params: DrafterParams
-    path: Path | None = None
-    meta: dict | None = None
-
-
 def load_drafter(path: str | Path, target: Target, dtype: str | None = None) -> Drafter:
     """Load a drafter folder; refuses one built for a target of another shape."""
     if not isinstance(target, Target):
@@ -186,7 +152,15 @@ def load_drafter(path: str | Path, target: Target, dtype: str | None = None) -> 
     if not isinstance(path, str | Path):
         raise TypeError(f"path must be a str or Path, got {type(path).__name__}")
     dtype = dtype or str(target.params.embed.dtype)
-    cfg, params, meta = drafter_lib.load_drafter(Path(path), target.cfg, dtype)
+    manifest = read_manifest(Path(path), fmt=None)
+    read = {drafter_lib.FORMAT: drafter_lib.read_drafter,
+            eagle3.FORMAT: eagle3.read_eagle3}.get(manifest.get("format"))
+    if read is None:
+        raise CheckpointError(
+            f"{path} is a {manifest.get('format')!r} folder, not a drafter; convert an EAGLE "
+            "drafter with `specjax convert EAGLE_FOLDER OUT` or train one with "
+            "`specjax train drafter`")
+    cfg, params, meta = read(Path(path), target.cfg, dtype)
     return Drafter(cfg=cfg, params=params, path=Path(path), meta=meta)
 
 
@@ -261,7 +235,7 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
       drafter: from :func:`load_drafter`; None for vanilla decoding.
       tree: the draft tree (default ``TreeSpec()``, a small EAGLE-2 tree).
       assume_q_one: EAGLE's verification shortcut for sampled drafts (see
-        :class:`specjax.speculative.Engine`); off by default.
+        :class:`specjax.speculative.SpecConfig`); off by default.
       vocab: the drafter's vocabulary head: "full", "fr:N", "pafr:N", "dynaspec",
         "dynaspec-f", ... (see :func:`specjax.vocab.resolve_head`) or a
         :class:`specjax.vocab.VocabHead`. Verification is always over the full
@@ -274,8 +248,9 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
       speculative runs add accept_lengths, mean_accepted_length (tokens
       committed per target forward, the bonus token included), draft_s and
       verify_s (eager mode only), vocab, mean_shortlist_size (valid candidates per
-      expanded node) and shortlist_coverage (the fraction of steps whose first
-      committed token was in the root's shortlist)). ``compile_s`` is the time spent
+      expanded node), shortlist_coverage (the fraction of steps whose first
+      committed token was in the root's shortlist) and mean_tree_size (valid tree nodes
+      per step, root included)). ``compile_s`` is the time spent
       compiling (or loading from the persistent cache, see :mod:`specjax.compile_cache`)
       during the call, ``compiles`` how many programs; ``decode_tokens_per_s`` leaves the
       decode loop's compile time out, ``wall_s`` and ``tokens_per_s`` include it.
@@ -284,110 +259,118 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
         target, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
         top_p=top_p, seed=seed, key=key, chat=chat, system=system, stop_on_eos=stop_on_eos,
         mode=mode, drafter=drafter, tree=tree, assume_q_one=assume_q_one, vocab=vocab)
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-    if drafter is None and (tree is not None or vocab != "full"):
-        raise ValueError("a draft tree or vocabulary head needs a drafter; pass "
-                         "drafter=load_drafter(...) (--drafter PATH on the command line)")
-    head = None
-    if drafter is not None:
-        drafter.cfg.check_target(target.cfg)
-        tree = tree or TreeSpec()
-        head = resolve_head(vocab, target, drafter)
-    cfg = target.cfg
     ids = encode_prompts(target, prompts, chat, system)
-    longest = max(map(len, ids))
-    # A speculative step may write a whole tree past the last committed token.
-    spare = 1 if tree is None else max(tree.num_nodes, tree.workspace, tree.max_depth + 1)
-    if longest + max_new_tokens + spare > cfg.max_position_embeddings:
-        raise ValueError(
-            f"prompt of {longest} tokens + max_new_tokens={max_new_tokens}"
-            f"{'' if tree is None else f' + a {spare}-node draft tree'} exceeds the model's "
-            f"context of {cfg.max_position_embeddings}; shorten the prompt or lower "
-            "max_new_tokens")
-    p_len, out_len = bucket(longest), bucket(max_new_tokens)
-    capacity = p_len + out_len + spare
-    prompt = np.zeros((len(ids), p_len), np.int32)
-    for i, p in enumerate(ids):
-        prompt[i, : len(p)] = p
-    eos = jnp.asarray(target.eos_ids if stop_on_eos else [-2], jnp.int32)
-    dyn = sampling.dynamic()
-    key = jax.random.PRNGKey(seed) if key is None else key
-    run = _vanilla if drafter is None else partial(_speculative, drafter=drafter, tree=tree,
-                                                   assume_q_one=assume_q_one, head=head)
-    t_run = time.perf_counter()
+    runner, req = _plan(target, ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                        top_k=top_k, top_p=top_p, seed=seed, key=key, stop_on_eos=stop_on_eos,
+                        drafter=drafter, tree=tree, assume_q_one=assume_q_one, vocab=vocab)
+    t0 = time.perf_counter()
     with CompileTimer() as compiled:  # compile time, reported apart from decoding speed
-        out, stats = run(target, jnp.asarray(prompt), jnp.asarray([len(p) for p in ids]), key,
-                         jnp.int32(max_new_tokens), eos, dyn, sampling, mode, out_len, capacity)
-    decode_compile_s = compiled.since(t_run + stats["prefill_s"])
+        state = jax.block_until_ready(runner.prefill(req))
+        t1 = time.perf_counter()
+        if mode == "compiled":
+            state = runner.run(state)
+        else:
+            while not all_done(state):
+                state = runner.step(state)
+        out = np.asarray(state.output.tokens)
+    t2 = time.perf_counter()
+    decode_compile_s = compiled.since(t1)
 
     tokens = [[int(t) for t in row if t != PAD] for row in out]
     texts = ([target.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
              if target.tokenizer is not None else [""] * len(tokens))
     new = sum(map(len, tokens))
+    stats = {"prefill_s": t1 - t0, "decode_s": t2 - t1, **runner.stats(state)}
+    if drafter is not None:
+        eager = mode == "eager"
+        stats |= {"draft_s": runner.draft_s if eager else None,
+                  "verify_s": runner.verify_s if eager else None}
     stats |= {
         "new_tokens": new, "prompt_tokens": [len(p) for p in ids],
-        "wall_s": stats["prefill_s"] + stats["decode_s"],
-        "tokens_per_s": new / (stats["prefill_s"] + stats["decode_s"]),
-        "decode_tokens_per_s": (new - len(ids)) / max(stats["decode_s"] - decode_compile_s, 1e-9),
+        "wall_s": t2 - t0, "tokens_per_s": new / (t2 - t0),
+        "decode_tokens_per_s": (new - len(ids)) / max(t2 - t1 - decode_compile_s, 1e-9),
         "mode": mode, "compile_s": compiled.seconds, "compiles": compiled.backend_compiles,
     }
     return GenerationResult(texts=texts, tokens=tokens, stats=stats)
 
 
-def _vanilla(target, prompt, prompt_lens, key, max_new, eos, dyn, sampling, mode, out_len,
-             capacity):
-    static = sampling.static()
-    t0 = time.perf_counter()
-    state = prefill(target.params, target.cfg, prompt, prompt_lens, key, max_new, eos, **dyn,
-                    sampling=static, out_len=out_len, capacity=capacity)
-    jax.block_until_ready(state)
-    t1 = time.perf_counter()
-    if mode == "compiled":
-        state = decode_loop(target.params, target.cfg, state, eos, **dyn, sampling=static)
-    else:
-        while not bool(jnp.all(state.done)):
-            state = decode_step_jit(target.params, target.cfg, state, eos, **dyn,
-                                    sampling=static)
-    out = np.asarray(state.out)
-    return out, {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1}
+def _plan(target: Target, ids: list[list[int]], *, max_new_tokens: int, temperature: float,
+          top_k: int, top_p: float, seed: int, key: jax.Array | None, stop_on_eos: bool,
+          drafter: Drafter | None, tree: TreeSpec | None, assume_q_one: bool,
+          vocab: str | VocabHead) -> tuple[VanillaRunner | SpecRunner, Request]:
+    """The runner and the laid-out request for checked arguments and encoded prompts."""
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    if drafter is None and (tree is not None or vocab != "full"):
+        raise ValueError("a draft tree or vocabulary head needs a drafter; pass "
+                         "drafter=load_drafter(...) (--drafter PATH on the command line)")
+    runner: VanillaRunner | SpecRunner = VanillaRunner(target, sampling)
+    if drafter is not None:
+        drafter.cfg.check_target(target.cfg)
+        tree = tree or TreeSpec()
+        runner = SpecRunner.of(target, drafter, resolve_head(vocab, target, drafter), tree,
+                               sampling, assume_q_one)
+    req = Request.build(target, ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                        stop_on_eos=stop_on_eos, tree=tree,
+                        key=jax.random.PRNGKey(seed) if key is None else key)
+    return runner, req
 
 
-def _speculative(target, prompt, prompt_lens, key, max_new, eos, dyn, sampling, mode, out_len,
-                 capacity, *, drafter: Drafter, tree: TreeSpec, assume_q_one: bool,
-                 head: VocabHead):
-    eng = Engine(cfg=target.cfg, dcfg=drafter.cfg, tree=tree, sampling=sampling.static(),
-                 assume_q_one=assume_q_one)
-    p, dp = target.params, drafter.params
-    t0 = time.perf_counter()
-    state = spec_prefill(p, dp, prompt, prompt_lens, key, max_new, eos, **dyn, eng=eng,
-                         out_len=out_len, capacity=capacity)
-    jax.block_until_ready(state)
-    t1 = time.perf_counter()
-    draft_s = verify_s = 0.0
-    if mode == "compiled":
-        state = spec_loop(p, dp, head, state, eos, **dyn, eng=eng)
-    else:
-        while not bool(jnp.all(state.done)):
-            ta = time.perf_counter()
-            drafted = jax.block_until_ready(draft_phase_jit(p, dp, head, state,
-                                                            dyn["temperature"], eng=eng))
-            tb = time.perf_counter()
-            state = jax.block_until_ready(verify_phase_jit(p, dp, state, *drafted, eos, **dyn,
-                                                           eng=eng))
-            draft_s += tb - ta
-            verify_s += time.perf_counter() - tb
-    out = np.asarray(state.out)
-    steps = np.asarray(state.steps)
-    lens = np.asarray(state.accept_lens)
-    accept = [lens[b, : steps[b]].tolist() for b in range(len(steps))]
-    flat = [n for row in accept for n in row]
-    stats = {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1,
-             "accept_lengths": accept, "target_forwards": int(steps.sum()),
-             "mean_accepted_length": float(np.mean(flat)) if flat else 0.0,
-             "vocab": head.name,
-             "mean_shortlist_size": float(np.sum(state.shortlist_size) / max(steps.sum(), 1)),
-             "shortlist_coverage": float(np.sum(state.shortlist_hits) / max(steps.sum(), 1)),
-             "tree": dataclasses.asdict(tree),
-             "draft_s": draft_s if mode == "eager" else None,
-             "verify_s": verify_s if mode == "eager" else None}
-    return out, stats
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """What :func:`stream` yields after each step: the text and tokens it committed."""
+
+    text: str  # new text (possibly "" while a multi-byte character is incomplete)
+    tokens: list[int]  # the token ids committed by this step (EOS included when hit)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def stream(target: Target, prompt: str | list[int], *, max_new_tokens: int = 128,
+           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+           key: jax.Array | None = None, chat: bool = True, system: str | None = None,
+           stop_on_eos: bool = True, drafter: Drafter | None = None,
+           tree: TreeSpec | None = None, assume_q_one: bool = False,
+           vocab: str | VocabHead = "full") -> Iterator[Chunk]:
+    """Generate from one prompt, yielding text as it is committed.
+
+    The arguments are :func:`generate`'s (for one prompt). It runs the same prefill and
+    the same step function as ``generate(..., mode="eager")``, one step per iteration,
+    so the tokens equal ``generate``'s, compiled or eager, token for token. A vanilla
+    step commits one token; a speculative step commits the accepted drafts and the bonus
+    token. Text is decoded from all tokens so far and a trailing incomplete character
+    is held back until the next step completes it.
+    """
+    one = isinstance(prompt, str) or (isinstance(prompt, list | tuple) and prompt
+                                      and all(_is_id(x) for x in prompt))
+    if not one:
+        raise TypeError("stream takes one prompt: a str or a list of token ids; for a batch, "
+                        "call generate")
+    prompts = [prompt]
+    max_new_tokens, seed = check_generate_args(
+        target, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+        top_p=top_p, seed=seed, key=key, chat=chat, system=system, stop_on_eos=stop_on_eos,
+        mode="eager", drafter=drafter, tree=tree, assume_q_one=assume_q_one, vocab=vocab)
+    ids = encode_prompts(target, prompts, chat, system)
+    runner, req = _plan(target, ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                        top_k=top_k, top_p=top_p, seed=seed, key=key, stop_on_eos=stop_on_eos,
+                        drafter=drafter, tree=tree, assume_q_one=assume_q_one, vocab=vocab)
+    decode = ((lambda t: target.tokenizer.decode(t, skip_special_tokens=True))
+              if target.tokenizer is not None else (lambda t: ""))
+    tokens: list[int] = []
+    shown = ""
+    state = runner.prefill(req)
+    while True:
+        n = int(state.output.num_new[0])
+        new = [int(t) for t in np.asarray(state.output.tokens[0, len(tokens):n])]
+        tokens += new
+        done = all_done(state)
+        text = decode(tokens)
+        # Hold back a trailing U+FFFD: the bytes of a character split across tokens.
+        ready = text if done else text.rstrip("\ufffd")
+        if new or (done and ready != shown):
+            piece, shown = ready[len(shown):], ready
+            yield Chunk(text=piece, tokens=new)
+        if done:
+            return
+        state = runner.step(state)

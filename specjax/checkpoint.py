@@ -332,7 +332,9 @@ def save_target(dir_: Path, cfg: ModelConfig, params: Params, source: str) -> No
     save_tree(dir_, flatten_params(params), FORMAT, cfg.to_json(), source=source)
 
 
-def read_manifest(dir_: Path, fmt: str = FORMAT) -> dict[str, Any]:
+def read_manifest(dir_: Path, fmt: str | None = FORMAT) -> dict[str, Any]:
+    """The manifest of a specjax folder, checked to be of format ``fmt`` (None: any
+    specjax format, for callers that dispatch on it) and of this version."""
     dir_ = Path(dir_)
     if dir_.is_file():
         raise CheckpointError(f"{dir_} is a file; pass the checkpoint folder (a .gguf or HF "
@@ -352,9 +354,12 @@ def read_manifest(dir_: Path, fmt: str = FORMAT) -> dict[str, Any]:
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{path} is corrupt (a JSON {type(manifest).__name__}, not an "
                               "object); convert the checkpoint again")
-    if manifest.get("format") != fmt or manifest.get("version") != VERSION:
+    fmt_ok = (str(manifest.get("format", "")).startswith("specjax-") if fmt is None
+              else manifest.get("format") == fmt)
+    if not fmt_ok or manifest.get("version") != VERSION:
         found = f"{manifest.get('format')!r} v{manifest.get('version')}"
-        raise CheckpointError(f"{dir_}: format {found}, expected {fmt!r} v{VERSION}; "
+        raise CheckpointError(f"{dir_}: format {found}, expected {fmt or 'specjax-*'!r} "
+                              f"v{VERSION}; "
                               "convert it again")
     return manifest
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from flax import nnx
 from jax import Array
 
 from specjax import checkpoint as ckpt
+from specjax import pytree
 from specjax.config import ModelConfig
 from specjax.model import (
     KVCache,
@@ -29,7 +31,6 @@ from specjax.model import (
     cache_mask,
     decoder_layer,
     init_cache,
-    pytree_dataclass,
     rope_inv_freq,
 )
 
@@ -61,6 +62,34 @@ class DrafterConfig:
                 f"the {what} was built for a different target ({'; '.join(bad)}); use a "
                 "drafter trained for this target or train one with `specjax train drafter`")
 
+    # The drafter seam (specjax.draft_model.DraftModel).
+    kind: ClassVar[str] = "eagle"
+
+    @property
+    def width(self) -> int:
+        return self.target.hidden_size
+
+    def tap_layers(self, target_cfg: ModelConfig) -> tuple[int, ...]:
+        return ()  # EAGLE-1/2 read the target's final-norm hidden state
+
+    def target_features(self, params: DrafterParams, hidden: Array,
+                        taps: tuple[Array, ...]) -> Array:
+        return hidden
+
+    def forward(self, params: DrafterParams, embed: Array, tokens: Array, features: Array,
+                positions: Array, cache: KVCache, block_mask: Array | None = None,
+                write_rows: Array | None = None) -> tuple[Array, KVCache]:
+        return drafter_hidden(params, self, embed, tokens, features, positions, cache,
+                              block_mask, write_rows)
+
+    def init_cache(self, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
+        return init_drafter_cache(self, batch, capacity, dtype)
+
+    def router_context(self, embed: Array, tokens: Array, features: Array) -> Array:
+        """[B, K, 2d] the fc's input [embedding(x_t); feature_{t-1}]: it does not wait for
+        the drafter layer, so a router can run beside it."""
+        return jnp.concatenate([embed[tokens].astype(features.dtype), features], axis=-1)
+
     def to_json(self) -> dict:
         return {"target": self.target.to_json(), "input_norm": self.input_norm,
                 "fc_bias": self.fc_bias}
@@ -78,7 +107,7 @@ class DrafterConfig:
                    fc_bias=d["fc_bias"])
 
 
-@pytree_dataclass
+@pytree.dataclass
 class DrafterParams:
     fc: Array  # [2d, d]; input rows are [embedding(x_t); feature_{t-1}]
     layer: LayerParams  # attn_norm is None when not cfg.input_norm
@@ -189,7 +218,7 @@ def drafter_dims(cfg: DrafterConfig) -> dict[str, tuple]:
     return dims
 
 
-def load_drafter(path: Path, target_cfg: ModelConfig | None = None,
+def read_drafter(path: Path, target_cfg: ModelConfig | None = None,
                  dtype: str | None = None) -> tuple[DrafterConfig, DrafterParams, dict]:
     """(config, params, meta) of a drafter folder; refuses one built for another target."""
     manifest = ckpt.read_manifest(Path(path), FORMAT)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,7 @@ import numpy as np
 from jax import Array
 
 from specjax import checkpoint as ckpt
+from specjax import pytree
 from specjax.config import ModelConfig
 from specjax.drafter import DrafterMismatchError
 from specjax.model import (
@@ -43,10 +45,10 @@ from specjax.model import (
     attention,
     cache_mask,
     init_cache,
-    pytree_dataclass,
     rms_norm,
     rope_inv_freq,
 )
+from specjax.vocab.head import Candidates
 
 FORMAT = "specjax-drafter-eagle3"
 
@@ -90,6 +92,32 @@ class Eagle3Config:
                 f"the {what} was built for a different target ({'; '.join(bad)}); use a "
                 "drafter trained for this target")
 
+    # The drafter seam (specjax.draft_model.DraftModel).
+    kind: ClassVar[str] = "eagle3"
+
+    @property
+    def width(self) -> int:
+        return self.layer.hidden_size
+
+    def tap_layers(self, target_cfg: ModelConfig) -> tuple[int, ...]:
+        return eagle3_tap_layers(target_cfg.num_layers)
+
+    def target_features(self, params: Eagle3Params, hidden: Array,
+                        taps: tuple[Array, ...]) -> Array:
+        return eagle3_fuse(params, tuple(taps))
+
+    def forward(self, params: Eagle3Params, embed: Array, tokens: Array, features: Array,
+                positions: Array, cache: KVCache, block_mask: Array | None = None,
+                write_rows: Array | None = None) -> tuple[Array, KVCache]:
+        return eagle3_hidden(params, self, embed, tokens, features, positions, cache,
+                             block_mask, write_rows)
+
+    def init_cache(self, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
+        return init_eagle3_cache(self, batch, capacity, dtype)
+
+    def router_context(self, embed: Array, tokens: Array, features: Array) -> None:
+        return None  # its own draft vocabulary: no router reads its context
+
     def to_json(self) -> dict:
         return {"layer": self.layer.to_json(), "draft_vocab_size": self.draft_vocab_size,
                 "target_hidden_size": self.target_hidden_size, "own_embed": self.own_embed}
@@ -101,7 +129,7 @@ class Eagle3Config:
                    target_hidden_size=d["target_hidden_size"], own_embed=d["own_embed"])
 
 
-@pytree_dataclass
+@pytree.dataclass
 class Eagle3Params:
     """EAGLE-3 weights; linear weights are [in, out], head and embedding [rows, d]."""
 
@@ -195,10 +223,40 @@ def eagle3_candidates(p: Eagle3Params, cfg: Eagle3Config, hidden: Array) -> tupl
     ``logits[..., i]`` scores target token ``target_ids[..., i]``; the ids are
     the same for every row (the static EAGLE-3 draft vocabulary).
     """
-    h = rms_norm(hidden, p.final_norm, cfg.layer.rms_norm_eps)
-    logits = jnp.einsum("...d,vd->...v", h, p.lm_head, preferred_element_type=jnp.float32)
-    ids = jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32) + p.d2t.astype(jnp.int32)
-    return jnp.broadcast_to(ids, logits.shape), logits
+    cand = Eagle3Head.of(p, cfg)(None, hidden, 0)
+    return cand.ids, cand.logits
+
+
+@pytree.dataclass
+class Eagle3Head:
+    """An EAGLE-3 drafter's own head as a :class:`~specjax.vocab.head.VocabHead`: its final
+    norm and LM head over the Vd-token draft vocabulary, scored in target ids.
+
+    final_norm: [d]; lm_head: [Vd, d]; ids: [Vd] int32 the target id of each draft id.
+    It ignores the target's LM head (``w``): the drafter was trained with its own.
+    """
+
+    final_norm: Array
+    lm_head: Array
+    ids: Array
+    eps: float = pytree.static_field()
+    name: ClassVar[str] = "eagle3"
+    uses_context: ClassVar[bool] = False
+
+    @classmethod
+    def of(cls, p: Eagle3Params, cfg: Eagle3Config) -> Eagle3Head:
+        ids = jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32) + p.d2t.astype(jnp.int32)
+        return cls(p.final_norm, p.lm_head, ids, cfg.layer.rms_norm_eps)
+
+    def capacity(self, step: int) -> int:
+        return self.ids.shape[0]
+
+    def __call__(self, w: Array | None, h: Array, step: int,
+                 context: Array | None = None) -> Candidates:
+        logits = jnp.einsum("...d,vd->...v", rms_norm(h, self.final_norm, self.eps),
+                            self.lm_head, preferred_element_type=jnp.float32)
+        return Candidates(jnp.broadcast_to(self.ids, logits.shape),
+                          jnp.ones(logits.shape, bool), logits)
 
 
 def init_eagle3_cache(cfg: Eagle3Config, batch: int, capacity: int,
@@ -248,7 +306,7 @@ def save_eagle3(out: Path, cfg: Eagle3Config, p: Eagle3Params, *, meta: dict | N
                                  overwrite=overwrite)
 
 
-def load_eagle3(path: Path, target_cfg: ModelConfig | None = None,
+def read_eagle3(path: Path, target_cfg: ModelConfig | None = None,
                 dtype: str | None = None) -> tuple[Eagle3Config, Eagle3Params, dict]:
     """(config, params, meta) of an EAGLE-3 folder; refuses one built for another target.
 

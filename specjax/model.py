@@ -26,17 +26,11 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
+from specjax import pytree
 from specjax.config import ModelConfig
 
 
-def pytree_dataclass(cls):
-    """Frozen dataclass registered as a pytree; every field is a child."""
-    cls = dataclasses.dataclass(frozen=True)(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
-
-
-@pytree_dataclass
+@pytree.dataclass
 class LayerParams:
     attn_norm: Array  # [d]
     wq: Array  # [d, Hq*Dh]
@@ -54,11 +48,7 @@ class LayerParams:
     k_norm: Array | None = None  # [Dh]
 
 
-@partial(jax.tree_util.register_dataclass,
-         data_fields=["attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down", "bqkv",
-                      "q_norm", "k_norm"],
-         meta_fields=["q_dim", "kv_dim"])
-@dataclasses.dataclass(frozen=True)
+@pytree.dataclass
 class FusedLayerParams:
     """A decoder layer as inference runs it: one [d, q + 2 kv] product for Q/K/V and one
     [d, 2F] product for gate/up (fewer, larger matrix products stream the weights faster
@@ -78,8 +68,8 @@ class FusedLayerParams:
     bqkv: Array | None = None  # [q_dim + 2 * kv_dim], Qwen2
     q_norm: Array | None = None  # [Dh], Qwen3
     k_norm: Array | None = None
-    q_dim: int = 0  # Hq * Dh (static)
-    kv_dim: int = 0  # Hkv * Dh (static)
+    q_dim: int = pytree.static_field(default=0)  # Hq * Dh
+    kv_dim: int = pytree.static_field(default=0)  # Hkv * Dh
 
     def _qkv(self, x: Array | None, i: int) -> Array | None:
         if x is None:
@@ -119,7 +109,7 @@ def unfuse_layer(lp: LayerParams | FusedLayerParams) -> LayerParams:
                        k_norm=lp.k_norm)
 
 
-@pytree_dataclass
+@pytree.dataclass
 class Params:
     embed: Array  # [V, d]
     layers: tuple[LayerParams | FusedLayerParams, ...]
@@ -147,7 +137,7 @@ def unfuse_params(params: Params) -> Params:
     return dataclasses.replace(params, layers=tuple(unfuse_layer(lp) for lp in params.layers))
 
 
-@pytree_dataclass
+@pytree.dataclass
 class KVCache:
     k: tuple[Array, ...]  # per layer [B, S, Hkv, Dh]
     v: tuple[Array, ...]  # per layer [B, S, Hkv, Dh]

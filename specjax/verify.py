@@ -19,17 +19,16 @@ Everything is batched over B rows and jittable; ``sampled`` and ``assume_q_one``
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from jax import Array
 
+from specjax import pytree
+
 NO_NODE = -1  # Path slots after the end of a row's accepted path.
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@pytree.dataclass
 class Acceptance:
     """The outcome of verifying one tree per batch row.
 
@@ -173,6 +172,10 @@ def verify_sampling(key: Array, tree_tokens: Array, parent: Array, valid: Array,
         cur, path, n, p, q = carry
         tok = tree_tokens[:, i]
         tried = valid[:, i] & (parent[:, i] == cur)
+        if use_q:
+            # DySpec's algorithm 3: once the draft residual is all zeros, no sibling is left
+            # that q could have drawn; stop trying children of this node.
+            tried = tried & (jnp.sum(q, axis=-1) > 0)
         px = _pick(p, tok)
         if use_q:
             qx = _pick(q, tok)

@@ -38,6 +38,8 @@ def test_convert_refusals_are_one_line_errors(tmp_path, tiny_llama, capsys):
 @pytest.mark.parametrize("args,message", [
     (["--temperature", "-1"], "temperature must be >= 0"),
     (["--max-new-tokens", "9000"], "exceeds the model's context"),
+    (["--stream", "--json"], "--stream prints one prompt's text"),
+    (["--stream", "--prompt", "two"], "--stream prints one prompt's text"),
 ])
 def test_generate_bad_input(smollm2_dir, capsys, args, message):
     assert main(["generate", "--model", str(smollm2_dir), "--prompt", "hi", *args]) == 2
@@ -47,3 +49,16 @@ def test_generate_bad_input(smollm2_dir, capsys, args, message):
 def test_generate_missing_model(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"]) == 2
     assert "specjax convert" in capsys.readouterr().err
+
+
+def test_generate_stream_prints_what_generate_returns(smollm2_dir, capsys):
+    """--stream runs the step from Python; its text is the compiled run's, speculative too."""
+    from specjax.defaults import default_drafter_dir
+
+    args = ["generate", "--model", str(smollm2_dir), "--prompt", "Name a colour.",
+            "--max-new-tokens", "12", "--drafter", str(default_drafter_dir()), "--tree", "chain",
+            "--tree-depth", "2"]
+    assert main([*args, "--json"]) == 0
+    want = json.loads(capsys.readouterr().out)["text"]
+    assert main([*args, "--stream"]) == 0
+    assert capsys.readouterr().out == want + "\n"

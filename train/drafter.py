@@ -37,7 +37,7 @@ from specjax.drafter import (
     DrafterConfig,
     DrafterParams,
     EagleDrafter,
-    load_drafter,
+    read_drafter,
     save_drafter,
 )
 from specjax.model import Params
@@ -416,7 +416,7 @@ class TrainResult:
 
 def _load_into(model: EagleDrafter, path: Path, target_cfg: ModelConfig) -> None:
     """Overwrite ``model``'s weights with those of the drafter folder ``path``."""
-    cfg, dp, _ = load_drafter(path, target_cfg)
+    cfg, dp, _ = read_drafter(path, target_cfg)
     if (cfg.input_norm, cfg.fc_bias) != (model.cfg.input_norm, model.cfg.fc_bias):
         raise ValueError(f"{path} is not an EAGLE-1 drafter without input norm and with an fc "
                          f"bias (input_norm={cfg.input_norm}, fc_bias={cfg.fc_bias}); it cannot "

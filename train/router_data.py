@@ -4,7 +4,7 @@ DynaSpec (appendix A.2) trains its router on what an EAGLE-2 run with the full h
 for every expanded node, the router's input [embedding(x_t); the drafter's input feature]
 and the full head's top-L tokens at that draft step. We run the real speculative loop
 (greedy, full head, the engine's draft tree) on the first user turn of ShareGPT
-conversations, with ``Engine.record_top_l`` set so the draft phase returns those records,
+conversations, with ``SpecConfig.record_top_l`` set so the draft phase returns those records,
 and append them to shards (:func:`specjax.train.router.write_router_shard`).
 
 Resumable: ``progress.json`` holds the conversations done and the shards written; a rerun
@@ -20,15 +20,20 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from specjax.api import Drafter, Target
 from specjax.checkpoint import write_json_atomic
-from specjax.decode import bucket
+from specjax.loaded import Drafter, Target
+from specjax.runner import Request, all_done
 from specjax.sampling import SamplingConfig
-from specjax.speculative import Engine, TreeSpec, draft_phase_jit, spec_prefill, verify_phase_jit
+from specjax.speculative import (
+    SpecConfig,
+    TreeSpec,
+    draft_phase_jit,
+    spec_prefill,
+    verify_phase_jit,
+)
 from specjax.train.data import iter_records, normalize_messages, sharegpt_path
 from specjax.train.router import write_router_meta, write_router_shard
 from specjax.vocab.head import full_head
@@ -79,12 +84,10 @@ def collect_router_data(target: Target, drafter: Drafter, out_dir: str | Path, *
         prog = json.loads(prog_path.read_text())
         if prog.get("meta", {}).get("drafter_fingerprint") != meta["drafter_fingerprint"]:
             raise ValueError(f"{out} holds router data from another drafter; use a new folder")
-    eng = Engine(cfg=target.cfg, dcfg=drafter.cfg, tree=tree,
-                 sampling=SamplingConfig(temperature=0.0).static(), record_top_l=top_l)
+    sampling = SamplingConfig(temperature=0.0)
+    spec = SpecConfig(cfg=target.cfg, drafter=drafter.cfg, tree=tree,
+                      sampling=sampling.static(), record_top_l=top_l)
     head = full_head(target.cfg.vocab_size)
-    eos = jnp.asarray(target.eos_ids, jnp.int32)
-    dyn = SamplingConfig(temperature=0.0).dynamic()
-    spare = max(tree.num_nodes, tree.workspace, tree.max_depth + 1)
     buf: dict[str, list[np.ndarray]] = {"x": [], "topl": [], "step": []}
     bar = tqdm(total=num_records, initial=prog["records"], desc="router data", unit="rec",
                disable=not progress)
@@ -97,25 +100,24 @@ def collect_router_data(target: Target, drafter: Drafter, out_dir: str | Path, *
         ids = next(prompts, None)
         if ids is None:
             break
-        p_len, out_len = bucket(len(ids)), bucket(max_new_tokens)
-        prompt = np.zeros((1, p_len), np.int32)
-        prompt[0, : len(ids)] = ids
-        state = spec_prefill(target.params, drafter.params, jnp.asarray(prompt),
-                             jnp.asarray([len(ids)]), jax.random.PRNGKey(0),
-                             jnp.int32(max_new_tokens), eos, **dyn, eng=eng, out_len=out_len,
-                             capacity=p_len + out_len + spare)
+        req = Request.build(target, [ids], max_new_tokens=max_new_tokens, sampling=sampling,
+                            stop_on_eos=True, key=jax.random.PRNGKey(0), tree=tree)
+        state = spec_prefill(target.params, drafter.params, req.prompt, req.prompt_lens,
+                             req.limits, req.key, spec=spec, out_len=req.out_len,
+                             capacity=req.capacity)
         got = 0
-        while not bool(jnp.all(state.done)):
-            tr, dcache, key, sl = draft_phase_jit(target.params, drafter.params, head, state,
-                                                  dyn["temperature"], eng=eng)
-            for ctx, top, step in sl.records:
+        while not all_done(state):
+            draft, state = draft_phase_jit(target.params, drafter.params, head, state, spec=spec)
+            for ctx, top, step in draft.shortlists.records:
                 n = ctx.shape[0] * ctx.shape[1]
                 buf["x"].append(np.asarray(ctx, np.float16).reshape(n, -1))
                 buf["topl"].append(np.asarray(top, np.int32).reshape(n, -1))
                 buf["step"].append(np.full((n,), int(step), np.int32))
                 got += n
-            state = verify_phase_jit(target.params, drafter.params, state, tr, dcache, key,
-                                     sl._replace(records=None), eos, **dyn, eng=eng)
+            # The verify program never reads the records: drop them rather than pass them.
+            draft = dataclasses.replace(draft, shortlists=dataclasses.replace(
+                draft.shortlists, records=None))
+            state = verify_phase_jit(target.params, drafter.params, state, draft, spec=spec)
         prog["conversations"] += 1
         prog["records"] += got
         bar.update(got)

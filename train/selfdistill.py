@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from specjax.api import Target
 from specjax.checkpoint import write_json_atomic
+from specjax.loaded import Target
 
 ENGINES = ("transformers", "specjax")
 

@@ -40,16 +40,16 @@ from jax import Array
 from tqdm import tqdm
 
 import specjax
-from specjax.api import Drafter, Target
 from specjax.bench.common import as_command, machine_info, save_figure, write_json
 from specjax.bench.phases import draft_latency, random_features, resolve_drafter
-from specjax.bench.timing import generate_capacity, time_calls, verify_latency
+from specjax.bench.timing import time_calls, verify_latency
 from specjax.bench.trees import add_tree_args, tree_dict, tree_from_args, tree_label
-from specjax.decode import bucket
 from specjax.defaults import resolve_model
 from specjax.drafter import DrafterConfig, DrafterParams, init_drafter_cache
+from specjax.loaded import Drafter, Target
+from specjax.loop import bucket
 from specjax.model import Params, cache_mask, decoder_layer, lm_head, rope_inv_freq
-from specjax.speculative import TreeSpec
+from specjax.speculative import TreeSpec, cache_capacity
 
 PARTS = ("embed_fc", "layer", "head_topk")
 PART_LABELS = {"embed_fc": "(a) embedding gather + fc", "layer": "(b) drafter decoder layer",
@@ -197,7 +197,7 @@ def run_breakdown(model_dir: str | Path, drafter_dir: str | Path | None, *,
         drafter, drafter_name = resolve_drafter(drafter_dir, target)
     # Rows allocated as generate() would for a `context`-token prompt: attention runs over
     # all of them (masked), so the capacity, not the committed length, sets its cost.
-    ctx, capacity = context, generate_capacity(context, max_new_tokens, tree)
+    ctx, capacity = context, cache_capacity(context, max_new_tokens, tree)
     n_children = tree.top_k if tree.kind == "eagle2" else 1
 
     bar = tqdm(total=len(counts) + 4, unit="bench")

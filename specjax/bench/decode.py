@@ -17,7 +17,7 @@ from typing import Any
 from tqdm import tqdm
 
 import specjax
-from specjax.api import Target, encode_prompts
+from specjax.api import encode_prompts
 from specjax.bench.common import (
     as_command,
     bar_plot,
@@ -27,6 +27,7 @@ from specjax.bench.common import (
     write_json,
 )
 from specjax.defaults import resolve_model
+from specjax.loaded import Target
 from specjax.transformers_model import load_hf_model, resolve_hf_source
 
 PROMPT = "Explain in three sentences why the sky is blue."

@@ -34,14 +34,16 @@ from jax import Array
 from tqdm import tqdm
 
 import specjax
-from specjax.api import Drafter, Target, encode_prompts
+from specjax import pytree
+from specjax.api import encode_prompts
 from specjax.bench.common import as_command, int_list, machine_info, save_figure, write_json
-from specjax.decode import bucket
 from specjax.defaults import resolve_model
 from specjax.drafter import DrafterConfig, DrafterParams
+from specjax.loaded import Drafter, Target
+from specjax.loop import bucket
 from specjax.model import forward_hidden, init_cache, unfuse_layer
 from specjax.speculative import TreeSpec
-from specjax.vocab.head import Candidates, head_dataclass
+from specjax.vocab.head import Candidates
 
 PROMPTS = (
     "Explain in three sentences why the sky is blue.",
@@ -53,7 +55,7 @@ GOAL = 2.5  # issue 10: chain of depth 4 with the oracle, x vanilla tokens/s
 FAR = 1e4  # feature value of table rows past a sequence's end: never the nearest
 
 
-@head_dataclass(data=["feats", "tokens", "length"], meta=[])
+@pytree.dataclass
 class OracleHead:
     """Offers the recorded continuation (see the module doc). B rows, N recorded positions.
 

@@ -17,12 +17,12 @@ import numpy as np
 from jax import Array
 
 import specjax
-from specjax.api import Drafter, Target
 from specjax.bench.timing import time_calls
-from specjax.drafter import init_drafter_cache
+from specjax.loaded import Drafter, Target
+from specjax.loop import Limits, Output
 from specjax.model import init_cache
 from specjax.sampling import SamplingConfig
-from specjax.speculative import Engine, SpecState, TreeSpec, draft_phase_jit
+from specjax.speculative import SpecConfig, SpecState, SpecStats, TreeSpec, draft_phase_jit
 from specjax.vocab.head import VocabHead, full_head
 
 
@@ -43,22 +43,23 @@ def synthetic_state(target: Target, drafter: Drafter, *, context: int, capacity:
     dtype = target.params.embed.dtype
     lengths = jnp.full((1,), context, jnp.int32)
     tcache = dataclasses.replace(init_cache(target.cfg, 1, capacity, dtype), lengths=lengths)
-    dcache = dataclasses.replace(init_drafter_cache(drafter.cfg, 1, capacity, dtype),
-                                 lengths=lengths)
+    dcache = dataclasses.replace(drafter.cfg.init_cache(1, capacity, dtype), lengths=lengths)
+    sampling = SamplingConfig(temperature=0.0).dynamic()
+    limits = Limits(eos_ids=jnp.asarray(target.eos_ids, jnp.int32),
+                    max_new=jnp.full((1,), out_len, jnp.int32), **sampling)
+    first = jnp.full((1,), 11 % target.cfg.vocab_size, jnp.int32)
     return SpecState(
-        tcache=tcache, dcache=dcache, root=jnp.full((1,), 11 % target.cfg.vocab_size, jnp.int32),
-        root_feat=random_features((1, target.cfg.hidden_size), dtype, seed),
-        out=jnp.zeros((1, out_len), jnp.int32), num_new=jnp.ones((1,), jnp.int32),
-        done=jnp.zeros((1,), bool), accept_lens=jnp.zeros((1, out_len), jnp.int32),
-        steps=jnp.zeros((1,), jnp.int32), shortlist_size=jnp.zeros((1,), jnp.float32),
-        shortlist_hits=jnp.zeros((1,), jnp.int32), key=jax.random.PRNGKey(seed),
-        max_new=jnp.int32(out_len))
+        output=dataclasses.replace(Output.start(first, limits, out_len, jax.random.PRNGKey(seed)),
+                                   done=jnp.zeros((1,), bool)),
+        limits=limits, tcache=tcache, dcache=dcache, root=first,
+        root_feat=random_features((1, drafter.cfg.width), dtype, seed),
+        stats=SpecStats.zeros(1, out_len))
 
 
-def greedy_engine(target: Target, drafter: Drafter, tree: TreeSpec) -> Engine:
-    """The static engine :func:`specjax.generate` builds for greedy decoding."""
-    return Engine(cfg=target.cfg, dcfg=drafter.cfg, tree=tree,
-                  sampling=SamplingConfig(temperature=0.0).static())
+def greedy_spec(target: Target, drafter: Drafter, tree: TreeSpec) -> SpecConfig:
+    """The static config :func:`specjax.generate` builds for greedy decoding."""
+    return SpecConfig(cfg=target.cfg, drafter=drafter.cfg, tree=tree,
+                      sampling=SamplingConfig(temperature=0.0).static())
 
 
 def draft_latency(target: Target, drafter: Drafter, tree: TreeSpec, *, context: int,
@@ -71,11 +72,10 @@ def draft_latency(target: Target, drafter: Drafter, tree: TreeSpec, *, context: 
     """
     state = synthetic_state(target, drafter, context=context, capacity=capacity,
                             out_len=out_len)
-    eng = greedy_engine(target, drafter, tree)
-    temperature = jnp.float32(0.0)
+    spec = greedy_spec(target, drafter, tree)
     head = head or full_head(target.cfg.vocab_size)
     return time_calls(lambda: draft_phase_jit(target.params, drafter.params, head, state,
-                                              temperature, eng=eng), runs)
+                                              spec=spec), runs)
 
 
 def random_drafter(target: Target, seed: int = 0) -> Drafter:

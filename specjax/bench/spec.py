@@ -4,7 +4,7 @@ One command, one run, one JSON + one PNG:
 
 1. **Tree budget from measured latency.** A verify forward over T tokens costs little more
    than one over a single token only while the matrix products stay bandwidth bound; on a
-   2-core CPU that stops early (DESIGN.md: a 60-token tree costs ~170 ms, a token ~24 ms).
+   2-core CPU that stops early (measured here: a 60-token tree costs ~170 ms, a token ~24 ms).
    So the run measures the target's forward latency (jitted ``forward_hidden`` +
    ``lm_head`` + argmax, B=1, a cache as long as the evaluation's) for T = 1..32 tokens,
    measures the drafter's whole draft phase for each candidate tree of a small grid, takes
@@ -49,7 +49,7 @@ import numpy as np
 from tqdm import tqdm
 
 import specjax
-from specjax.api import Drafter, Target, encode_prompts
+from specjax.api import encode_prompts
 from specjax.bench.common import (
     as_command,
     first_mismatch,
@@ -70,16 +70,15 @@ from specjax.bench.questions import (
 from specjax.bench.timing import (
     cache_geometry,
     count_compiles,
-    generate_capacity,
     interp_latency,
     latency_curve,
-    tree_spare,
     warmup_tokens,
 )
 from specjax.bench.trees import add_tree_args, tree_dict, tree_from_args, tree_label
-from specjax.decode import bucket
 from specjax.defaults import resolve_model
-from specjax.speculative import TreeSpec
+from specjax.loaded import Drafter, Target
+from specjax.loop import bucket
+from specjax.speculative import TreeSpec, cache_capacity, spare_rows
 from specjax.vocab.head import VocabHead, full_head
 from specjax.vocab.resolve import resolve_head
 
@@ -131,7 +130,7 @@ def select_tree(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
                                max_new_tokens=calib_max_new_tokens, stop_on_eos=stop_on_eos,
                                drafter=drafter, tree=tree, vocab=head)
         draft = draft_latency(target, drafter, tree, context=ctx,
-                              capacity=generate_capacity(prompt_len, max_new_tokens, tree),
+                              capacity=cache_capacity(prompt_len, max_new_tokens, tree),
                               out_len=bucket(max_new_tokens), runs=runs, head=head)
         verify_ms = interp_latency(curve, tree.num_nodes)
         mal = res.stats["mean_accepted_length"]
@@ -378,7 +377,7 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
 
     mean_prompt = int(round(np.mean([len(p["ids"]) for p in evals])))
     # Spare rows for the largest write: a T-token forward or a tree's drafter workspace.
-    spare = max(sizes[-1], *map(tree_spare, grid))
+    spare = max(sizes[-1], *map(spare_rows, grid))
     context, capacity = cache_geometry(mean_prompt, max_new_tokens, spare)
     config = {
         "model": str(cfg.model_dir), "drafter": drafter_name,

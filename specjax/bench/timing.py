@@ -20,10 +20,10 @@ import numpy as np
 from jax import Array
 from tqdm import tqdm
 
-from specjax.api import Target
-from specjax.decode import bucket
+from specjax.loaded import Target
+from specjax.loop import bucket
 from specjax.model import KVCache, Params, forward_hidden, init_cache, lm_head
-from specjax.speculative import TreeSpec
+from specjax.speculative import cache_capacity
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -35,18 +35,8 @@ def cache_geometry(prompt_len: int, max_new_tokens: int, spare: int) -> tuple[in
     :func:`specjax.generate` does (bucketed prompt + bucketed output + tree spare). Attention
     runs over the whole capacity (masked), so capacity is what sets its cost.
     """
-    return prompt_len + max_new_tokens // 2, bucket(prompt_len) + bucket(max_new_tokens) + spare
-
-
-def tree_spare(tree: TreeSpec) -> int:
-    """Cache rows :func:`specjax.generate` reserves past the output for one tree step."""
-    return max(tree.num_nodes, tree.workspace, tree.max_depth + 1)
-
-
-def generate_capacity(prompt_len: int, max_new_tokens: int, tree: TreeSpec) -> int:
-    """The cache capacity :func:`specjax.generate` allocates (so shapes, and compiled
-    programs, are shared with real runs)."""
-    return bucket(prompt_len) + bucket(max_new_tokens) + tree_spare(tree)
+    return prompt_len + max_new_tokens // 2, cache_capacity(prompt_len, max_new_tokens, None,
+                                                            spare=spare)
 
 
 def warmup_tokens(max_new_tokens: int) -> int:

@@ -35,7 +35,7 @@ import numpy as np
 from tqdm import tqdm
 
 import specjax
-from specjax.api import Drafter, Target, encode_prompts
+from specjax.api import encode_prompts
 from specjax.bench.common import (
     as_command,
     first_mismatch,
@@ -46,11 +46,12 @@ from specjax.bench.common import (
 from specjax.bench.partial import append_record, partial_path, read_partial
 from specjax.bench.phases import draft_latency, random_features, resolve_drafter
 from specjax.bench.questions import TASKS, load_questions, resolve_questions, select_questions
-from specjax.bench.timing import count_compiles, generate_capacity, warmup_tokens
-from specjax.decode import bucket
+from specjax.bench.timing import count_compiles, warmup_tokens
 from specjax.defaults import resolve_model
 from specjax.drafter import drafter_hidden, init_drafter_cache
-from specjax.speculative import TreeSpec
+from specjax.loaded import Drafter, Target
+from specjax.loop import bucket
+from specjax.speculative import TreeSpec, cache_capacity
 from specjax.vocab import VocabHead, resolve_head
 from specjax.vocab.dynaspec import RoutedHead
 from specjax.vocab.router import router_logits
@@ -170,7 +171,7 @@ def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
     bar.close()
 
     ctx = int(np.mean([len(r["vanilla"]["tokens"]) for r in records])) + 128
-    capacity = generate_capacity(ctx, max_new_tokens, tree)
+    capacity = cache_capacity(ctx, max_new_tokens, tree)
     latency = {}
     for spec in tqdm(heads, desc="draft-step latency"):
         latency[spec] = draft_latency(target, drafter, tree, context=ctx, capacity=capacity,

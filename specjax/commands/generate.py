@@ -57,6 +57,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "drafter's frequency counts and router are the default artifacts)")
     g.add_argument("--json", action="store_true",
                    help='print one JSON object {"text", "tokens", "stats"}')
+    g.add_argument("--stream", action="store_true",
+                   help="print the text as it is committed (one prompt; the same tokens as "
+                        "without --stream)")
     g.set_defaults(run=run_generate)
     return g
 
@@ -80,6 +83,9 @@ def check_generate_flags(args: argparse.Namespace) -> None:
         check_text(f"--prompt {i + 1}" if len(args.prompt) > 1 else "--prompt", p)
     if args.system is not None:
         check_text("--system", args.system)
+    if args.stream and (len(args.prompt) > 1 or args.json):
+        raise ValueError("--stream prints one prompt's text as it comes; pass one --prompt "
+                         "and no --json")
     if args.drafter not in (None, "none") and not Path(args.drafter).is_dir():
         raise FileNotFoundError(f"--drafter {args.drafter}: no such folder; pass a drafter "
                                 "folder (`specjax convert` or `specjax train drafter` write "
@@ -125,11 +131,16 @@ def run_generate(args: argparse.Namespace) -> int:
     target = specjax.load(resolve_model(args.model), dtype=args.dtype)
     prompts = args.prompt if len(args.prompt) > 1 else args.prompt[0]
     drafter = _resolve_drafter(args, target)
-    res = specjax.generate(
-        target, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=not args.no_chat,
-        system=args.system, mode=args.mode, drafter=drafter,
-        tree=None if drafter is None else _tree(args), vocab=args.vocab)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=not args.no_chat,
+                  system=args.system, drafter=drafter,
+                  tree=None if drafter is None else _tree(args), vocab=args.vocab)
+    if args.stream:
+        for chunk in specjax.stream(target, prompts, **kwargs):
+            print(chunk.text, end="", flush=True)
+        print()
+        return 0
+    res = specjax.generate(target, prompts, mode=args.mode, **kwargs)
     if args.json:
         single = isinstance(prompts, str)
         stats = dict(res.stats)

@@ -21,7 +21,6 @@ and the fingerprint of the head the clusters were computed from, see
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -37,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from specjax import pytree
 from specjax.vocab._files import file_sha256
 
 FORMAT = "specjax-clusters"
@@ -54,10 +54,7 @@ class ClustersError(ValueError):
 # --------------------------------------------------------------------------- the partition
 
 
-@partial(jax.tree_util.register_dataclass,
-         data_fields=["assign", "perm", "offsets", "sizes"],
-         meta_fields=["vocab_size", "num_clusters", "head_fingerprint"])
-@dataclasses.dataclass(frozen=True)
+@pytree.dataclass
 class Clusters:
     """A partition of the vocabulary into ``num_clusters`` clusters (numpy arrays).
 
@@ -69,9 +66,10 @@ class Clusters:
     offsets: np.ndarray  # [M + 1] int32: cluster m is perm[offsets[m]:offsets[m + 1]]
     sizes: np.ndarray  # [M] int32: members per cluster (0 only if the head has < M
     #                    distinct directions)
-    vocab_size: int
-    num_clusters: int
-    head_fingerprint: str = ""  # head_fingerprint(w) of the head clustered; "" if unknown
+    vocab_size: int = pytree.static_field()
+    num_clusters: int = pytree.static_field()
+    # head_fingerprint(w) of the head clustered; "" if unknown
+    head_fingerprint: str = pytree.static_field(default="")
 
     @classmethod
     def from_assign(cls, assign: np.ndarray | Array, num_clusters: int,

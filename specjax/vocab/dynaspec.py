@@ -25,9 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from specjax import pytree
 from specjax.kernels.gathered_gemm import gathered_matmul
 from specjax.vocab.clusters import Clusters
-from specjax.vocab.head import Candidates, head_dataclass, masked
+from specjax.vocab.head import Candidates, masked
 from specjax.vocab.router import RouterParams, router_logits
 
 
@@ -40,8 +41,7 @@ def cluster_budget(step: int, k0: int, k1: int) -> int:
     return max(1, (k1 + step) // (2 * step))
 
 
-@head_dataclass(data=["router", "perm", "offsets", "sizes", "always", "is_always"],
-                meta=["k0", "k1", "position_aware", "largest", "cluster_cap", "shared"])
+@pytree.dataclass
 class RoutedHead:
     """DynaSpec head. Fixed top-k clusters (``k0`` at every step) or position-aware k_c(t).
 
@@ -61,12 +61,12 @@ class RoutedHead:
     sizes: Array
     always: Array
     is_always: Array
-    k0: int
-    k1: int
-    position_aware: bool
-    largest: tuple[int, ...]
-    cluster_cap: int = 0
-    shared: bool = False
+    k0: int = pytree.static_field()
+    k1: int = pytree.static_field()
+    position_aware: bool = pytree.static_field()
+    largest: tuple[int, ...] = pytree.static_field()
+    cluster_cap: int = pytree.static_field(default=0)
+    shared: bool = pytree.static_field(default=False)
     uses_context: ClassVar[bool] = True
 
     @property

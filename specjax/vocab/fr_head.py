@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from specjax.vocab.head import Candidates, head_dataclass
+from specjax import pytree
+from specjax.vocab.head import Candidates
 
 
 def pa_fr_budget(k_max: int, step: int) -> int:
@@ -38,7 +39,7 @@ def _block_ends(k_max: int, n: int, position_aware: bool) -> tuple[int, ...]:
     return tuple(sorted({max(1, min(pa_fr_budget(k_max, t), n)) for t in range(PA_STEPS)}))
 
 
-@head_dataclass(data=["ids", "w_blocks"], meta=["k_max", "position_aware"])
+@pytree.dataclass
 class FrequencyHead:
     """Frequency-ranked shortlist head (FR-Spec; PA-FR when ``position_aware``).
 
@@ -52,8 +53,8 @@ class FrequencyHead:
 
     ids: Array
     w_blocks: tuple[Array, ...]
-    k_max: int
-    position_aware: bool = False
+    k_max: int = pytree.static_field()
+    position_aware: bool = pytree.static_field(default=False)
     uses_context: ClassVar[bool] = False
 
     @property

@@ -16,18 +16,19 @@ Adding a method means adding one implementation of :class:`VocabHead`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import ClassVar, NamedTuple, Protocol
+from typing import ClassVar, Protocol
 
-import jax
 import jax.numpy as jnp
 from jax import Array
+
+from specjax import pytree
 
 NEG_INF = -jnp.inf
 
 
-class Candidates(NamedTuple):
+@pytree.dataclass
+class Candidates:
     """A head's answer for ``B x K`` expanded nodes with capacity ``C``.
 
     ids: [B, K, C] int32 real token ids; distinct among the valid entries of a row.
@@ -66,27 +67,17 @@ class VocabHead(Protocol):
         ...
 
 
-def head_dataclass(data: list[str], meta: list[str]):
-    """A frozen dataclass registered as a pytree with ``data`` leaves and ``meta`` static."""
-
-    def wrap(cls):
-        cls = dataclasses.dataclass(frozen=True)(cls)
-        return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
-
-    return wrap
-
-
 def masked(ids: Array, valid: Array, logits: Array) -> Candidates:
     """Candidates with ``-inf`` logits (and id 0) where invalid; logits cast to float32."""
     return Candidates(jnp.where(valid, ids, 0).astype(jnp.int32), valid,
                       jnp.where(valid, logits.astype(jnp.float32), NEG_INF))
 
 
-@head_dataclass(data=[], meta=["vocab_size"])
+@pytree.dataclass
 class FullHead:
     """The full vocabulary (EAGLE-2's baseline): C = V at every step."""
 
-    vocab_size: int
+    vocab_size: int = pytree.static_field()
     name: ClassVar[str] = "full"
     uses_context: ClassVar[bool] = False
 

@@ -17,15 +17,15 @@ Specs (artifacts default to the drafter's folder, where the shipped SmolLM2 draf
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from specjax._checks import check_text
+from specjax.loaded import Drafter, Target
 from specjax.vocab.head import VocabHead, full_head
 
 
-def always_kept(target: Any) -> list[int]:
+def always_kept(target: Target) -> list[int]:
     """EOS ids and the chat template's special tokens: in every shortlist."""
     from specjax.vocab.corpus_counts import required_tokens
 
@@ -34,7 +34,7 @@ def always_kept(target: Any) -> list[int]:
     return required_tokens(target.tokenizer, target.eos_ids)
 
 
-def _artifact(arg: str, drafter: Any, name: str, how: str) -> Path:
+def _artifact(arg: str, drafter: Drafter, name: str, how: str) -> Path:
     if arg:
         return Path(arg)
     where = "this drafter was not loaded from a folder" if drafter.path is None \
@@ -44,7 +44,7 @@ def _artifact(arg: str, drafter: Any, name: str, how: str) -> Path:
     return Path(drafter.path) / name
 
 
-def frequency_ranking(path: Path, target: Any) -> np.ndarray:
+def frequency_ranking(path: Path, target: Target) -> np.ndarray:
     """Token ids by decreasing frequency, from a count file or a (possibly imported) list."""
     from specjax.vocab.corpus_counts import COUNTS_FORMAT, load_counts, tokenizer_fingerprint
     from specjax.vocab.shortlist import (
@@ -65,7 +65,7 @@ def frequency_ranking(path: Path, target: Any) -> np.ndarray:
     return import_token_list(path, vocab_size=v).ids
 
 
-def resolve_head(spec: str | VocabHead, target: Any, drafter: Any) -> VocabHead:
+def resolve_head(spec: str | VocabHead, target: Target, drafter: Drafter) -> VocabHead:
     """The head ``spec`` names (see the module doc), built for ``target`` and ``drafter``.
 
     A :class:`VocabHead` is returned as is. Raises ValueError for an unknown spec, a
@@ -75,6 +75,16 @@ def resolve_head(spec: str | VocabHead, target: Any, drafter: Any) -> VocabHead:
         return spec
     spec = check_text("vocab", spec)
     name, _, arg = spec.partition(":")
+    if getattr(drafter.cfg, "kind", "eagle") == "eagle3":
+        # An EAGLE-3 drafter was trained with its own head over its own draft vocabulary;
+        # the shortlist heads score the target's head, which it never learned to feed.
+        if spec != "full":
+            raise ValueError(f"--vocab {spec}: an EAGLE-3 drafter drafts over its own "
+                             f"{drafter.cfg.draft_vocab_size}-token vocabulary; use --vocab "
+                             "full (FR-Spec and DynaSpec heads apply to EAGLE-1/2 drafters)")
+        from specjax.eagle3 import Eagle3Head
+
+        return Eagle3Head.of(drafter.params, drafter.cfg)
     if name == "full" and not arg:
         return full_head(target.cfg.vocab_size)
     if name in ("fr", "pafr"):
@@ -102,7 +112,7 @@ def resolve_head(spec: str | VocabHead, target: Any, drafter: Any) -> VocabHead:
                      "dynaspec-f[:ROUTER]")
 
 
-def _routed(path: Path, target: Any, drafter: Any, *, position_aware: bool, shared: bool):
+def _routed(path: Path, target: Target, drafter: Drafter, *, position_aware: bool, shared: bool):
     from specjax.vocab.dynaspec import routed_head
     from specjax.vocab.router import fingerprint, load_router, target_fields_of
 

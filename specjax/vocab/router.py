@@ -40,7 +40,7 @@ from flax import nnx
 from jax import Array
 
 from specjax import checkpoint as ckpt
-from specjax.model import pytree_dataclass
+from specjax import pytree
 from specjax.vocab.clusters import (
     Clusters,
     ClustersError,
@@ -93,7 +93,7 @@ class RouterConfig:
         return cls(**d)
 
 
-@pytree_dataclass
+@pytree.dataclass
 class RouterParams:
     kernels: tuple[Array, ...]  # [dims[i], dims[i + 1]] per layer
     biases: tuple[Array, ...]  # [dims[i + 1]] per layer

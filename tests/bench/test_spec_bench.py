@@ -25,7 +25,7 @@ from specjax.bench.questions import TASKS, load_questions, resolve_questions, se
 from specjax.bench.spec import SpecBenchConfig, add_spec_args, run_spec_bench
 from specjax.bench.timing import monotone_fit, warmup_tokens
 from specjax.bench.trees import tree_dict, tree_from_args
-from specjax.decode import bucket
+from specjax.loop import bucket
 from specjax.speculative import TreeSpec
 from specjax.vocab.fr_head import frequency_head
 from tests.tiny import make_hf_checkpoint

@@ -33,7 +33,7 @@ from specjax.convert.eagle import (
     is_eagle3_folder,
     is_eagle_folder,
 )
-from specjax.drafter import DrafterMismatchError, drafter_hidden, init_drafter_cache, load_drafter
+from specjax.drafter import DrafterMismatchError, drafter_hidden, init_drafter_cache, read_drafter
 from specjax.eagle3 import (
     eagle3_candidates,
     eagle3_fuse,
@@ -41,7 +41,7 @@ from specjax.eagle3 import (
     eagle3_tap_layers,
     export_eagle3_state,
     init_eagle3_cache,
-    load_eagle3,
+    read_eagle3,
 )
 from tests.tiny import BASE, edit_config, edit_tensors
 
@@ -144,7 +144,7 @@ def test_eagle1_numerics(tmp_path, family, fc_bias, input_norm, fmt):
     assert is_eagle_folder(src) and not is_eagle3_folder(src)
     target = target_cfg(family)
     out = convert_eagle(src, tmp_path / "out", target_cfg=target, progress=False)
-    cfg, params, meta = load_drafter(out, target)
+    cfg, params, meta = read_drafter(out, target)
     assert (cfg.fc_bias, cfg.input_norm) == (fc_bias, input_norm)
     assert cfg.target.rope_theta == 5000.0 and meta["source_format"] == "eagle"
     assert (params.fc_bias is None) != fc_bias and (params.layer.attn_norm is None) != input_norm
@@ -171,9 +171,9 @@ def test_eagle1_bfloat16_source(eagle1, tmp_path):
     src = shutil.copytree(eagle1[0], tmp_path / "src")
     sd = {k: v.to(torch.bfloat16) for k, v in eagle1[1].state_dict().items()}
     save_file(sd, src / "model.safetensors")
-    _, params, _ = load_drafter(convert_eagle(src, tmp_path / "a", progress=False))
+    _, params, _ = read_drafter(convert_eagle(src, tmp_path / "a", progress=False))
     np.testing.assert_array_equal(np.asarray(params.fc), sd["fc.weight"].float().numpy().T)
-    _, params, _ = load_drafter(convert_eagle(src, tmp_path / "b", dtype="bfloat16",
+    _, params, _ = read_drafter(convert_eagle(src, tmp_path / "b", dtype="bfloat16",
                                               progress=False))
     assert str(params.fc.dtype) == "bfloat16"
 
@@ -305,14 +305,17 @@ class TorchEagle3(nn.Module):
 VD = 48  # draft vocabulary
 
 
-def make_eagle3(path, seed=0, **hf_changes):
-    """Write an HF-form EAGLE-3 folder; returns (path, torch module, state dict)."""
+def make_eagle3(path, seed=0, draft_vocab=VD, **hf_changes):
+    """Write an HF-form EAGLE-3 folder; returns (path, torch module, state dict).
+
+    ``hf_changes`` edit its config.json (e.g. ``vocab_size``: the target's vocabulary).
+    """
     torch.manual_seed(seed)
-    v = BASE["vocab_size"]
-    used = np.sort(np.random.RandomState(seed).choice(v, VD, replace=False))
-    d2t = torch.tensor(used - np.arange(VD), dtype=torch.long)  # EAGLE's construction
+    v = hf_changes.get("vocab_size", BASE["vocab_size"])
+    used = np.sort(np.random.RandomState(seed).choice(v, draft_vocab, replace=False))
+    d2t = torch.tensor(used - np.arange(draft_vocab), dtype=torch.long)  # EAGLE's construction
     t2d = torch.tensor(np.isin(np.arange(v), used))
-    hf = dict(EAGLE_BASE, model_type="llama", draft_vocab_size=VD, **hf_changes)
+    hf = dict(EAGLE_BASE, model_type="llama", draft_vocab_size=draft_vocab, **hf_changes)
     module = TorchEagle3(hf, d2t, t2d).eval()
     _perturb(module)
     path.mkdir(parents=True)
@@ -343,7 +346,7 @@ def test_eagle3_numerics_and_round_trip(eagle3, tmp_path, own_width):
     assert is_eagle3_folder(src) and not is_eagle_folder(src)
     target = target_cfg()
     out = convert_eagle_folder(src, tmp_path / "out", target_cfg=target, progress=False)
-    cfg, p, meta = load_eagle3(out, target)
+    cfg, p, meta = read_eagle3(out, target)
     assert cfg.draft_vocab_size == VD and cfg.own_embed == (own_width is not None)
     assert cfg.layer.rope_theta == 5000.0 and meta["vocab_map"] == "d2t"
 
@@ -377,7 +380,7 @@ def test_eagle3_numerics_and_round_trip(eagle3, tmp_path, own_width):
 def test_eagle3_incremental_drafting_matches_one_shot(eagle3, tmp_path):
     """Cached chunks (prefill, then one row at a time) equal one pass over the block."""
     out = convert_eagle3(eagle3[0], tmp_path / "out", progress=False)
-    cfg, p, _ = load_eagle3(out)
+    cfg, p, _ = read_eagle3(out)
     tokens, (feats,) = _random_inputs(BASE["hidden_size"], seed=3)
     embed = jnp.asarray(eagle3[1].embed_tokens.weight.detach().numpy())
     tokens, feats = jnp.asarray(tokens), jnp.asarray(feats)
@@ -409,7 +412,7 @@ def test_eagle3_refuses_other_target(eagle3, tmp_path, target, match):
         convert_eagle3(eagle3[0], tmp_path / "out", target_cfg=target, progress=False)
     out = convert_eagle3(eagle3[0], tmp_path / "ok", progress=False)
     with pytest.raises(DrafterMismatchError, match=match):
-        load_eagle3(out, target)
+        read_eagle3(out, target)
 
 
 def _set_d2t(s, i, target_id):
@@ -440,7 +443,7 @@ def test_eagle3_full_draft_vocab_is_identity(tmp_path):
     edit_config(src, draft_vocab_size=BASE["vocab_size"])
     edit_tensors(src, lambda s: (s.pop("d2t"), s.pop("t2d"), s.update(
         {"lm_head.weight": np.ones((BASE["vocab_size"], 64), np.float32)})))
-    cfg, p, meta = load_eagle3(convert_eagle3(src, tmp_path / "out", progress=False))
+    cfg, p, meta = read_eagle3(convert_eagle3(src, tmp_path / "out", progress=False))
     assert meta["vocab_map"] == "identity" and bool(np.all(np.asarray(p.t2d)))
     ids, _ = eagle3_candidates(p, cfg, jnp.zeros((1, 64)))
     np.testing.assert_array_equal(ids[0], np.arange(BASE["vocab_size"]))

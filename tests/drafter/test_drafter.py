@@ -18,7 +18,7 @@ from specjax.drafter import (
     EagleDrafter,
     drafter_hidden,
     init_drafter_cache,
-    load_drafter,
+    read_drafter,
     save_drafter,
 )
 from tests.tiny import BASE
@@ -67,17 +67,17 @@ def test_no_input_norm_by_default_and_gradients_flow(drafter):
 
 def test_checkpoint_round_trip_and_mismatch(drafter, tmp_path):
     out = save_drafter(tmp_path / "d", drafter.cfg, drafter.params(), meta={"tokens_seen": 7})
-    cfg, params, meta = load_drafter(out, TARGET)
+    cfg, params, meta = read_drafter(out, TARGET)
     assert cfg == drafter.cfg and meta == {"tokens_seen": 7}
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(drafter.params()), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     wider = dataclasses.replace(TARGET, hidden_size=128, vocab_size=512)
     with pytest.raises(DrafterMismatchError, match="vocab_size: drafter 256 vs target 512"):
-        load_drafter(out, wider)
+        read_drafter(out, wider)
     with pytest.raises(DrafterMismatchError, match="hidden_size: drafter 64 vs target 128"):
-        load_drafter(out, wider)
+        read_drafter(out, wider)
     with pytest.raises(DrafterMismatchError, match="model_type"):
-        load_drafter(out, dataclasses.replace(TARGET, model_type="qwen3", qk_norm=True))
+        read_drafter(out, dataclasses.replace(TARGET, model_type="qwen3", qk_norm=True))
     with pytest.raises(CheckpointError, match="specjax-drafter"):
         from specjax.checkpoint import read_manifest
 

@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 
 import specjax
-from specjax.api import Drafter
 from specjax.drafter import DrafterConfig, EagleDrafter
+from specjax.loaded import Drafter
 from tests.tiny import make_hf_checkpoint
 from tests.vocab.conftest import toy_tokenizer
 

@@ -8,8 +8,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from specjax.api import Drafter
 from specjax.drafter import DrafterConfig, EagleDrafter
+from specjax.loaded import Drafter
 from specjax.model import forward_hidden, init_cache, lm_head
 
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [40, 41, 42, 43, 44]]

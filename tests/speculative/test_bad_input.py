@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 
 import specjax
-from specjax.api import Drafter
 from specjax.drafter import DrafterConfig, DrafterMismatchError, EagleDrafter
+from specjax.loaded import Drafter
 from specjax.speculative import TreeSpec
 
 

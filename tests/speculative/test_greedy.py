@@ -6,14 +6,21 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.speculative import TreeSpec
+from specjax.tree import BUILDERS, TreeSpec
 from tests.speculative.conftest import PROMPTS
 
 TREES = {
     "chain": TreeSpec("chain", depth=4),
     "static": TreeSpec("static", paths=((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),
     "eagle2": TreeSpec("eagle2", depth=4, top_k=3, total_tokens=10),
+    "dyspec": TreeSpec("dyspec", total_tokens=10),
+    "dyspec-threshold": TreeSpec("dyspec-threshold", total_tokens=10, depth=4, threshold=0.02),
 }
+
+
+def test_every_registered_tree_is_tested():
+    """A new tree builder gets its greedy-equality test by adding an example here."""
+    assert set(TREES) == set(BUILDERS)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import specjax
 from specjax.bench.oracle import oracle_drafter, record_head
-from specjax.decode import bucket
+from specjax.loop import bucket
 from specjax.speculative import TreeSpec
 
 

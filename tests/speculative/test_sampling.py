@@ -80,6 +80,11 @@ TREES = {
     "chain-sampled": specjax.TreeSpec("chain", depth=3),
     "static-sampled": specjax.TreeSpec("static", paths=((0,), (1,), (0, 0), (1, 0))),
     "eagle2-topk": specjax.TreeSpec("eagle2", depth=2, top_k=3, total_tokens=5),
+    # DySpec decides to draw each child before seeing it, so its sampled trees verify with
+    # the q-aware rule exactly (and stop at an exhausted residual, algorithm 3).
+    "dyspec": specjax.TreeSpec("dyspec", total_tokens=5),
+    "dyspec-threshold": specjax.TreeSpec("dyspec-threshold", total_tokens=6, depth=3,
+                                         threshold=0.05),
 }
 
 
@@ -93,7 +98,7 @@ def test_two_tokens_follow_the_target(small_vocab, exact, name):
 
 def test_a_shortlist_head_keeps_the_target_distribution(small_vocab, exact):
     """Drafting from a PA-FR shortlist (q = 0 off the list) changes acceptance, not output."""
-    from specjax.vocab.frequency import frequency_head
+    from specjax.vocab.fr_head import frequency_head
 
     target, drafter = small_vocab
     ranked = np.argsort(-np.asarray(exact.sum(0)))  # "frequent" = likely under the target

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import specjax
-from specjax.drafter import load_drafter
+from specjax.drafter import read_drafter
 from specjax.model import forward_hidden, init_cache
 from specjax.train.cli import main as train_main
 from specjax.train.data import (
@@ -242,7 +242,7 @@ def test_training_decreases_loss_and_exports(target, cache, tmp_path):
     assert res.meta["heldout_top1"] == ev["final"]["top1"]
 
     out = write_drafter(tmp_path / "drafter", res, {"command": "test"})
-    cfg, dp, meta = load_drafter(out, target.cfg)
+    cfg, dp, meta = read_drafter(out, target.cfg)
     assert cfg == res.cfg and dp.layer.attn_norm is None
     for a, b in zip(jax.tree.leaves(dp), jax.tree.leaves(res.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -286,7 +286,7 @@ def test_cli_end_to_end_on_pretokenised_data(target, tmp_path, capsys):
     assert train_main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["steps"] == 4 and out["heldout_top1"] is not None
-    _, _, meta = load_drafter(tmp_path / "d", target.cfg)
+    _, _, meta = read_drafter(tmp_path / "d", target.cfg)
     assert meta["data"]["conversations"] == {"train": 9, "heldout": 3}
     assert train_main(args) == 2  # --out exists: a one-line error
     assert "--overwrite" in capsys.readouterr().err

@@ -1,0 +1,43 @@
+"""What :func:`specjax.load` and :func:`specjax.load_drafter` return: a target and a drafter.
+
+They live below :mod:`specjax.api` so that the modules the API calls (vocabulary heads,
+benchmarks, training) can name them in type hints without importing the API.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from specjax.config import ModelConfig
+from specjax.draft_model import DraftModel
+from specjax.model import Params
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A loaded target model: what :func:`generate` needs."""
+
+    cfg: ModelConfig
+    params: Params
+    tokenizer: Any  # transformers.PreTrainedTokenizerBase
+    path: Path
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation: config EOS and the tokenizer's EOS."""
+        ids = set(self.cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return tuple(sorted(ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+    """A loaded drafter, checked against the target it will serve."""
+
+    cfg: DraftModel  # DrafterConfig (EAGLE-1/2) or Eagle3Config
+    params: Any  # DrafterParams or Eagle3Params, as cfg says
+    path: Path | None = None
+    meta: dict | None = None

@@ -1,0 +1,299 @@
+"""DySpec's dynamic trees (Xiong et al., appendix A): grown by estimated acceptance.
+
+Every node ``u`` has an open *slot*: the next child it would draft. The slot's value is
+the probability that verification reaches that child under DySpec's hypothesis (a token's
+acceptance rate is its draft probability):
+
+    value(slot of u) = P(path to u accepted) * P(u's earlier children all rejected)
+                     = prod(q along the path to u) * (1 - sum of q over u's drafted children)
+
+Drafting the slot's child ``x`` (with draft probability ``q_u(x)``) opens two slots: ``x``'s
+first child, value ``value(u) * q_u(x)``, and ``u``'s next child, value
+``value(u) * (1 - ...) - value(u) * q_u(x)``. A slot's value is known *before* its token
+is drawn, and choosing slots by it never looks at the token it is about to keep. So
+sampled children remain draws without replacement from q under a stopping rule, and
+multi-draft rejection sampling verifies them exactly.
+
+* :func:`build_dyspec` (algorithm 1, ``kind="dyspec"``): ``total_tokens`` times, draft
+  the child of the best open slot (a masked argmax stands in for the heap); the drafter
+  runs once per drafted node, so the tree is the greedy optimum of the estimated accepted
+  length (appendix D), at one drafter call per node.
+* :func:`build_dyspec_threshold` (algorithm 2, ``kind="dyspec-threshold"``): layer by
+  layer, draft every child whose slot value is at least ``threshold`` (at most
+  ``total_tokens`` in all, the highest values first): one drafter call per layer.
+
+In deterministic mode (temperature 0) children come in top-k order of q; in sampled mode
+in Gumbel-top-k order (sampling without replacement). Slot values use the true q of the
+drafted tokens, so both modes use the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from specjax.tree.base import (
+    Carry,
+    DraftTree,
+    ExpandFn,
+    candidate_vocab,
+    dense_dist,
+    draft_children,
+    draft_mode,
+    finish_tree,
+)
+from specjax.tree.order import bfs_order, permute_nodes
+from specjax.tree.spec import TreeSpec, register
+
+
+def _log_rest(logq: Array) -> Array:
+    """log(1 - sum of q before each child) [..., m], for children in drafted order."""
+    q = jnp.exp(logq)
+    before = jnp.cumsum(q, axis=-1) - q
+    return jnp.log(jnp.maximum(1.0 - before, 0.0))
+
+
+def _child_table(ids: Array, logits: Array, m: int, mode, key: Array | None):
+    """The first ``m`` children of each expanded node in drafted order, and q (sampled)."""
+    ch = draft_children(ids, logits, m, mode, key)
+    return ch.ids, ch.logq, ch.cand_q
+
+
+def build_dyspec(expand: ExpandFn, carry: Carry, root: Array, total_tokens: int, *,
+                 key: Array | None = None, temperature: float | Array = 0.0,
+                 vocab_size: int | None = None) -> tuple[DraftTree, Carry]:
+    """DySpec's greedy tree (algorithm 1) with ``total_tokens`` drafted nodes.
+
+    Node i (1..T-1) is drafted at iteration i from the open slot of the highest value; node
+    i is then expanded by the drafter (K = 1, workspace slot i) so that its own slot is
+    open from the next iteration. The last node is not expanded: no child of it could be
+    kept. A row whose open slots all have value 0 (every candidate drafted, or none
+    valid) pads the rest of its tree.
+
+    The draft step passed to ``expand`` is 0 for every call: a node's depth is data
+    dependent here, so a position-aware vocabulary head gives every expansion its
+    step-0 budget.
+
+    Returns the tree in breadth-first layout (see :func:`specjax.tree.order.bfs_order`).
+    """
+    if total_tokens < 1:
+        raise ValueError(f"total_tokens must be >= 1, got {total_tokens}")
+    mode = draft_mode(key, temperature)
+    root = root.astype(jnp.int32)
+    b, t = root.shape[0], total_tokens + 1
+    bi = jnp.arange(b)
+    eye = jnp.eye(t, dtype=bool)
+    zeros = jnp.zeros((b, 1), jnp.int32)
+    carry, ids, logits = expand(carry, root[:, None], zeros, zeros, eye[None, :1].repeat(b, 0),
+                                0)
+    m = min(total_tokens, ids.shape[-1])
+    vocab = candidate_vocab(vocab_size, ids.shape[-1])
+    k_ids, k_logq, cand_q = _child_table(ids, logits, m, mode,
+                                         jax.random.fold_in(mode.key, 0) if mode.sampled
+                                         else None)
+    kids = jnp.zeros((b, t, m), jnp.int32).at[:, 0].set(k_ids[:, 0])
+    kids_logq = jnp.full((b, t, m), -jnp.inf, jnp.float32).at[:, 0].set(k_logq[:, 0])
+    dist = (jnp.zeros((b, t, vocab), jnp.float32).at[:, 0].set(
+        dense_dist(ids, cand_q, vocab)[:, 0]) if mode.sampled else None)
+
+    tokens = jnp.zeros((b, t), jnp.int32).at[:, 0].set(root)
+    parent = jnp.full((b, t), -1, jnp.int32)
+    depth = jnp.zeros((b, t), jnp.int32)
+    valid = jnp.zeros((b, t), bool).at[:, 0].set(True)
+    anc = jnp.broadcast_to(eye, (b, t, t))
+    logv = jnp.full((b, t), -jnp.inf, jnp.float32).at[:, 0].set(0.0)  # log path prob
+    logp = jnp.zeros((b, t), jnp.float32)
+    used = jnp.zeros((b, t), jnp.int32)  # children drafted per node
+
+    for i in range(1, t):  # unrolled: one drafter call per node
+        nxt = jnp.minimum(used, m - 1)[..., None]
+        lq_next = jnp.take_along_axis(kids_logq, nxt, axis=2)[..., 0]
+        rest = jnp.take_along_axis(_log_rest(kids_logq), nxt, axis=2)[..., 0]
+        open_ = valid & (used < m) & jnp.isfinite(lq_next)
+        slot = jnp.where(open_, logv + rest, -jnp.inf)
+        u = jnp.argmax(slot, axis=1)  # the lowest index on ties
+        has = jnp.isfinite(jnp.max(slot, axis=1))
+        k = used[bi, u]
+        tok, lq = kids[bi, u, k], kids_logq[bi, u, k]
+        tokens = tokens.at[:, i].set(jnp.where(has, tok, 0))
+        parent = parent.at[:, i].set(jnp.where(has, u, 0).astype(jnp.int32))
+        depth = depth.at[:, i].set(depth[bi, u] + 1)
+        valid = valid.at[:, i].set(has)
+        anc = anc.at[:, i].set(anc[bi, u] | eye[i])
+        logv = logv.at[:, i].set(jnp.where(has, logv[bi, u] + lq, -jnp.inf))
+        logp = logp.at[:, i].set(lq)
+        used = used.at[bi, u].add(has.astype(jnp.int32))
+        if i == t - 1:
+            break
+        carry, ids, logits = expand(carry, tokens[:, i:i + 1], depth[:, i:i + 1],
+                                    jnp.full((b, 1), i, jnp.int32), anc[:, i:i + 1], 0)
+        k_ids, k_logq, cand_q = _child_table(
+            ids, logits, m, mode, jax.random.fold_in(mode.key, i) if mode.sampled else None)
+        kids = kids.at[:, i].set(k_ids[:, 0])
+        kids_logq = kids_logq.at[:, i].set(jnp.where(has[:, None], k_logq[:, 0], -jnp.inf))
+        if mode.sampled:
+            dist = dist.at[:, i].set(dense_dist(ids, cand_q, vocab)[:, 0] * has[:, None])
+
+    tree = finish_tree(tokens, parent, depth, valid, anc, logp, logv, dist, mode.sampled)
+    return permute_nodes(tree, bfs_order(tree)), carry
+
+
+def build_dyspec_threshold(expand: ExpandFn, carry: Carry, root: Array, total_tokens: int,
+                           depth: int, threshold: float, *, key: Array | None = None,
+                           temperature: float | Array = 0.0,
+                           vocab_size: int | None = None) -> tuple[DraftTree, Carry]:
+    """DySpec's layer-by-layer tree (algorithm 2): every slot worth at least ``threshold``.
+
+    Layer d (1..``depth``) drafts, for every node of layer d-1, the children whose slot
+    value is >= ``threshold`` (a prefix of its drafted order, since values fall along it),
+    keeping at most the remaining budget of ``total_tokens`` nodes, highest values first
+    (the lower index on ties). The new layer is expanded in one drafter call (K =
+    ``total_tokens``, frontier padding repeating a real node). Nodes are numbered as they
+    are drafted, which is breadth first. With ``threshold`` equal to the value of the
+    greedy tree's last node, both builders keep the same nodes (the paper's remark).
+    """
+    if total_tokens < 1 or depth < 1:
+        raise ValueError(f"total_tokens and depth must be >= 1, got {total_tokens}, {depth}")
+    if not 0.0 < threshold < 1.0:
+        raise ValueError(f"threshold must lie in (0, 1), got {threshold}")
+    mode = draft_mode(key, temperature)
+    root = root.astype(jnp.int32)
+    b, t, kf = root.shape[0], total_tokens + 1, total_tokens
+    bi = jnp.arange(b)[:, None]
+    eye = jnp.eye(t, dtype=bool)
+    log_thr = math.log(threshold)
+    zeros = jnp.zeros((b, 1), jnp.int32)
+    carry, ids, logits = expand(carry, root[:, None], zeros, zeros, eye[None, :1].repeat(b, 0),
+                                0)
+    m = min(total_tokens, ids.shape[-1])
+    vocab = candidate_vocab(vocab_size, ids.shape[-1])
+    k_ids, k_logq, cand_q = _child_table(ids, logits, m, mode,
+                                         jax.random.fold_in(mode.key, 0) if mode.sampled
+                                         else None)
+    # The frontier: kf slots; only slot 0 (the root) is real at first.
+    f_node = jnp.zeros((b, kf), jnp.int32)
+    f_valid = jnp.zeros((b, kf), bool).at[:, 0].set(True)
+    f_logv = jnp.zeros((b, kf), jnp.float32)
+    pad = lambda x, fill: jnp.concatenate(  # noqa: E731
+        [x, jnp.full((b, kf - 1) + x.shape[2:], fill, x.dtype)], axis=1)
+    f_kids, f_kids_logq = pad(k_ids, 0), pad(k_logq, -jnp.inf)
+    f_dist = pad(dense_dist(ids, cand_q, vocab), 0.0) if mode.sampled else None
+
+    tokens = jnp.zeros((b, t), jnp.int32).at[:, 0].set(root)
+    parent = jnp.full((b, t), -1, jnp.int32)
+    node_depth = jnp.zeros((b, t), jnp.int32)
+    valid = jnp.zeros((b, t), bool).at[:, 0].set(True)
+    anc = jnp.broadcast_to(eye, (b, t, t))
+    logv = jnp.zeros((b, t), jnp.float32)
+    logp = jnp.zeros((b, t), jnp.float32)
+    dist = (jnp.zeros((b, t, vocab), jnp.float32).at[:, 0].set(f_dist[:, 0])
+            if mode.sampled else None)
+    count = jnp.ones((b,), jnp.int32)  # nodes so far
+
+    for d in range(1, depth + 1):  # unrolled: one drafter call per layer
+        value = f_logv[..., None] + _log_rest(f_kids_logq)  # [B, kf, m] slot values
+        ok = f_valid[..., None] & jnp.isfinite(f_kids_logq) & (value >= log_thr)
+        flat_val = jnp.where(ok, value, -jnp.inf).reshape(b, kf * m)
+        # Rank among this layer's candidates by value (lower flat index first on ties);
+        # keep those within the remaining budget.
+        order = jnp.argsort(-flat_val, axis=1, stable=True)
+        rank = jnp.argsort(order, axis=1)
+        keep = jnp.isfinite(flat_val) & (rank < (t - count)[:, None])
+        new_idx = count[:, None] + jnp.cumsum(keep, axis=1) - 1  # in flat (parent, k) order
+        dest = jnp.where(keep, new_idx, t)  # out of range: dropped
+        par = jnp.repeat(f_node, m, axis=1)
+        lq = f_kids_logq.reshape(b, kf * m)
+        tokens = tokens.at[bi, dest].set(f_kids.reshape(b, kf * m), mode="drop")
+        parent = parent.at[bi, dest].set(par, mode="drop")
+        node_depth = node_depth.at[bi, dest].set(d, mode="drop")
+        valid = valid.at[bi, dest].set(True, mode="drop")
+        logv = logv.at[bi, dest].set(jnp.repeat(f_logv, m, axis=1) + lq, mode="drop")
+        logp = logp.at[bi, dest].set(lq, mode="drop")
+        anc = anc.at[bi, dest].set(anc[bi, par] | eye[jnp.clip(dest, 0, t - 1)], mode="drop")
+        n_new = jnp.sum(keep, axis=1)
+        count = count + n_new
+        if d == depth:
+            break
+        # The next frontier: this layer's new nodes, compacted into kf slots in order; the
+        # padding slots repeat the first new node (or the root, in a row with none).
+        slot_of = jnp.where(keep, jnp.cumsum(keep, axis=1) - 1, kf)
+        first = jnp.where(n_new > 0, count - n_new, 0)
+        f_node = jnp.broadcast_to(first[:, None], (b, kf)).at[bi, slot_of].set(new_idx,
+                                                                               mode="drop")
+        f_valid = jnp.arange(kf)[None, :] < n_new[:, None]
+        f_logv = jnp.where(f_valid, logv[bi, f_node], -jnp.inf)
+        carry, ids, logits = expand(carry, tokens[bi, f_node], node_depth[bi, f_node], f_node,
+                                    anc[bi, f_node], d)
+        f_kids, f_kids_logq, cand_q = _child_table(
+            ids, logits, m, mode, jax.random.fold_in(mode.key, d) if mode.sampled else None)
+        f_kids_logq = jnp.where(f_valid[..., None], f_kids_logq, -jnp.inf)
+        if mode.sampled:
+            q = dense_dist(ids, cand_q, vocab) * f_valid[..., None]
+            dist = dist.at[bi, jnp.where(f_valid, f_node, t)].set(q, mode="drop")
+
+    tree = finish_tree(tokens, parent, node_depth, valid, anc, logp, logv, dist, mode.sampled)
+    return tree, carry
+
+
+@dataclasses.dataclass(frozen=True)
+class DySpecBuilder:
+    """``kind="dyspec"``: the greedy tree of ``spec.total_tokens`` drafted nodes."""
+
+    samples_children: ClassVar[bool] = True
+
+    def prepare(self, spec: TreeSpec) -> dict[str, Any]:
+        return {}
+
+    def num_nodes(self, spec: TreeSpec) -> int:
+        return spec.total_tokens + 1
+
+    def max_depth(self, spec: TreeSpec) -> int:
+        return spec.total_tokens  # a chain, at worst
+
+    def workspace(self, spec: TreeSpec) -> int:
+        return spec.total_tokens + 1
+
+    def build(self, spec: TreeSpec, expand: ExpandFn, carry: Carry, root: Array,
+              key: Array | None, temperature: float | Array,
+              vocab_size: int) -> tuple[DraftTree, Carry]:
+        return build_dyspec(expand, carry, root, spec.total_tokens, key=key,
+                            temperature=temperature, vocab_size=vocab_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class DySpecThresholdBuilder:
+    """``kind="dyspec-threshold"``: layers of slots worth >= ``spec.threshold``, at most
+    ``spec.depth`` layers and ``spec.total_tokens`` nodes."""
+
+    samples_children: ClassVar[bool] = True
+
+    def prepare(self, spec: TreeSpec) -> dict[str, Any]:
+        if not 0.0 < spec.threshold < 1.0:
+            raise ValueError(f"a dyspec-threshold tree needs 0 < threshold < 1, got "
+                             f"{spec.threshold!r}")
+        return {}
+
+    def num_nodes(self, spec: TreeSpec) -> int:
+        return spec.total_tokens + 1
+
+    def max_depth(self, spec: TreeSpec) -> int:
+        return min(spec.depth, spec.total_tokens)
+
+    def workspace(self, spec: TreeSpec) -> int:
+        return spec.total_tokens + 1
+
+    def build(self, spec: TreeSpec, expand: ExpandFn, carry: Carry, root: Array,
+              key: Array | None, temperature: float | Array,
+              vocab_size: int) -> tuple[DraftTree, Carry]:
+        return build_dyspec_threshold(expand, carry, root, spec.total_tokens, spec.depth,
+                                      spec.threshold, key=key, temperature=temperature,
+                                      vocab_size=vocab_size)
+
+
+register("dyspec", DySpecBuilder())
+register("dyspec-threshold", DySpecThresholdBuilder())

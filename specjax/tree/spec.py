@@ -1,0 +1,115 @@
+"""Which draft tree a run builds (:class:`TreeSpec`), and the registry of tree builders.
+
+A tree builder is one module under ``specjax/tree/`` that implements :class:`TreeBuilder`
+and registers itself under a kind name; ``specjax/tree/__init__.py`` imports it. Nothing
+else changes: the speculative loop only calls the spec's ``build`` and reads its sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Protocol
+
+from jax import Array
+
+from specjax.tree.base import Carry, DraftTree, ExpandFn
+
+
+class TreeBuilder(Protocol):
+    """One kind of draft tree. Every size is static: it fixes the compiled program."""
+
+    # Whether sampling mode draws children from q (so verification may use q): trees whose
+    # shape is fixed in advance draw exact samples without replacement (SpecInfer/Sequoia
+    # verification applies); trees that keep nodes by drafted value take them top-k.
+    samples_children: ClassVar[bool]
+
+    def prepare(self, spec: TreeSpec) -> dict[str, Any]:
+        """Validate ``spec`` (ValueError naming the field) and return canonical field values."""
+        ...
+
+    def num_nodes(self, spec: TreeSpec) -> int:
+        """T, the tree's nodes including the root: the target verifies all of them."""
+        ...
+
+    def max_depth(self, spec: TreeSpec) -> int:
+        """The deepest draft: the longest path verification can accept."""
+        ...
+
+    def workspace(self, spec: TreeSpec) -> int:
+        """Drafter cache rows one build writes past the committed prefix."""
+        ...
+
+    def build(self, spec: TreeSpec, expand: ExpandFn, carry: Carry, root: Array,
+              key: Array | None, temperature: float | Array,
+              vocab_size: int) -> tuple[DraftTree, Carry]:
+        """Draft one tree per row from ``root`` [B] with ``expand`` (see :class:`ExpandFn`)."""
+        ...
+
+
+BUILDERS: dict[str, TreeBuilder] = {}
+
+
+def register(kind: str, builder: TreeBuilder) -> None:
+    """Make ``TreeSpec(kind=...)`` build with ``builder``."""
+    if kind in BUILDERS:
+        raise ValueError(f"a tree builder is already registered as {kind!r}")
+    BUILDERS[kind] = builder
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSpec:
+    """Which draft tree to build; static (it fixes every shape).
+
+    kind: a registered builder (``chain``, ``static``, ``eagle2``, ``dyspec``,
+      ``dyspec-threshold``).
+    depth: chain length, or EAGLE-2 expansions (= the deepest draft).
+    top_k: EAGLE-2 beam width and children per expanded node.
+    total_tokens: EAGLE-2 draft nodes kept (root excluded); DySpec's node budget.
+    paths: static trees' child-rank paths.
+    threshold: DySpec threshold trees' least slot value worth drafting.
+    """
+
+    kind: str = "eagle2"
+    depth: int = 4
+    top_k: int = 4
+    total_tokens: int = 12
+    paths: tuple[tuple[int, ...], ...] = ()
+    threshold: float = 0.0
+
+    def __post_init__(self):
+        if self.kind not in BUILDERS:
+            raise ValueError(f"tree kind must be one of {', '.join(sorted(BUILDERS))}, got "
+                             f"{self.kind!r}")
+        for name in ("depth", "top_k", "total_tokens"):  # before any size is derived from them
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"tree {name} must be an int >= 1, got {v!r}")
+        for name, value in self.builder.prepare(self).items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def builder(self) -> TreeBuilder:
+        return BUILDERS[self.kind]
+
+    @property
+    def num_nodes(self) -> int:
+        """T, the tree's nodes including the root."""
+        return self.builder.num_nodes(self)
+
+    @property
+    def max_depth(self) -> int:
+        return self.builder.max_depth(self)
+
+    @property
+    def workspace(self) -> int:
+        """Drafter rows one tree build writes past the prefix."""
+        return self.builder.workspace(self)
+
+    @property
+    def samples_children(self) -> bool:
+        """Whether sampling mode draws children from q (see :class:`TreeBuilder`)."""
+        return self.builder.samples_children
+
+    def build(self, expand: ExpandFn, carry: Carry, root: Array, key: Array | None,
+              temperature: float | Array, vocab_size: int) -> tuple[DraftTree, Carry]:
+        return self.builder.build(self, expand, carry, root, key, temperature, vocab_size)

@@ -1,0 +1,264 @@
+"""DySpec's greedy and threshold trees, and the node orders (BFS / DFS), on the synthetic
+drafter of test_tree.py: brute-force optimality, the layout invariants, sampled children."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from specjax.tree import (
+    TreeSpec,
+    bfs_order,
+    build_dyspec,
+    build_dyspec_threshold,
+    dfs_order,
+    mask_blocks,
+    permute_nodes,
+)
+from tests.tree.test_tree import (
+    N_SAMPLES,
+    SETTINGS,
+    TEMP,
+    V_SHORT,
+    B,
+    C,
+    check_invariants,
+    chi2_pvalue,
+    first_two_draw_dists,
+    head,
+    log_softmax,
+    make_expand,
+    random_roots,
+    random_table,
+    ref_logits,
+    shortlist_ids,
+    token_paths,
+    topk_order,
+)
+
+FNS = {"dyspec": build_dyspec, "dyspec-threshold": build_dyspec_threshold}
+
+
+@functools.cache
+def compiled(kind: str, static_items: tuple, sampled: bool):
+    static = dict(static_items)
+
+    @jax.jit
+    def go(table, ids, root, key, temperature):
+        carry = (jnp.zeros((root.shape[0], static["total_tokens"] + 1), jnp.int32),
+                 jnp.int32(0))
+        tree, (_, calls) = FNS[kind](make_expand(table, ids), carry, root,
+                                     key=key if sampled else None,
+                                     temperature=temperature if sampled else 0.0,
+                                     vocab_size=V_SHORT if sampled else None, **static)
+        return tree, calls
+
+    return go
+
+
+def run(kind: str, table, ids, roots, *, seed: int | None = None, temperature=1.0, **static):
+    roots = np.asarray(roots, np.int32)
+    key = jax.random.key(0 if seed is None else seed, impl="rbg")
+    temp = np.broadcast_to(np.asarray(temperature, np.float32), roots.shape)
+    return compiled(kind, tuple(static.items()), seed is not None)(
+        np.asarray(table), np.asarray(ids), roots, key, temp)
+
+
+# --------------------------------------------------------------------------------------
+# The objective, by brute force
+# --------------------------------------------------------------------------------------
+
+
+def children(table, ids, path: tuple[int, ...]) -> list[tuple[int, float]]:
+    """(token, log q) of a node's valid candidates in drafted (top-k) order."""
+    lq = log_softmax(ref_logits(table, path))
+    return [(int(ids[j]), float(lq[j])) for j in topk_order(lq) if np.isfinite(lq[j])]
+
+
+def path_prob(table, ids, path: tuple[int, ...]) -> float:
+    """Product of q along a token path (the root's path is 1)."""
+    logp = 0.0
+    for i in range(1, len(path)):
+        logp += dict(children(table, ids, path[:i]))[path[i]]
+    return float(np.exp(logp))
+
+
+def slot_value(table, ids, path, k: int) -> float:
+    """Value of the k-th child slot of the node at token ``path``: P(path) * (1 - prior q)."""
+    kids = children(table, ids, path)
+    return path_prob(table, ids, path) * (1.0 - sum(np.exp(lq) for _, lq in kids[:k]))
+
+
+def open_slots(table, ids, nodes: frozenset[tuple[int, ...]]):
+    """Every (path, k, child path) that could be added to a tree of token paths."""
+    for path in nodes:
+        kids = children(table, ids, path)
+        k = sum(1 for tok, _ in kids if path + (tok,) in nodes)
+        if k < len(kids):
+            yield path, k, path + (kids[k][0],)
+
+
+def objective(table, ids, nodes: frozenset) -> float:
+    """The estimated accepted length: the sum of the slot values the tree's nodes filled."""
+    total = 0.0
+    for node in nodes:
+        if len(node) > 1:
+            parent = node[:-1]
+            k = [tok for tok, _ in children(table, ids, parent)].index(node[-1])
+            total += slot_value(table, ids, parent, k)
+    return total
+
+
+def best_tree_value(table, ids, root: int, n: int) -> float:
+    """Max objective over every tree of n drafted nodes (siblings a prefix of top-k order)."""
+    trees = {frozenset({(root,)})}
+    for _ in range(n):
+        trees = {t | {child} for t in trees for _, _, child in open_slots(table, ids, t)} or trees
+    return max(objective(table, ids, t) for t in trees)
+
+
+@pytest.mark.parametrize("seed,inf_frac,n", list(itertools.product([0, 1, 2], [0.0, 0.5],
+                                                                    [3, 5])))
+def test_greedy_is_optimal(seed, inf_frac, n):
+    """Algorithm 1 maximises the estimated accepted length (appendix D), checked against
+    every tree of the same size."""
+    table, ids = random_table(seed, inf_frac), shortlist_ids(seed, False)
+    roots = random_roots(seed, B)
+    tree, calls = run("dyspec", table, ids, roots, total_tokens=n)
+    assert int(calls) == n  # the root and every drafted node but the last
+    tree = head(tree)
+    check_invariants(tree)
+    for r in range(B):
+        nodes = frozenset(token_paths(tree, r))
+        got = objective(table, ids, nodes)
+        np.testing.assert_allclose(got, best_tree_value(table, ids, int(roots[r]), n),
+                                   rtol=1e-5, atol=1e-6)
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), inf_frac=st.sampled_from([0.0, 0.3]),
+       shortlist=st.booleans(), sampled=st.booleans())
+def test_layouts(seed, inf_frac, shortlist, sampled):
+    """Both builders keep every layout invariant, deterministic and sampled, full vocabulary
+    or a shortlist."""
+    table, ids = random_table(seed, inf_frac), shortlist_ids(seed, shortlist)
+    roots = random_roots(seed, B)
+    for kind, static in (("dyspec", dict(total_tokens=7)),
+                         ("dyspec-threshold", dict(total_tokens=7, depth=3, threshold=0.02))):
+        tree, _ = run(kind, table, ids, roots, seed=seed if sampled else None,
+                      temperature=0.8, **static)
+        assert tree.sampled == sampled and tree.num_nodes == 8
+        check_invariants(head(tree))
+
+
+def ref_threshold(table, ids, root: int, thr: float, depth: int, budget: int) -> frozenset:
+    """Algorithm 2 in plain Python: per layer, the slots worth >= thr, best first."""
+    nodes, frontier = {(root,)}, [(root,)]
+    for _ in range(depth):
+        cands = []
+        for path in frontier:
+            for k, (tok, _) in enumerate(children(table, ids, path)):
+                value = slot_value(table, ids, path, k)
+                if value < thr:
+                    break  # values only fall along the drafted order
+                cands.append((-value, len(cands), path + (tok,)))
+        kept = [c[2] for c in sorted(cands)[: budget + 1 - len(nodes)]]
+        nodes |= set(kept)
+        frontier = sorted(kept, key=lambda p: [c[2] for c in cands].index(p))
+    return frozenset(nodes)
+
+
+@pytest.mark.parametrize("seed,budget", [(0, 24), (3, 24), (4, 5)])
+def test_threshold_keeps_the_slots_above_it(seed, budget):
+    table, ids = random_table(seed), shortlist_ids(seed, False)
+    roots = random_roots(seed, B)
+    thr, depth = 0.03, 3
+    tree, calls = run("dyspec-threshold", table, ids, roots, total_tokens=budget, depth=depth,
+                      threshold=thr)
+    assert int(calls) == depth  # one drafter call per layer
+    for r in range(B):
+        assert frozenset(token_paths(tree, r)) == ref_threshold(table, ids, int(roots[r]), thr,
+                                                                depth, budget)
+
+
+def test_threshold_matches_greedy_at_its_last_value():
+    """With the threshold at the value of the greedy tree's last slot, algorithm 2 keeps
+    the same nodes as algorithm 1 (the paper's remark), given enough layers."""
+    table, ids = random_table(5), shortlist_ids(5, False)
+    roots = random_roots(5, B)
+    n = 6
+    greedy, _ = run("dyspec", table, ids, roots, total_tokens=n)
+    for r in range(2):  # each threshold is a compiled program: two rows are enough
+        nodes = frozenset(token_paths(greedy, r))
+        values = [slot_value(table, ids, node[:-1],
+                             [t for t, _ in children(table, ids, node[:-1])].index(node[-1]))
+                  for node in nodes if len(node) > 1]
+        thr = min(values) * (1 - 1e-4)
+        layered, _ = run("dyspec-threshold", table, ids, roots[r:r + 1], total_tokens=n,
+                         depth=n, threshold=float(thr))
+        assert frozenset(token_paths(layered, 0)) == nodes
+
+
+def test_sampled_first_child_follows_q():
+    table = (1.5 * np.random.default_rng(7).normal(size=(23, C))).astype(np.float32)
+    ids = np.arange(C, dtype=np.int32)
+    roots = np.full(N_SAMPLES, 3)
+    q, _ = first_two_draw_dists(table, 3)
+    for kind, static in (("dyspec", dict(total_tokens=4)),
+                         ("dyspec-threshold", dict(total_tokens=4, depth=2, threshold=0.01))):
+        tree, _ = run(kind, table, ids, roots, seed=11, temperature=TEMP, **static)
+        # Node 1 in breadth-first layout is the root's first draw: ~ q, whatever was kept
+        # after it (the decision to draw it never looked at it).
+        assert (np.asarray(tree.parent[:, 1]) == 0).all()
+        assert chi2_pvalue(np.asarray(tree.tokens[:, 1]), q) > 1e-3
+
+
+def test_bad_specs():
+    with pytest.raises(ValueError, match="threshold"):
+        TreeSpec("dyspec-threshold", total_tokens=8)
+    assert TreeSpec("dyspec", total_tokens=8).num_nodes == 9
+    assert TreeSpec("dyspec", total_tokens=8).max_depth == 8
+    assert TreeSpec("dyspec-threshold", total_tokens=8, depth=3, threshold=0.1).max_depth == 3
+
+
+# --------------------------------------------------------------------------------------
+# Orders
+# --------------------------------------------------------------------------------------
+
+
+def test_dfs_order_is_preorder_and_groups_subtrees():
+    table, ids = random_table(2), shortlist_ids(2, False)
+    roots = random_roots(2, B)
+    tree, _ = run("dyspec", table, ids, roots, total_tokens=15)
+    dfs = permute_nodes(tree, dfs_order(tree))
+    for r in range(B):
+        par, val = np.asarray(dfs.parent[r]), np.asarray(dfs.valid[r])
+        anc = np.asarray(dfs.ancestors[r])
+        n = int(val.sum())
+        assert val[:n].all() and not val[n:].any()
+        for i in range(1, n):
+            assert par[i] < i
+        # Pre-order: every subtree is a contiguous range starting at its root.
+        for j in range(n):
+            members = np.flatnonzero(anc[:n, j])
+            assert (members == np.arange(j, j + len(members))).all()
+        assert set(token_paths(dfs, r)) == set(token_paths(tree, r))  # the same tree
+    back = permute_nodes(dfs, bfs_order(dfs))
+    for name in ("tokens", "parent", "depth", "valid", "ancestors"):
+        np.testing.assert_array_equal(np.asarray(getattr(back, name)),
+                                      np.asarray(getattr(tree, name)))
+
+
+def test_mask_blocks():
+    anc = np.zeros((1, 40, 40), bool)
+    anc[0, np.arange(40), np.arange(40)] = True
+    assert int(mask_blocks(jnp.asarray(anc), 16)[0]) == 3  # the diagonal tiles of 48 = 3x16
+    anc[0, 39, 0] = True
+    assert int(mask_blocks(jnp.asarray(anc), 16)[0]) == 4
