@@ -27,6 +27,7 @@ from specjax.tokenizer import load_tokenizer, render_chat
 from specjax.vocab import VocabHead, resolve_head
 
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION = ("dense", "xla", "pallas", "auto")
 
 
 @dataclasses.dataclass
@@ -216,7 +217,7 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
              system: str | None = None, stop_on_eos: bool = True,
              mode: Literal["compiled", "eager"] = "compiled", drafter: Drafter | None = None,
              tree: TreeSpec | None = None, assume_q_one: bool = False,
-             vocab: str | VocabHead = "full") -> GenerationResult:
+             vocab: str | VocabHead = "full", attention: str = "dense") -> GenerationResult:
     """Generate continuations of one or more prompts.
 
     Without a ``drafter`` this is vanilla decoding. With one, it is speculative
@@ -242,6 +243,9 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
         vocabulary, so this changes speed and acceptance, never correctness. A spec
         string is resolved on every call (its counts or router read from disk, the
         head's rows gathered); in a loop, build the head once with ``resolve_head``.
+      attention: how the tree blocks of a speculative step attend: "dense" (default), or
+        :func:`specjax.kernels.tree_attention.tree_attention`'s "xla", "pallas" or "auto"
+        (the Pallas kernel on a GPU, XLA elsewhere). Same outputs, other kernels.
     Returns:
       :class:`GenerationResult` with texts, new token ids and ``stats``
       (new_tokens, prefill_s, decode_s, wall_s, tokens_per_s, decode_tokens_per_s;
@@ -262,7 +266,8 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
     ids = encode_prompts(target, prompts, chat, system)
     runner, req = _plan(target, ids, max_new_tokens=max_new_tokens, temperature=temperature,
                         top_k=top_k, top_p=top_p, seed=seed, key=key, stop_on_eos=stop_on_eos,
-                        drafter=drafter, tree=tree, assume_q_one=assume_q_one, vocab=vocab)
+                        drafter=drafter, tree=tree, assume_q_one=assume_q_one, vocab=vocab,
+                        attention=attention)
     t0 = time.perf_counter()
     with CompileTimer() as compiled:  # compile time, reported apart from decoding speed
         state = jax.block_until_ready(runner.prefill(req))
@@ -297,18 +302,21 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
 def _plan(target: Target, ids: list[list[int]], *, max_new_tokens: int, temperature: float,
           top_k: int, top_p: float, seed: int, key: jax.Array | None, stop_on_eos: bool,
           drafter: Drafter | None, tree: TreeSpec | None, assume_q_one: bool,
-          vocab: str | VocabHead) -> tuple[VanillaRunner | SpecRunner, Request]:
+          vocab: str | VocabHead,
+          attention: str = "dense") -> tuple[VanillaRunner | SpecRunner, Request]:
     """The runner and the laid-out request for checked arguments and encoded prompts."""
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-    if drafter is None and (tree is not None or vocab != "full"):
-        raise ValueError("a draft tree or vocabulary head needs a drafter; pass "
-                         "drafter=load_drafter(...) (--drafter PATH on the command line)")
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
+    if drafter is None and (tree is not None or vocab != "full" or attention != "dense"):
+        raise ValueError("a draft tree, vocabulary head or tree attention needs a drafter; "
+                         "pass drafter=load_drafter(...) (--drafter PATH on the command line)")
     runner: VanillaRunner | SpecRunner = VanillaRunner(target, sampling)
     if drafter is not None:
         drafter.cfg.check_target(target.cfg)
         tree = tree or TreeSpec()
         runner = SpecRunner.of(target, drafter, resolve_head(vocab, target, drafter), tree,
-                               sampling, assume_q_one)
+                               sampling, assume_q_one, attention)
     req = Request.build(target, ids, max_new_tokens=max_new_tokens, sampling=sampling,
                         stop_on_eos=stop_on_eos, tree=tree,
                         key=jax.random.PRNGKey(seed) if key is None else key)
@@ -331,7 +339,7 @@ def stream(target: Target, prompt: str | list[int], *, max_new_tokens: int = 128
            key: jax.Array | None = None, chat: bool = True, system: str | None = None,
            stop_on_eos: bool = True, drafter: Drafter | None = None,
            tree: TreeSpec | None = None, assume_q_one: bool = False,
-           vocab: str | VocabHead = "full") -> Iterator[Chunk]:
+           vocab: str | VocabHead = "full", attention: str = "dense") -> Iterator[Chunk]:
     """Generate from one prompt, yielding text as it is committed.
 
     The arguments are :func:`generate`'s (for one prompt). It runs the same prefill and
@@ -354,7 +362,8 @@ def stream(target: Target, prompt: str | list[int], *, max_new_tokens: int = 128
     ids = encode_prompts(target, prompts, chat, system)
     runner, req = _plan(target, ids, max_new_tokens=max_new_tokens, temperature=temperature,
                         top_k=top_k, top_p=top_p, seed=seed, key=key, stop_on_eos=stop_on_eos,
-                        drafter=drafter, tree=tree, assume_q_one=assume_q_one, vocab=vocab)
+                        drafter=drafter, tree=tree, assume_q_one=assume_q_one, vocab=vocab,
+                        attention=attention)
     decode = ((lambda t: target.tokenizer.decode(t, skip_special_tokens=True))
               if target.tokenizer is not None else (lambda t: ""))
     tokens: list[int] = []

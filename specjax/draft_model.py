@@ -11,8 +11,9 @@ calls, on the drafter's static config:
 * ``target_features(params, hidden, taps)``: the drafter's input feature at each position
   the target ran, [B, T, width]. The root of a draft tree reads the feature of the token
   before it; deeper nodes read their parent's drafter output instead.
-* ``forward(params, embed, tokens, features, positions, cache, block_mask, write_rows)``:
-  the drafter over a block of rows (a prefill, one tree level, or the catch-up).
+* ``forward(params, embed, tokens, features, positions, cache, block_mask, write_rows,
+  attention_impl)``: the drafter over a block of rows (a prefill, one tree level, or the
+  catch-up).
 * ``init_cache(batch, capacity, dtype)``: its own KV cache.
 * ``router_context(embed, tokens, features)``: the input a context-reading vocabulary head
   (DynaSpec's router) sees, or None when the drafter offers none.
@@ -49,7 +50,8 @@ class DraftModel(Protocol):
 
     def forward(self, params: Any, embed: Array, tokens: Array, features: Array,
                 positions: Array, cache: KVCache, block_mask: Array | None = None,
-                write_rows: Array | None = None) -> tuple[Array, KVCache]: ...
+                write_rows: Array | None = None,
+                attention_impl: str = "dense") -> tuple[Array, KVCache]: ...
 
     def init_cache(self, batch: int, capacity: int, dtype: Any) -> KVCache: ...
 

@@ -78,9 +78,10 @@ class DrafterConfig:
 
     def forward(self, params: DrafterParams, embed: Array, tokens: Array, features: Array,
                 positions: Array, cache: KVCache, block_mask: Array | None = None,
-                write_rows: Array | None = None) -> tuple[Array, KVCache]:
+                write_rows: Array | None = None,
+                attention_impl: str = "dense") -> tuple[Array, KVCache]:
         return drafter_hidden(params, self, embed, tokens, features, positions, cache,
-                              block_mask, write_rows)
+                              block_mask, write_rows, attention_impl)
 
     def init_cache(self, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
         return init_drafter_cache(self, batch, capacity, dtype)
@@ -117,7 +118,8 @@ class DrafterParams:
 def drafter_hidden(dp: DrafterParams, cfg: DrafterConfig, embed: Array, tokens: Array,
                    features: Array, positions: Array, cache: KVCache,
                    block_mask: Array | None = None,
-                   write_rows: Array | None = None) -> tuple[Array, KVCache]:
+                   write_rows: Array | None = None,
+                   attention_impl: str = "dense") -> tuple[Array, KVCache]:
     """Predicted features for a block of new drafter rows.
 
     Args:
@@ -125,7 +127,7 @@ def drafter_hidden(dp: DrafterParams, cfg: DrafterConfig, embed: Array, tokens: 
       tokens: [B, T] x_t; features: [B, T, d] the feature at t-1 (the target's
         final-norm hidden state, or the drafter's own prediction when drafting).
       positions: [B, T] RoPE positions; cache: the drafter's one-layer cache.
-      block_mask, write_rows: as in :func:`specjax.model.forward_hidden`.
+      block_mask, write_rows, attention_impl: as in :func:`specjax.model.forward_hidden`.
     Returns:
       (hidden [B, T, d], cache with the new rows written; lengths unchanged).
     """
@@ -139,7 +141,8 @@ def drafter_hidden(dp: DrafterParams, cfg: DrafterConfig, embed: Array, tokens: 
         write_rows = cache.lengths[:, None] + jnp.arange(t)[None, :]
     mask = cache_mask(cache.lengths, block_mask, cache.capacity)
     x, k, v = decoder_layer(cfg.target, dp.layer, x, positions, rope_inv_freq(cfg.target),
-                            cache.k[0], cache.v[0], write_rows, mask)
+                            cache.k[0], cache.v[0], write_rows, mask,
+                            (cache.lengths, block_mask), attention_impl)
     return x, dataclasses.replace(cache, k=(k,), v=(v,))
 
 

@@ -108,9 +108,10 @@ class Eagle3Config:
 
     def forward(self, params: Eagle3Params, embed: Array, tokens: Array, features: Array,
                 positions: Array, cache: KVCache, block_mask: Array | None = None,
-                write_rows: Array | None = None) -> tuple[Array, KVCache]:
+                write_rows: Array | None = None,
+                attention_impl: str = "dense") -> tuple[Array, KVCache]:
         return eagle3_hidden(params, self, embed, tokens, features, positions, cache,
-                             block_mask, write_rows)
+                             block_mask, write_rows, attention_impl)
 
     def init_cache(self, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
         return init_eagle3_cache(self, batch, capacity, dtype)
@@ -174,7 +175,8 @@ def _attention_view(p: Eagle3Params) -> LayerParams:
 def eagle3_hidden(p: Eagle3Params, cfg: Eagle3Config, embed: Array | None, tokens: Array,
                   features: Array, positions: Array, cache: KVCache,
                   block_mask: Array | None = None,
-                  write_rows: Array | None = None) -> tuple[Array, KVCache]:
+                  write_rows: Array | None = None,
+                  attention_impl: str = "dense") -> tuple[Array, KVCache]:
     """Drafter output features (before the final norm) for a block of new rows.
 
     Args:
@@ -184,7 +186,7 @@ def eagle3_hidden(p: Eagle3Params, cfg: Eagle3Config, embed: Array | None, token
       features: [B, T, d] the feature at t-1: :func:`eagle3_fuse` of the
         target's taps, or the drafter's own previous output when drafting.
       positions: [B, T] RoPE positions; cache: from :func:`init_eagle3_cache`.
-      block_mask, write_rows: as in :func:`specjax.model.forward_hidden`.
+      block_mask, write_rows, attention_impl: as in :func:`specjax.model.forward_hidden`.
     Returns:
       (hidden [B, T, d], cache with the new rows written; lengths unchanged).
       :func:`eagle3_candidates` turns hidden into draft logits.
@@ -204,7 +206,8 @@ def eagle3_hidden(p: Eagle3Params, cfg: Eagle3Config, embed: Array | None, token
         write_rows = cache.lengths[:, None] + jnp.arange(t)[None, :]
     mask = cache_mask(cache.lengths, block_mask, cache.capacity)
     attn, k, v = attention(lc, _attention_view(p), h, positions, rope_inv_freq(lc), cache.k[0],
-                           cache.v[0], write_rows, mask)
+                           cache.v[0], write_rows, mask, (cache.lengths, block_mask),
+                           attention_impl)
     # The residual stream is the un-normed feature, not the concatenation.
     x = features + attn
     m = rms_norm(x, p.mlp_norm, lc.rms_norm_eps)

@@ -28,6 +28,7 @@ from jax import Array
 
 from specjax import pytree
 from specjax.config import ModelConfig
+from specjax.kernels.tree_attention import tree_attention
 
 
 @pytree.dataclass
@@ -226,11 +227,17 @@ def _write_rows(buf: Array, rows: Array, new: Array) -> Array:
 
 def attention(cfg: ModelConfig, lp: LayerParams | FusedLayerParams, x: Array,
               positions: Array, inv_freq: Array, k_buf: Array, v_buf: Array, rows: Array,
-              mask: Array):
+              mask: Array, block: tuple[Array, Array] | None = None,
+              attention_impl: str = "dense"):
     """GQA self-attention of new tokens over the cache; K/V rows written at ``rows``.
 
     x: [B, T, in] (in = d, or 2d for an EAGLE-3 layer); only the attention
     fields of ``lp`` are read. Returns (out [B, T, d], k_buf, v_buf).
+    ``attention_impl`` (static): "dense" is the masked softmax below over ``mask``;
+    "auto", "xla" or "pallas" route through :func:`specjax.kernels.tree_attention`,
+    which reads ``block = (lengths [B], block_mask [B, T, R])``, the arguments ``mask``
+    was built from by :func:`cache_mask` ("auto": the Pallas kernel on a GPU, else XLA,
+    which computes what "dense" does).
     """
     b, t, _ = x.shape
     dh = cfg.head_dim
@@ -255,6 +262,10 @@ def attention(cfg: ModelConfig, lp: LayerParams | FusedLayerParams, x: Array,
     k = apply_rope(k, positions, inv_freq)
     k_buf = _write_rows(k_buf, rows, k)
     v_buf = _write_rows(v_buf, rows, v)
+    if attention_impl != "dense":
+        lengths, block_mask = block
+        out = tree_attention(q, k_buf, v_buf, lengths, block_mask, impl=attention_impl)
+        return out.reshape(b, t, cfg.num_heads * dh) @ lp.wo, k_buf, v_buf
 
     q = q.reshape(b, t, cfg.num_kv_heads, cfg.q_per_kv, dh)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k_buf, preferred_element_type=jnp.float32)
@@ -268,7 +279,8 @@ def attention(cfg: ModelConfig, lp: LayerParams | FusedLayerParams, x: Array,
 
 def decoder_layer(cfg: ModelConfig, lp: LayerParams | FusedLayerParams, x: Array, positions: Array,
                   inv_freq: Array, k_buf: Array, v_buf: Array, rows: Array,
-                  mask: Array) -> tuple[Array, Array, Array]:
+                  mask: Array, block: tuple[Array, Array] | None = None,
+                  attention_impl: str = "dense") -> tuple[Array, Array, Array]:
     """One pre-norm decoder layer; the target's layers and the drafter's share it.
 
     x: [B, T, d]; k_buf/v_buf: this layer's [B, S, Hkv, Dh] cache, returned with
@@ -277,7 +289,8 @@ def decoder_layer(cfg: ModelConfig, lp: LayerParams | FusedLayerParams, x: Array
     fc output to the attention without a norm.
     """
     h = x if lp.attn_norm is None else rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-    attn, k_buf, v_buf = attention(cfg, lp, h, positions, inv_freq, k_buf, v_buf, rows, mask)
+    attn, k_buf, v_buf = attention(cfg, lp, h, positions, inv_freq, k_buf, v_buf, rows, mask,
+                                   block, attention_impl)
     x = x + attn
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
     if isinstance(lp, FusedLayerParams):
@@ -291,7 +304,8 @@ def decoder_layer(cfg: ModelConfig, lp: LayerParams | FusedLayerParams, x: Array
 def forward_hidden(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
                    cache: KVCache, block_mask: Array | None = None,
                    tap_layers: tuple[int, ...] = (),
-                   write_rows: Array | None = None) -> tuple[Array, KVCache, tuple[Array, ...]]:
+                   write_rows: Array | None = None,
+                   attention_impl: str = "dense") -> tuple[Array, KVCache, tuple[Array, ...]]:
     """Run the decoder over a block of new tokens.
 
     Args:
@@ -304,6 +318,8 @@ def forward_hidden(params: Params, cfg: ModelConfig, tokens: Array, positions: A
         (see :func:`cache_mask`); None means causal among the new tokens.
       tap_layers: indices of decoder layers whose *output* hidden states to
         return (EAGLE-3 fuses three of them); layer -1 is the embedding.
+      attention_impl: static; "dense" (the inline masked softmax) or a
+        :func:`specjax.kernels.tree_attention.tree_attention` implementation.
       write_rows: [B, T] cache rows for the new tokens; default
         ``lengths[b] + i``. A drafter expanding tree nodes writes node j at
         ``lengths[b] + j`` and passes a ``block_mask`` over those tree rows.
@@ -322,7 +338,8 @@ def forward_hidden(params: Params, cfg: ModelConfig, tokens: Array, positions: A
     ks, vs = [], []
     for i, lp in enumerate(params.layers):
         x, k_buf, v_buf = decoder_layer(cfg, lp, x, positions, inv_freq, cache.k[i], cache.v[i],
-                                        write_rows, mask)
+                                        write_rows, mask, (cache.lengths, block_mask),
+                                        attention_impl)
         ks.append(k_buf)
         vs.append(v_buf)
         if i in tap_layers:

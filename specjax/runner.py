@@ -125,10 +125,12 @@ class SpecRunner:
 
     @classmethod
     def of(cls, target: Target, drafter: Drafter, head: VocabHead, tree: TreeSpec,
-           sampling: SamplingConfig, assume_q_one: bool = False) -> SpecRunner:
+           sampling: SamplingConfig, assume_q_one: bool = False,
+           attention: str = "dense") -> SpecRunner:
         return cls(target, drafter, head,
                    SpecConfig(cfg=target.cfg, drafter=drafter.cfg, tree=tree,
-                              sampling=sampling.static(), assume_q_one=assume_q_one))
+                              sampling=sampling.static(), assume_q_one=assume_q_one,
+                              attention=attention))
 
     def prefill(self, req: Request) -> SpecState:
         return spec_prefill(self.target.params, self.drafter.params, req.prompt,

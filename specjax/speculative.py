@@ -91,6 +91,10 @@ class SpecConfig:
     # Router training data (train/router_data.py): when > 0, the draft phase also
     # returns every expansion's router context and its top-``record_top_l`` candidates.
     record_top_l: int = 0
+    # How tree blocks attend (the verify forward and the drafter's tree expansion):
+    # "dense" (the inline masked softmax), or specjax.kernels.tree_attention's "xla",
+    # "pallas" or "auto" (the Pallas kernel on a GPU, XLA elsewhere).
+    attention: str = "dense"
 
 
 @pytree.dataclass
@@ -210,7 +214,8 @@ def draft_phase(params: Params, dparams: Any, head: VocabHead, state: SpecState,
         feats = jnp.where((parent < 0)[..., None], state.root_feat[:, None, :],
                           _row_gather(node_hidden, parent))
         h, dcache = dm.forward(dparams, params.embed, tokens, feats, lengths[:, None] + depth,
-                               dcache, block_mask=ancestors, write_rows=lengths[:, None] + slot)
+                               dcache, block_mask=ancestors, write_rows=lengths[:, None] + slot,
+                               attention_impl=spec.attention)
         node_hidden = node_hidden.at[jnp.arange(b)[:, None], slot].set(h)
         context = (dm.router_context(params.embed, tokens, feats)
                    if head.uses_context or spec.record_top_l else None)
@@ -250,7 +255,8 @@ def verify_phase(params: Params, dparams: Any, state: SpecState, draft: Draft,
         hidden, tcache, taps = forward_hidden(params, spec.cfg, tree.tokens,
                                               lengths[:, None] + tree.depth, state.tcache,
                                               block_mask=tree.ancestors,
-                                              tap_layers=dm.tap_layers(spec.cfg))
+                                              tap_layers=dm.tap_layers(spec.cfg),
+                                              attention_impl=spec.attention)
         logits = lm_head(params, hidden)
     with jax.named_scope("accept"):
         output, sub = state.output.split_key()

@@ -29,12 +29,17 @@ def _add_tree(p: argparse.ArgumentParser) -> None:
     from specjax.speculative import TreeSpec
 
     d = TreeSpec()
-    p.add_argument("--tree", default=d.kind, choices=["eagle2", "chain"],
-                   help=f"draft tree (default {d.kind})")
+    p.add_argument("--tree", default=d.kind,
+                   choices=["eagle2", "chain", "dyspec", "dyspec-threshold"],
+                   help=f"draft tree (default {d.kind}); dyspec grows the tree greedily by "
+                        "estimated acceptance, dyspec-threshold layer by layer")
     p.add_argument("--tree-depth", type=int, default=d.depth, help="draft levels")
     p.add_argument("--tree-top-k", type=int, default=d.top_k, help="EAGLE-2 beam width")
     p.add_argument("--tree-tokens", type=int, default=d.total_tokens,
-                   help="EAGLE-2 draft tokens per step (the tree budget; root excluded)")
+                   help="EAGLE-2 / DySpec draft tokens per step (the tree budget; root "
+                        "excluded)")
+    p.add_argument("--tree-threshold", type=float, default=0.05,
+                   help="dyspec-threshold: the least estimated acceptance worth drafting")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -107,7 +112,8 @@ def _tree(args: argparse.Namespace) -> Any:
     from specjax.speculative import TreeSpec
 
     return TreeSpec(kind=args.tree, depth=args.tree_depth, top_k=args.tree_top_k,
-                    total_tokens=args.tree_tokens)
+                    total_tokens=args.tree_tokens,
+                    threshold=args.tree_threshold if args.tree == "dyspec-threshold" else 0.0)
 
 
 def stats_line(stats: dict) -> str:

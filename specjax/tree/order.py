@@ -94,14 +94,9 @@ def permute_nodes(tree: DraftTree, new_index: Array) -> DraftTree:
 
 
 def mask_blocks(ancestors: Array, block: int) -> Array:
-    """[B] int32 non-empty (query block x key block) tiles of a [B, T, T] mask.
+    """[B] int32 non-empty (query block x key block) tiles of a [B, T, T] ancestor mask: the
+    tiles a tree-attention kernel visits (see :func:`specjax.kernels.tree_attention.
+    count_tree_blocks`, which this calls)."""
+    from specjax.kernels.tree_attention import count_tree_blocks  # the kernel imports trees
 
-    T is padded up to a multiple of ``block``; a tile counts when any of its entries is
-    set: a tree-attention kernel must visit it.
-    """
-    b, t, _ = ancestors.shape
-    n = -(-t // block)
-    pad = n * block - t
-    a = jnp.pad(ancestors, ((0, 0), (0, pad), (0, pad)))
-    tiles = a.reshape(b, n, block, n, block).any(axis=(2, 4))
-    return jnp.sum(tiles, axis=(1, 2)).astype(jnp.int32)
+    return count_tree_blocks(ancestors, block)

@@ -88,6 +88,18 @@ TREES = {
 }
 
 
+@pytest.mark.parametrize("name", ["dyspec", "dyspec-threshold"])
+def test_dyspec_greedy_accepts_deep_paths(small_vocab, name):
+    """On this peaked target DySpec's trees grow deep and greedy output is still vanilla's."""
+    target, drafter = small_vocab
+    prompts = [PROMPT, PROMPT[:5], [7, 7, 2, 9]]
+    want = specjax.generate(target, prompts, max_new_tokens=24, stop_on_eos=False).tokens
+    res = specjax.generate(target, prompts, max_new_tokens=24, stop_on_eos=False,
+                           drafter=drafter, tree=TREES[name])
+    assert res.tokens == want
+    assert max(n for row in res.stats["accept_lengths"] for n in row) >= 3
+
+
 @pytest.mark.parametrize("name", list(TREES))
 def test_two_tokens_follow_the_target(small_vocab, exact, name):
     target, drafter = small_vocab
