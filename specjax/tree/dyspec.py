@@ -64,6 +64,23 @@ def _child_table(ids: Array, logits: Array, m: int, mode, key: Array | None):
     return ch.ids, ch.logq, ch.cand_q
 
 
+def _expand_root(expand: ExpandFn, carry: Carry, root: Array, total_tokens: int, mode,
+                 vocab_size: int | None):
+    """Expand the root (workspace slot 0 of ``total_tokens + 1``).
+
+    Returns (carry, candidate ids [B, 1, C], m = children kept per node, V of draft_dist,
+    the root's children: ids [B, 1, m], log q [B, 1, m], candidate q [B, 1, C] or None).
+    """
+    b = root.shape[0]
+    zeros = jnp.zeros((b, 1), jnp.int32)
+    rows = jnp.zeros((b, 1, total_tokens + 1), bool).at[:, :, 0].set(True)
+    carry, ids, logits = expand(carry, root[:, None], zeros, zeros, rows, 0)
+    m = min(total_tokens, ids.shape[-1])
+    key = jax.random.fold_in(mode.key, 0) if mode.sampled else None
+    return (carry, ids, m, candidate_vocab(vocab_size, ids.shape[-1]),
+            *_child_table(ids, logits, m, mode, key))
+
+
 def build_dyspec(expand: ExpandFn, carry: Carry, root: Array, total_tokens: int, *,
                  key: Array | None = None, temperature: float | Array = 0.0,
                  vocab_size: int | None = None) -> tuple[DraftTree, Carry]:
@@ -88,14 +105,8 @@ def build_dyspec(expand: ExpandFn, carry: Carry, root: Array, total_tokens: int,
     b, t = root.shape[0], total_tokens + 1
     bi = jnp.arange(b)
     eye = jnp.eye(t, dtype=bool)
-    zeros = jnp.zeros((b, 1), jnp.int32)
-    carry, ids, logits = expand(carry, root[:, None], zeros, zeros, eye[None, :1].repeat(b, 0),
-                                0)
-    m = min(total_tokens, ids.shape[-1])
-    vocab = candidate_vocab(vocab_size, ids.shape[-1])
-    k_ids, k_logq, cand_q = _child_table(ids, logits, m, mode,
-                                         jax.random.fold_in(mode.key, 0) if mode.sampled
-                                         else None)
+    carry, ids, m, vocab, k_ids, k_logq, cand_q = _expand_root(expand, carry, root,
+                                                              total_tokens, mode, vocab_size)
     kids = jnp.zeros((b, t, m), jnp.int32).at[:, 0].set(k_ids[:, 0])
     kids_logq = jnp.full((b, t, m), -jnp.inf, jnp.float32).at[:, 0].set(k_logq[:, 0])
     dist = (jnp.zeros((b, t, vocab), jnp.float32).at[:, 0].set(
@@ -167,14 +178,8 @@ def build_dyspec_threshold(expand: ExpandFn, carry: Carry, root: Array, total_to
     bi = jnp.arange(b)[:, None]
     eye = jnp.eye(t, dtype=bool)
     log_thr = math.log(threshold)
-    zeros = jnp.zeros((b, 1), jnp.int32)
-    carry, ids, logits = expand(carry, root[:, None], zeros, zeros, eye[None, :1].repeat(b, 0),
-                                0)
-    m = min(total_tokens, ids.shape[-1])
-    vocab = candidate_vocab(vocab_size, ids.shape[-1])
-    k_ids, k_logq, cand_q = _child_table(ids, logits, m, mode,
-                                         jax.random.fold_in(mode.key, 0) if mode.sampled
-                                         else None)
+    carry, ids, m, vocab, k_ids, k_logq, cand_q = _expand_root(expand, carry, root,
+                                                              total_tokens, mode, vocab_size)
     # The frontier: kf slots; only slot 0 (the root) is real at first.
     f_node = jnp.zeros((b, kf), jnp.int32)
     f_valid = jnp.zeros((b, kf), bool).at[:, 0].set(True)
