@@ -32,6 +32,7 @@ bench: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -m bench -o addopts="" tests/bench
 	$(BIN)/specjax bench decode --out results/bench_decode.json
 	$(BIN)/specjax bench spec --out results/bench_spec.json
+	$(BIN)/specjax bench trees --out results/bench_trees.json
 	$(BIN)/specjax bench breakdown --from-spec results/bench_spec.json \
 		--out results/bench_breakdown.json
 	$(BIN)/specjax bench vocab --out results/bench_vocab.json
