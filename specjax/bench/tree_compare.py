@@ -664,6 +664,12 @@ def run_tree_bench(cfg: TreeBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
                                     **gen_kw),
                             record="blocks", tree_kind=kind, budget=budget, label=label,
                             temperature=temp, question_id=qid, num_nodes=tree.num_nodes))
+                # Free this configuration's programs before the next one compiles: XLA:CPU
+                # maps each executable's code on its own, and a run that kept ~90 large
+                # programs died in LLVM ("Cannot allocate memory"; likely vm.max_map_count).
+                # The next warm-ups compile (or load from the compilation cache) again.
+                jax.clear_caches()
+                gen.warm.clear()
     bar.close()
 
     result = _assemble(cfg, config, evals, runs, calib_rows, block_recs, trees)
@@ -798,12 +804,11 @@ def plot_mal(r: dict[str, Any], path: Path) -> Path:
             ax.set_ylabel(ylabel)
             ax.set_title(f"{title}, temperature {temp:g}", fontsize=10)
             ax.legend(fontsize=8)
-    mach = r["machine"]
     eq = r["greedy_equality"]
     fig.suptitle(f"{r['model_name']} + drafter {Path(r['config']['drafter']).name}\n"
                  f"{len(r['prompts'])} Spec-Bench prompts, {r['config']['max_new_tokens']} "
                  f"new tokens; greedy equal {eq['matched']}/{eq['checked']}; "
-                 f"{mach['nproc']} CPUs, load {mach['loadavg_start'][0]:.1f}", fontsize=9)
+                 f"{r['machine']['nproc']} CPUs", fontsize=9)
     return save_figure(fig, path)
 
 
