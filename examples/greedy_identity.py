@@ -20,21 +20,13 @@ import sys
 from pathlib import Path
 
 import specjax
+from specjax.bench.questions import TASKS, load_questions, select_questions
 from specjax.defaults import default_drafter_dir, ensure_default_target
 
 
 def spec_bench_prompts(path: Path, per_task: int) -> list[str]:
-    """First-turn prompts, the first ``per_task`` of each task (MT-bench's 8 categories are
-    one task), tasks in sorted order."""
-    mt = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
-          "humanities"}
-    by_task: dict[str, list[str]] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            q = json.loads(line)
-            by_task.setdefault("mt_bench" if q["category"] in mt else q["category"],
-                               []).append(q["turns"][0])
-    return [p for task in sorted(by_task) for p in by_task[task][:per_task]]
+    """First-turn prompts, the first ``per_task`` of each task, tasks in sorted order."""
+    return [q.text for q in select_questions(load_questions(path), sorted(TASKS), per_task)]
 
 
 def dump(out: Path, questions: Path, per_task: int, max_new_tokens: int) -> int:

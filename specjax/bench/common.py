@@ -220,3 +220,21 @@ def as_command(run_from_args: Callable[[argparse.Namespace], Any]
         return 0
 
     return run
+
+
+def generation_record(res: Any, compiles: int) -> dict[str, Any]:
+    """What one timed B=1 :func:`specjax.generate` call contributes to a benchmark record:
+    tokens and timings, and for speculative runs MAL, accept lengths and tree size."""
+    s = res.stats
+    rec = {"tokens": res.tokens[0], "new_tokens": s["new_tokens"], "prefill_s": s["prefill_s"],
+           "decode_s": s["decode_s"], "wall_s": s["wall_s"],
+           "decode_tokens_per_s": s["decode_tokens_per_s"], "tokens_per_s": s["tokens_per_s"],
+           "compiles_while_timed": compiles}
+    if "mean_accepted_length" in s:
+        acc = s["accept_lengths"][0]
+        rec |= {"mal": s["mean_accepted_length"], "target_forwards": s["target_forwards"],
+                "accepted_tokens": int(sum(acc)), "accept_lengths": acc,
+                "mean_tree_size": s["mean_tree_size"]}
+    if s.get("draft_s") is not None:
+        rec |= {"draft_s": s["draft_s"], "verify_s": s["verify_s"]}
+    return rec

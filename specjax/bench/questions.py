@@ -12,6 +12,7 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import specjax
 
@@ -82,3 +83,36 @@ def select_questions(questions: Sequence[Question], tasks: Sequence[str], per_ta
             raise ValueError(f"no questions for task {task!r}; tasks are {known}")
         out += pool[-per_task:] if last else pool[:per_task]
     return out
+
+
+def spec_bench_prompts(target: Any, *, questions: str | Path | None, tasks: Sequence[str],
+                       per_task: int, calib_tasks: Sequence[str], calib_per_task: int,
+                       prompts: Sequence[dict[str, Any]] | None = None,
+                       calib_prompts: Sequence[Sequence[int]] | None = None
+                       ) -> tuple[list[dict[str, Any]], list[int] | None, list[list[int]],
+                                  Path | None]:
+    """(evaluation prompts, calibration question ids, calibration ids, questions file).
+
+    The first ``per_task`` questions of each task through the chat template, and the last
+    ``calib_per_task`` of each calibration task outside them (a benchmark never tunes on
+    what it evaluates); or, for tests, given pre-tokenised ``prompts``
+    (``{"question_id", "task", "ids"}``) and ``calib_prompts``.
+    """
+    from specjax.api import encode_prompts
+
+    if prompts is None:
+        qpath = resolve_questions(questions)
+        qs = load_questions(qpath)
+        chosen = select_questions(qs, tasks, per_task)
+        evals = [{"question_id": q.question_id, "task": q.task, "category": q.category,
+                  "ids": encode_prompts(target, q.text, chat=True)[0]} for q in chosen]
+        calib = select_questions(qs, calib_tasks, calib_per_task, last=True,
+                                 exclude=frozenset(q.question_id for q in chosen))
+        return (evals, [q.question_id for q in calib],
+                [encode_prompts(target, q.text, chat=True)[0] for q in calib], qpath)
+    if calib_prompts is None:
+        raise ValueError("pre-tokenised prompts need calib_prompts too")
+    evals = [{"question_id": int(p["question_id"]), "task": p["task"],
+              "category": p.get("category", p["task"]), "ids": list(map(int, p["ids"]))}
+             for p in prompts]
+    return evals, None, [list(map(int, p)) for p in calib_prompts], None

@@ -49,10 +49,10 @@ import numpy as np
 from tqdm import tqdm
 
 import specjax
-from specjax.api import encode_prompts
 from specjax.bench.common import (
     as_command,
     first_mismatch,
+    generation_record,
     jsonable,
     machine_info,
     save_figure,
@@ -63,9 +63,7 @@ from specjax.bench.phases import draft_latency, resolve_drafter
 from specjax.bench.questions import (
     QUESTIONS_ENV,
     TASKS,
-    load_questions,
-    resolve_questions,
-    select_questions,
+    spec_bench_prompts,
 )
 from specjax.bench.timing import (
     cache_geometry,
@@ -156,21 +154,6 @@ def select_tree(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
 # --------------------------------------------------------------------------------------
 
 
-def _method_record(res: specjax.GenerationResult, compiles: int) -> dict[str, Any]:
-    s = res.stats
-    rec = {"tokens": res.tokens[0], "new_tokens": s["new_tokens"], "prefill_s": s["prefill_s"],
-           "decode_s": s["decode_s"], "wall_s": s["wall_s"],
-           "decode_tokens_per_s": s["decode_tokens_per_s"], "tokens_per_s": s["tokens_per_s"],
-           "compiles_while_timed": compiles}
-    if "mean_accepted_length" in s:
-        acc = s["accept_lengths"][0]
-        rec |= {"mal": s["mean_accepted_length"], "target_forwards": s["target_forwards"],
-                "accepted_tokens": int(sum(acc)), "accept_lengths": acc}
-    if s.get("draft_s") is not None:
-        rec |= {"draft_s": s["draft_s"], "verify_s": s["verify_s"]}
-    return rec
-
-
 class _Runner:
     """Runs one method on one prompt, warming each (method, prompt bucket) up first."""
 
@@ -194,7 +177,7 @@ class _Runner:
             self.warm.add((method, bucket(len(ids))))
         with count_compiles() as n:
             res = specjax.generate(self.target, [ids], max_new_tokens=self.max_new_tokens, **kw)
-        return _method_record(res, n[0])
+        return generation_record(res, n[0])
 
 
 def _pool(recs: Sequence[dict[str, Any]], method: str) -> dict[str, float | None]:
@@ -317,32 +300,6 @@ class SpecBenchConfig:
         return sizes + [largest] if largest > sizes[-1] else sizes
 
 
-def _prompts(cfg: SpecBenchConfig, target: Target,
-             prompts: Sequence[dict[str, Any]] | None,
-             calib_prompts: Sequence[Sequence[int]] | None
-             ) -> tuple[list[dict[str, Any]], list[int] | None, list[list[int]], Path | None]:
-    """(evaluation prompts, calibration question ids, calibration ids, questions file).
-
-    Spec-Bench questions through the chat template, or given ids (tests).
-    """
-    if prompts is None:
-        qpath = resolve_questions(cfg.questions)
-        qs = load_questions(qpath)
-        chosen = select_questions(qs, cfg.tasks, cfg.per_task)
-        evals = [{"question_id": q.question_id, "task": q.task, "category": q.category,
-                  "ids": encode_prompts(target, q.text, chat=True)[0]} for q in chosen]
-        calib = select_questions(qs, cfg.calib_tasks, cfg.calib_per_task, last=True,
-                                 exclude=frozenset(q.question_id for q in chosen))
-        return (evals, [q.question_id for q in calib],
-                [encode_prompts(target, q.text, chat=True)[0] for q in calib], qpath)
-    if calib_prompts is None:
-        raise ValueError("pre-tokenised prompts need calib_prompts too")
-    evals = [{"question_id": int(p["question_id"]), "task": p["task"],
-              "category": p.get("category", p["task"]), "ids": list(map(int, p["ids"]))}
-             for p in prompts]
-    return evals, None, [list(map(int, p)) for p in calib_prompts], None
-
-
 def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | None = None,
                    calib_prompts: Sequence[Sequence[int]] | None = None,
                    drafter: Drafter | None = None) -> dict[str, Any]:
@@ -370,7 +327,10 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
         drafter, drafter_name = resolve_drafter(cfg.drafter_dir, target)
     head = resolve_head(cfg.vocab, target, drafter)
 
-    evals, calib_qids, calib_ids, qpath = _prompts(cfg, target, prompts, calib_prompts)
+    evals, calib_qids, calib_ids, qpath = spec_bench_prompts(
+        target, questions=cfg.questions, tasks=cfg.tasks, per_task=cfg.per_task,
+        calib_tasks=cfg.calib_tasks, calib_per_task=cfg.calib_per_task,
+        prompts=prompts, calib_prompts=calib_prompts)
     task_order = [t for t in dict.fromkeys(p["task"] for p in evals)]
     eager_qids = {p["question_id"] for t in task_order
                   for p in [q for q in evals if q["task"] == t][:cfg.eager_per_task]}

@@ -72,10 +72,10 @@ from jax import Array
 from tqdm import tqdm
 
 import specjax
-from specjax.api import encode_prompts
 from specjax.bench.common import (
     as_command,
     first_mismatch,
+    generation_record,
     int_list,
     jsonable,
     machine_info,
@@ -87,12 +87,11 @@ from specjax.bench.phases import resolve_drafter
 from specjax.bench.questions import (
     QUESTIONS_ENV,
     TASKS,
-    load_questions,
-    resolve_questions,
-    select_questions,
+    spec_bench_prompts,
 )
 from specjax.bench.spec import CALIB_TASKS
 from specjax.bench.timing import count_compiles, warmup_tokens
+from specjax.bench.trees import tree_label
 from specjax.defaults import resolve_model
 from specjax.loaded import Drafter, Target
 from specjax.loop import PAD, bucket
@@ -197,19 +196,6 @@ def tree_at(kind: str, budget: int, threshold: float | None = None) -> TreeSpec:
         return TreeSpec("dyspec-threshold", depth=depth, total_tokens=budget,
                         threshold=float(threshold))
     raise ValueError(f"tree kind must be one of {', '.join(KINDS)}, got {kind!r}")
-
-
-def tree_label(tree: TreeSpec) -> str:
-    """A short name that fixes the tree's shape: ``eagle2 d4 k4 n8``, ``dyspec n8``, ..."""
-    if tree.kind == "chain":
-        return f"chain d{tree.depth}"
-    if tree.kind == "static":
-        return f"static n{len(tree.paths)}"
-    if tree.kind == "eagle2":
-        return f"eagle2 d{tree.depth} k{tree.top_k} n{tree.total_tokens}"
-    if tree.kind == "dyspec":
-        return f"dyspec n{tree.total_tokens}"
-    return f"{tree.kind} d{tree.depth} n{tree.total_tokens} thr{tree.threshold:g}"
 
 
 def tree_fields(tree: TreeSpec) -> dict[str, Any]:
@@ -386,20 +372,6 @@ def _temp_tag(t: float) -> str:
     return f"t{t:g}"
 
 
-def _run_record(res: specjax.GenerationResult, compiles: int) -> dict[str, Any]:
-    """What one timed :func:`specjax.generate` call contributes (B=1)."""
-    s = res.stats
-    rec = {"tokens": res.tokens[0], "new_tokens": s["new_tokens"], "decode_s": s["decode_s"],
-           "wall_s": s["wall_s"], "decode_tokens_per_s": s["decode_tokens_per_s"],
-           "compiles_while_timed": compiles}
-    if "mean_accepted_length" in s:
-        acc = s["accept_lengths"][0]
-        rec |= {"mal": s["mean_accepted_length"], "target_forwards": s["target_forwards"],
-                "accepted_tokens": int(sum(acc)), "accept_lengths": acc,
-                "mean_tree_size": s["mean_tree_size"]}
-    return rec
-
-
 class _Generator:
     """Timed B=1 generation; the first call of each (method, temperature, prompt bucket) is
     preceded by an untimed warm-up that compiles its shapes."""
@@ -425,7 +397,7 @@ class _Generator:
             self.warm.add(tag)
         with count_compiles() as n:
             res = specjax.generate(self.target, [ids], max_new_tokens=cfg.max_new_tokens, **kw)
-        return _run_record(res, n[0])
+        return generation_record(res, n[0])
 
 
 def _timed_pair(gen: _Generator, tree: TreeSpec, ids: list[int], temperature: float,
@@ -507,28 +479,6 @@ def pool_config(spec: Sequence[dict[str, Any]]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------
 
 
-def _prompts(cfg: TreeBenchConfig, target: Target, prompts: Sequence[dict[str, Any]] | None,
-             calib_prompts: Sequence[Sequence[int]] | None
-             ) -> tuple[list[dict[str, Any]], list[int] | None, list[list[int]], Path | None]:
-    """(evaluation prompts, calibration question ids, calibration ids, questions file):
-    ``bench spec``'s selection through the chat template, or given ids (tests)."""
-    if prompts is None:
-        qpath = resolve_questions(cfg.questions)
-        qs = load_questions(qpath)
-        chosen = select_questions(qs, cfg.tasks, cfg.per_task)
-        evals = [{"question_id": q.question_id, "task": q.task,
-                  "ids": encode_prompts(target, q.text, chat=True)[0]} for q in chosen]
-        calib = select_questions(qs, cfg.calib_tasks, cfg.calib_per_task, last=True,
-                                 exclude=frozenset(q.question_id for q in chosen))
-        return (evals, [q.question_id for q in calib],
-                [encode_prompts(target, q.text, chat=True)[0] for q in calib], qpath)
-    if calib_prompts is None:
-        raise ValueError("pre-tokenised prompts need calib_prompts too")
-    evals = [{"question_id": int(p["question_id"]), "task": p["task"],
-              "ids": list(map(int, p["ids"]))} for p in prompts]
-    return evals, None, [list(map(int, p)) for p in calib_prompts], None
-
-
 def _units(cfg: TreeBenchConfig, evals: Sequence[dict[str, Any]]) -> int:
     """The units of work a full run does (the progress bar's total)."""
     n, b, t = len(evals), len(cfg.budgets), len(cfg.temperatures)
@@ -560,7 +510,10 @@ def run_tree_bench(cfg: TreeBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
     else:
         drafter, drafter_name = resolve_drafter(cfg.drafter_dir, target)
     head = resolve_head("full", target, drafter)
-    evals, calib_qids, calib_ids, qpath = _prompts(cfg, target, prompts, calib_prompts)
+    evals, calib_qids, calib_ids, qpath = spec_bench_prompts(
+        target, questions=cfg.questions, tasks=cfg.tasks, per_task=cfg.per_task,
+        calib_tasks=cfg.calib_tasks, calib_per_task=cfg.calib_per_task,
+        prompts=prompts, calib_prompts=calib_prompts)
     block_qids = [p["question_id"] for p in evals[:cfg.block_prompts]]
 
     config = {

@@ -54,9 +54,13 @@ def tree_dict(tree: TreeSpec) -> dict[str, Any]:
 
 
 def tree_label(tree: TreeSpec) -> str:
-    """Short name: ``chain d4`` or ``eagle2 d4 k4 n12``."""
+    """A short name that fixes the tree's shape: ``eagle2 d4 k4 n8``, ``dyspec n8``, ..."""
     if tree.kind == "chain":
         return f"chain d{tree.depth}"
+    if tree.kind == "static":
+        return f"static n{tree.num_nodes - 1}"
     if tree.kind == "eagle2":
         return f"eagle2 d{tree.depth} k{tree.top_k} n{tree.total_tokens}"
-    return f"static n{tree.num_nodes - 1}"
+    if tree.kind == "dyspec":
+        return f"dyspec n{tree.total_tokens}"
+    return f"{tree.kind} d{tree.depth} n{tree.total_tokens} thr{tree.threshold:g}"

@@ -115,7 +115,7 @@ def test_spec_bench_pipeline_on_a_tiny_model(tiny_model, tmp_path, monkeypatch, 
 
     # Resume; corrupt the second prompt's speculative tokens to exercise the mismatch path.
     monkeypatch.setattr(spec_bench._Runner, "__call__", real_call)
-    real_record = spec_bench._method_record
+    real_record = spec_bench.generation_record
 
     def corrupt(res, compiles):
         rec = real_record(res, compiles)
@@ -123,7 +123,7 @@ def test_spec_bench_pipeline_on_a_tiny_model(tiny_model, tmp_path, monkeypatch, 
             rec["tokens"] = rec["tokens"][:3] + [(rec["tokens"][3] + 1) % 256] + rec["tokens"][4:]
         return rec
 
-    monkeypatch.setattr(spec_bench, "_method_record", corrupt)
+    monkeypatch.setattr(spec_bench, "generation_record", corrupt)
     res = run_spec_bench(cfg, **kw)
     printed = capsys.readouterr()
     assert "GREEDY MISMATCH: question 9" in printed.out + printed.err

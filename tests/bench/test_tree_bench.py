@@ -219,7 +219,7 @@ def test_tree_bench_pipeline_on_a_tiny_model(tiny_target, fitted_drafter, tmp_pa
     kw = dict(prompts=EVAL, calib_prompts=CALIB, drafter=fitted_drafter)
 
     # The second prompt's speculative tokens are corrupted, to exercise the mismatch path.
-    real_record = tree_compare._run_record
+    real_record = tree_compare.generation_record
 
     def corrupt(res, compiles):
         rec = real_record(res, compiles)
@@ -227,7 +227,7 @@ def test_tree_bench_pipeline_on_a_tiny_model(tiny_target, fitted_drafter, tmp_pa
             rec["tokens"] = rec["tokens"][:3] + [(rec["tokens"][3] + 1) % 256] + rec["tokens"][4:]
         return rec
 
-    monkeypatch.setattr(tree_compare, "_run_record", corrupt)
+    monkeypatch.setattr(tree_compare, "generation_record", corrupt)
     # Interrupt the first run after all its work: the partial file holds every unit.
     real_plot = tree_compare.plot_mal
 
