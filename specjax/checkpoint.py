@@ -268,18 +268,58 @@ def save_params(dir_: Path, flat: dict[str, Any]) -> None:
     ckptr.wait_until_finished()
 
 
-def restore_params(dir_: Path, shapes: dict[str, tuple[list[int], str]]) -> dict[str, jax.Array]:
-    """Restore a flat dict written by :func:`save_params` given its manifest shapes."""
+def param_files(dir_: Path) -> dict[str, int]:
+    """Byte size of every file orbax wrote under ``dir_/params``, keyed by relative path."""
+    root = Path(dir_) / "params"
+    return {p.relative_to(root).as_posix(): p.stat().st_size
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def check_param_files(dir_: Path, files: Any) -> None:
+    """Refuse a checkpoint whose tensor files differ in size from those its manifest lists.
+
+    This catches truncation and missing files before orbax reads anything: a failed
+    orbax read is reported from several tensorstore threads at once, and a byte count
+    says more precisely what is wrong. Manifests written before the table existed have
+    no ``files`` entry and are left to orbax.
+    """
+    if files is None:
+        return
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{dir_ / MANIFEST}: \"files\" must map paths to byte sizes; "
+                              "convert the checkpoint again")
+    root = Path(dir_) / "params"
+    for rel, size in files.items():
+        f = root / rel
+        if not f.is_file():
+            raise CheckpointError(f"{dir_}: tensor file params/{rel} is missing; the checkpoint "
+                                  "is incomplete, convert it again")
+        if f.stat().st_size != size:
+            raise CheckpointError(f"{dir_}: tensor file params/{rel} has {f.stat().st_size} "
+                                  f"bytes, the manifest says {size}; the checkpoint is corrupt "
+                                  "(truncated or overwritten), convert it again")
+
+
+def restore_params(dir_: Path, manifest: dict[str, Any]) -> dict[str, jax.Array]:
+    """Restore a flat dict written by :func:`save_params` given its manifest.
+
+    Uses the manifest's ``tensors`` table ({name: [shape, dtype]}) for the abstract
+    tree and its ``files`` table (when present) for a size check first.
+    """
+    check_param_files(dir_, manifest.get("files"))
+    shapes = manifest["tensors"]
     try:
         abstract = {k: jax.ShapeDtypeStruct(tuple(int(n) for n in s), jnp.dtype(d))
                     for k, (s, d) in shapes.items()}
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{dir_ / MANIFEST}: \"tensors\" must map names to [shape, dtype] "
                               f"({type(e).__name__}: {e}); convert the checkpoint again") from e
+    # Installed before the read: the other reads' callbacks may fail before the except
+    # clause below runs.
+    _quiet_closed_loop_callbacks()
     try:
         flat = ocp.StandardCheckpointer().restore(Path(dir_).absolute() / "params", abstract)
     except Exception as e:  # orbax raises many types; all mean the same thing here.
-        _quiet_closed_loop_callbacks()
         raise CheckpointError(f"{dir_}: cannot restore tensors ({type(e).__name__}: {e}); the "
                               "checkpoint is corrupt, convert it again") from e
     # orbax hands back host numpy arrays; put them on the device once here, not
@@ -292,21 +332,30 @@ def _quiet_closed_loop_callbacks() -> None:
 
     When one read fails, orbax closes its asyncio loop while tensorstore still completes the
     other reads; their callbacks then raise ``RuntimeError('Event loop is closed')`` on
-    tensorstore's threads, which Python prints through ``sys.unraisablehook`` after the
-    clear error. Only that exact error is dropped; everything else reaches the old hook.
+    tensorstore's threads, which tensorstore reports through ``sys.unraisablehook`` or
+    ``PyErr_Print`` (``sys.excepthook``), around the clear error. Only that exact error is
+    dropped; everything else reaches the old hooks. Idempotent.
     """
-    previous = sys.unraisablehook
-    if getattr(previous, "_specjax_quiet", False):
-        return
+    def closed_loop(exc: BaseException | None) -> bool:
+        return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
 
-    def hook(unraisable: Any) -> None:
-        exc = unraisable.exc_value
-        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
-            return
-        previous(unraisable)
+    unraisable_before = sys.unraisablehook
+    if not getattr(unraisable_before, "_specjax_quiet", False):
+        def unraisable_hook(unraisable: Any) -> None:
+            if not closed_loop(unraisable.exc_value):
+                unraisable_before(unraisable)
 
-    hook._specjax_quiet = True  # type: ignore[attr-defined]
-    sys.unraisablehook = hook
+        unraisable_hook._specjax_quiet = True  # type: ignore[attr-defined]
+        sys.unraisablehook = unraisable_hook
+
+    except_before = sys.excepthook
+    if not getattr(except_before, "_specjax_quiet", False):
+        def except_hook(kind: type, value: BaseException, tb: Any) -> None:
+            if not closed_loop(value):
+                except_before(kind, value, tb)
+
+        except_hook._specjax_quiet = True  # type: ignore[attr-defined]
+        sys.excepthook = except_hook
 
 
 def save_tree(dir_: Path, flat: dict[str, Any], fmt: str, config: dict[str, Any],
@@ -315,7 +364,8 @@ def save_tree(dir_: Path, flat: dict[str, Any], fmt: str, config: dict[str, Any]
     flat = {k: np.asarray(v) for k, v in flat.items()}
     save_params(dir_, flat)
     manifest = {"format": fmt, "version": VERSION, "config": config, **extra,
-                "tensors": {k: [list(v.shape), str(v.dtype)] for k, v in flat.items()}}
+                "tensors": {k: [list(v.shape), str(v.dtype)] for k, v in flat.items()},
+                "files": param_files(dir_)}
     (Path(dir_) / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
@@ -458,7 +508,7 @@ def load_target(dir_: Path, dtype: str | None = None) -> tuple[ModelConfig, Para
     except ValueError as e:
         raise CheckpointError(f"{where}: {e}; convert the checkpoint again") from e
     check_tensor_shapes(where, cfg, target_dims(cfg), manifest.get("tensors"))
-    flat = restore_params(dir_, manifest["tensors"])
+    flat = restore_params(dir_, manifest)
     if dtype is not None:
         flat = {k: v.astype(jnp.dtype(dtype)) for k, v in flat.items()}
     return cfg, unflatten_params(flat, cfg.num_layers)

@@ -234,7 +234,7 @@ def read_drafter(path: Path, target_cfg: ModelConfig | None = None,
     if target_cfg is not None:
         cfg.check_target(target_cfg)
     ckpt.check_tensor_shapes(where, cfg.target, drafter_dims(cfg), manifest.get("tensors"))
-    flat = ckpt.restore_params(Path(path), manifest["tensors"])
+    flat = ckpt.restore_params(Path(path), manifest)
     if dtype is not None:
         flat = jax.tree.map(lambda a: a.astype(jnp.dtype(dtype)), flat)
     layer = LayerParams(**{f.name: flat.get(f"layer.{f.name}") for f in dataclasses.fields(

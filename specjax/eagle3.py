@@ -319,7 +319,7 @@ def read_eagle3(path: Path, target_cfg: ModelConfig | None = None,
     cfg = Eagle3Config.from_json(manifest["config"])
     if target_cfg is not None:
         cfg.check_target(target_cfg)
-    flat = ckpt.restore_params(Path(path), manifest["tensors"])
+    flat = ckpt.restore_params(Path(path), manifest)
     if dtype is not None:
         flat = {k: (v.astype(jnp.dtype(dtype)) if k in FLOAT_FIELDS else v)
                 for k, v in flat.items()}

@@ -260,7 +260,7 @@ def load_router(path: Path, *, drafter_fingerprint: str, target_fields: dict[str
         raise ckpt.CheckpointError(f"{path}: {cfg.num_clusters} router outputs but "
                                    f"{clusters.num_clusters} clusters; the folder is corrupt")
     try:
-        flat = ckpt.restore_params(path, manifest["tensors"])
+        flat = ckpt.restore_params(path, manifest)
     except ckpt.CheckpointError as e:
         raise ckpt.CheckpointError(f"{path}: cannot restore the router's tensors; train it "
                                    f"again with `specjax train router` ({e})") from e

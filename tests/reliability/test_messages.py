@@ -105,9 +105,29 @@ def test_truncated_params_print_one_message_and_no_traceback(rel_dir, copy_of):
                         "--prompt", "hi", "--max-new-tokens", "1"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2, r.stderr
-    assert "cannot restore tensors" in r.stderr and "convert it again" in r.stderr
+    assert "bytes, the manifest says" in r.stderr and "convert it again" in r.stderr
     assert "Traceback" not in r.stderr and "Event loop is closed" not in r.stderr, r.stderr
     assert snapshot(m) == before
+
+
+def test_missing_tensor_file_is_named(rel_dir, copy_of):
+    m = copy_of(rel_dir)
+    victim = next(p for p in sorted((m / "params").rglob("*")) if p.is_file())
+    victim.unlink()
+    with pytest.raises(CheckpointError, match=r"params/.* is missing.*convert it again"):
+        specjax.load(m)
+
+
+def test_truncation_without_a_file_table_is_left_to_orbax(rel_dir, copy_of):
+    # Checkpoints written before the manifest listed file sizes still fail clearly.
+    m = copy_of(rel_dir)
+    _edit_manifest(m, lambda man: man.pop("files"))
+    biggest = max((p for p in (m / "params").rglob("*") if p.is_file()),
+                  key=lambda p: p.stat().st_size)
+    with open(biggest, "r+b") as f:
+        f.truncate(biggest.stat().st_size // 3)
+    with pytest.raises(CheckpointError, match="cannot restore tensors.*convert it again"):
+        specjax.load(m)
 
 
 # --------------------------------------------------------------------------- SPECJAX_HOME
