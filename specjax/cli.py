@@ -16,11 +16,11 @@ def build_parser() -> argparse.ArgumentParser:
     """
     from specjax.commands import bench, convert, generate
     from specjax.train import cli as train
-    from specjax.vocab import build_shortlist
+    from specjax.vocab import build_shortlist, cooccurrence
 
     parser = argparse.ArgumentParser(prog="specjax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (convert, generate, bench, train, build_shortlist):
+    for command in (convert, generate, bench, train, build_shortlist, cooccurrence):
         command.add_parser(sub)
     return parser
 

@@ -245,6 +245,7 @@ class Eagle3Head:
     eps: float = pytree.static_field()
     name: ClassVar[str] = "eagle3"
     uses_context: ClassVar[bool] = False
+    stateful: ClassVar[bool] = False
 
     @classmethod
     def of(cls, p: Eagle3Params, cfg: Eagle3Config) -> Eagle3Head:
@@ -255,7 +256,7 @@ class Eagle3Head:
         return self.ids.shape[0]
 
     def __call__(self, w: Array | None, h: Array, step: int,
-                 context: Array | None = None) -> Candidates:
+                 context: Array | None = None, state: None = None) -> Candidates:
         logits = jnp.einsum("...d,vd->...v", rms_norm(h, self.final_norm, self.eps),
                             self.lm_head, preferred_element_type=jnp.float32)
         return Candidates(jnp.broadcast_to(self.ids, logits.shape),

@@ -132,9 +132,17 @@ class SpecRunner:
                               sampling=sampling.static(), assume_q_one=assume_q_one,
                               attention=attention))
 
+    # A stateful head's state to start the next request from (EvoSpec's buffer kept across
+    # requests); None starts from ``head.init_state``.
+    vocab_state: Any = None
+
     def prefill(self, req: Request) -> SpecState:
+        vocab = None
+        if self.head.stateful:
+            vocab = (self.head.init_state(req.prompt.shape[0]) if self.vocab_state is None
+                     else self.vocab_state)
         return spec_prefill(self.target.params, self.drafter.params, req.prompt,
-                            req.prompt_lens, req.limits, req.key, spec=self.spec,
+                            req.prompt_lens, req.limits, req.key, vocab, spec=self.spec,
                             out_len=req.out_len, capacity=req.capacity)
 
     def run(self, state: SpecState) -> SpecState:
@@ -147,7 +155,8 @@ class SpecRunner:
         draft, state = jax.block_until_ready(draft_phase_jit(p, dp, self.head, state,
                                                              spec=self.spec))
         tb = time.perf_counter()
-        state = jax.block_until_ready(verify_phase_jit(p, dp, state, draft, spec=self.spec))
+        state = jax.block_until_ready(verify_phase_jit(p, dp, self.head, state, draft,
+                                                       spec=self.spec))
         self.draft_s += tb - ta
         self.verify_s += time.perf_counter() - tb
         return state
@@ -165,7 +174,8 @@ class SpecRunner:
                 "mean_shortlist_size": float(np.sum(st.shortlist_size) / forwards),
                 "shortlist_coverage": float(np.sum(st.shortlist_hits) / forwards),
                 "mean_tree_size": float(np.sum(st.tree_nodes) / forwards),
-                "tree": dataclasses.asdict(self.spec.tree)}
+                "tree": dataclasses.asdict(self.spec.tree),
+                **(self.head.summary(state.vocab) if self.head.stateful else {})}
 
 
 def all_done(state: Any) -> bool:

@@ -51,7 +51,7 @@ from specjax.model import KVCache, Params, forward_hidden, lm_head
 from specjax.sampling import StaticSampling, target_probs
 from specjax.tree import DraftTree, TreeSpec
 from specjax.verify import committed_tokens, verify_greedy, verify_sampling
-from specjax.vocab.head import VocabHead
+from specjax.vocab.head import Feedback, VocabHead
 
 
 def spare_rows(tree: TreeSpec | None) -> int:
@@ -137,6 +137,7 @@ class SpecState:
     root_feat: Array  # [B, w] the drafter's input feature for the root (from the target's
     # states at the token before it; w = the drafter's width)
     stats: SpecStats
+    vocab: Any = None  # a stateful head's per-row state (EvoSpec's buffer); None otherwise
 
 
 @pytree.dataclass
@@ -168,11 +169,13 @@ def _row_gather(x: Array, idx: Array) -> Array:
 
 @partial(jax.jit, static_argnames=("spec", "out_len", "capacity"))
 def spec_prefill(params: Params, dparams: Any, prompt: Array, prompt_lens: Array,
-                 limits: Limits, key: Array, *, spec: SpecConfig, out_len: int,
-                 capacity: int) -> SpecState:
+                 limits: Limits, key: Array, vocab: Any = None, *, spec: SpecConfig,
+                 out_len: int, capacity: int) -> SpecState:
     """Prefill the target and the drafter; sample the first token (the first root).
 
     prompt: [B, P] right-padded; row b valid in [0, prompt_lens[b]).
+    vocab: a stateful head's starting state (``head.init_state(B)``, or one kept from an
+      earlier request); None for stateless heads.
     """
     b, p = prompt.shape
     dm = spec.drafter
@@ -189,7 +192,7 @@ def spec_prefill(params: Params, dparams: Any, prompt: Array, prompt_lens: Array
     return SpecState(output=output, limits=limits, tcache=tcache,
                      dcache=dataclasses.replace(dcache, lengths=tcache.lengths),
                      root=output.tokens[:, 0], root_feat=last_valid(feats, prompt_lens),
-                     stats=SpecStats.zeros(b, out_len))
+                     stats=SpecStats.zeros(b, out_len), vocab=vocab)
 
 
 def draft_phase(params: Params, dparams: Any, head: VocabHead, state: SpecState,
@@ -219,7 +222,7 @@ def draft_phase(params: Params, dparams: Any, head: VocabHead, state: SpecState,
         node_hidden = node_hidden.at[jnp.arange(b)[:, None], slot].set(h)
         context = (dm.router_context(params.embed, tokens, feats)
                    if head.uses_context or spec.record_top_l else None)
-        cand = head(params.head, h, step, context)
+        cand = head(params.head, h, step, context, state.vocab)
         offered.append(cand)
         if spec.record_top_l:
             top = jnp.take_along_axis(cand.ids, jax.lax.top_k(cand.logits, spec.record_top_l)[1],
@@ -242,9 +245,12 @@ def draft_phase(params: Params, dparams: Any, head: VocabHead, state: SpecState,
             dataclasses.replace(state, output=output))
 
 
-def verify_phase(params: Params, dparams: Any, state: SpecState, draft: Draft,
+def verify_phase(params: Params, dparams: Any, head: VocabHead, state: SpecState, draft: Draft,
                  spec: SpecConfig) -> SpecState:
-    """Verify the tree with the target, accept, update both caches and the output."""
+    """Verify the tree with the target, accept, update both caches and the output.
+
+    A stateful ``head`` then observes the step (:class:`~specjax.vocab.head.Feedback`).
+    """
     tree = draft.tree
     b, t = tree.tokens.shape
     dm = spec.drafter
@@ -295,6 +301,15 @@ def verify_phase(params: Params, dparams: Any, state: SpecState, draft: Draft,
             shortlist_size=st.shortlist_size + jnp.where(live, sl.mean_size, 0.0),
             shortlist_hits=st.shortlist_hits + (live & hit),
             tree_nodes=st.tree_nodes + jnp.where(live, jnp.sum(tree.valid, axis=1), 0))
+    vocab = state.vocab
+    if head.stateful:
+        with jax.named_scope("observe"):
+            at = last[:, None]
+            committed = jnp.where(jnp.arange(toks.shape[1]) < count[:, None], toks, -1)
+            vocab = head.observe(vocab, Feedback(
+                committed=committed, bonus=acc.bonus,
+                logits=_row_gather(logits, at)[:, 0].astype(jnp.float32),
+                hidden=_row_gather(hidden, at)[:, 0], live=live))
     return SpecState(
         output=output, limits=limits,
         tcache=dataclasses.replace(tcache, lengths=new_len),
@@ -302,14 +317,14 @@ def verify_phase(params: Params, dparams: Any, state: SpecState, draft: Draft,
         root=jnp.where(live, acc.bonus, state.root),
         root_feat=jnp.where(live[:, None], _row_gather(feats, last[:, None])[:, 0],
                             state.root_feat),
-        stats=stats)
+        stats=stats, vocab=vocab)
 
 
 def spec_step(params: Params, dparams: Any, head: VocabHead, state: SpecState,
               spec: SpecConfig) -> SpecState:
     """One whole step: draft, then verify / accept / compact / catch up / commit."""
     draft, state = draft_phase(params, dparams, head, state, spec)
-    return verify_phase(params, dparams, state, draft, spec)
+    return verify_phase(params, dparams, head, state, draft, spec)
 
 
 @partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))

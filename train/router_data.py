@@ -117,7 +117,8 @@ def collect_router_data(target: Target, drafter: Drafter, out_dir: str | Path, *
             # The verify program never reads the records: drop them rather than pass them.
             draft = dataclasses.replace(draft, shortlists=dataclasses.replace(
                 draft.shortlists, records=None))
-            state = verify_phase_jit(target.params, drafter.params, state, draft, spec=spec)
+            state = verify_phase_jit(target.params, drafter.params, head, state, draft,
+                                    spec=spec)
         prog["conversations"] += 1
         prog["records"] += got
         bar.update(got)

@@ -69,11 +69,13 @@ class OracleHead:
     length: Array
     name: ClassVar[str] = "oracle"
     uses_context: ClassVar[bool] = False
+    stateful: ClassVar[bool] = False
 
     def capacity(self, step: int) -> int:
         return 1
 
-    def __call__(self, w: Array, h: Array, step: int, context: Array | None = None) -> Candidates:
+    def __call__(self, w: Array, h: Array, step: int, context: Array | None = None,
+                 state: None = None) -> Candidates:
         # h [B, K, d]: every node carries the root's feature, that of position p = L - 1.
         d2 = (jnp.sum(self.feats * self.feats, -1)[:, None, :]
               - 2 * jnp.einsum("bkd,bnd->bkn", h.astype(jnp.float32), self.feats))

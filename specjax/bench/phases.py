@@ -74,6 +74,8 @@ def draft_latency(target: Target, drafter: Drafter, tree: TreeSpec, *, context: 
                             out_len=out_len)
     spec = greedy_spec(target, drafter, tree)
     head = head or full_head(target.cfg.vocab_size)
+    if head.stateful:  # EvoSpec: a buffer of fixed capacity, so an empty one times the same
+        state = dataclasses.replace(state, vocab=head.init_state(1))
     return time_calls(lambda: draft_phase_jit(target.params, drafter.params, head, state,
                                               spec=spec), runs)
 

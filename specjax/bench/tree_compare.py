@@ -258,7 +258,7 @@ def drafted_tiles(target: Target, drafter: Drafter, head: VocabHead, tree: TreeS
     while not all_done(state):
         draft, state = draft_phase_jit(p, dp, head, state, spec=runner.spec)
         rows.append(np.asarray(tree_tiles(draft.tree, blocks))[0])
-        state = verify_phase_jit(p, dp, state, draft, spec=runner.spec)
+        state = verify_phase_jit(p, dp, head, state, draft, spec=runner.spec)
     counts = np.asarray(rows, np.int64).reshape(-1, 2 * len(blocks) + 1)
     tokens = [int(t) for t in np.asarray(state.output.tokens)[0] if t != PAD]
     return {"tokens": tokens, "valid_nodes": counts[:, -1].tolist(),

@@ -4,6 +4,9 @@ For each head (full, FR-Spec at several sizes, PA-FR, DynaSpec fixed top-k and
 position-aware), on the same prompts as ``specjax bench spec`` (greedy, batch 1, chat
 template, the same draft tree for every head):
 
+EvoSpec's head (``evospec:8192+256``) is stateful: each prompt starts from an empty
+buffer, which then evolves within the request.
+
 * mean accepted length per task and overall (the bonus token counted);
 * mean shortlist size (valid candidates per expanded node) and coverage (the fraction of
   steps whose first committed token was in the root expansion's shortlist);
@@ -58,7 +61,7 @@ from specjax.vocab.router import router_logits
 
 # fr:2730 is FR-Spec at the shipped router's mean DynaSpec-PA shortlist (the same budget).
 DEFAULT_HEADS = ("full", "fr:2730", "fr:8192", "fr:16384", "fr:32768", "pafr:32768",
-                 "dynaspec-f", "dynaspec", "dynaspec-shared")
+                 "dynaspec-f", "dynaspec", "dynaspec-shared", "evospec:8192+256")
 
 
 def _generate(target: Target, drafter: Drafter | None, head: VocabHead | None, tree: TreeSpec,

@@ -58,8 +58,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     _add_tree(g)
     g.add_argument("--vocab", default="full",
                    help="drafter vocabulary head: full | fr:N[:PATH] | pafr:N[:PATH] | "
-                        "dynaspec[:ROUTER] | dynaspec-f[:ROUTER] (default full; the shipped "
-                        "drafter's frequency counts and router are the default artifacts)")
+                        "dynaspec[:ROUTER] | dynaspec-f[:ROUTER] | evospec[:NS+ND[:GRAPH]] "
+                        "(default full; the shipped drafter's frequency counts, router and "
+                        "co-occurrence graph are the default artifacts)")
     g.add_argument("--json", action="store_true",
                    help='print one JSON object {"text", "tokens", "stats"}')
     g.add_argument("--stream", action="store_true",

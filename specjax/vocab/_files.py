@@ -52,15 +52,15 @@ def short(fp: str | None) -> str:
     return "none" if fp is None else fp[:12]
 
 
-def read_sidecar(npy: Path, side: Path, fmt: str, what: str) -> dict:
+def read_sidecar(npy: Path, side: Path, fmt: str, what: str, rebuild: str = REBUILD) -> dict:
     for p in (npy, side):
         if not p.exists():
             raise FileNotFoundError(f"{p} is missing: a {what} is the pair {npy.name} + "
-                                    f"{side.name}; {REBUILD}")
+                                    f"{side.name}; {rebuild}")
     try:
         meta = json.loads(side.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{side} is corrupt ({e}); {REBUILD}") from e
+        raise ValueError(f"{side} is corrupt ({e}); {rebuild}") from e
     if not isinstance(meta, dict) or meta.get("format") != fmt or meta.get("version") != VERSION:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise ValueError(f"{side}: format {found!r}, expected {fmt!r} v{VERSION}"
@@ -70,12 +70,12 @@ def read_sidecar(npy: Path, side: Path, fmt: str, what: str) -> dict:
 
 
 def check_model(where: Path, meta: dict, vocab_size: int | None, fingerprint: str | None,
-                what: str) -> None:
+                what: str, rebuild: str = REBUILD) -> None:
     if vocab_size is not None and meta["vocab_size"] != vocab_size:
         raise ValueError(f"{where}: this {what} is for a vocabulary of {meta['vocab_size']} ids "
-                         f"but the model has {vocab_size} (another model?); {REBUILD}")
+                         f"but the model has {vocab_size} (another model?); {rebuild}")
     theirs = meta.get("tokenizer_fingerprint")
     if fingerprint is not None and theirs is not None and theirs != fingerprint:
         raise ValueError(f"{where}: this {what} was built with another tokenizer (fingerprint "
                          f"{short(theirs)}, the model's is {short(fingerprint)}), so its ids "
-                         f"name other tokens; {REBUILD} for this model")
+                         f"name other tokens; {rebuild} for this model")

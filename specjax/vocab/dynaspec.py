@@ -68,6 +68,7 @@ class RoutedHead:
     cluster_cap: int = pytree.static_field(default=0)
     shared: bool = pytree.static_field(default=False)
     uses_context: ClassVar[bool] = True
+    stateful: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
@@ -86,7 +87,7 @@ class RoutedHead:
             cap = min(cap, k * self.cluster_cap)
         return int(self.always.shape[0]) + cap
 
-    def __call__(self, w, h, step, context=None) -> Candidates:
+    def __call__(self, w, h, step, context=None, state=None) -> Candidates:
         if context is None:
             raise ValueError("the DynaSpec head needs the router context")
         k = self.budget(step)

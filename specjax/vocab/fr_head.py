@@ -56,6 +56,7 @@ class FrequencyHead:
     k_max: int = pytree.static_field()
     position_aware: bool = pytree.static_field(default=False)
     uses_context: ClassVar[bool] = False
+    stateful: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
@@ -65,7 +66,7 @@ class FrequencyHead:
         k = pa_fr_budget(self.k_max, step) if self.position_aware else self.k_max
         return max(1, min(k, self.ids.shape[0]))
 
-    def __call__(self, w, h, step, context=None) -> Candidates:
+    def __call__(self, w, h, step, context=None, state=None) -> Candidates:
         c = self.capacity(step)
         parts, start = [], 0
         for block in self.w_blocks:

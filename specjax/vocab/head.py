@@ -12,12 +12,17 @@ configuration (budgets, capacities) is static metadata, hashed into the compiled
 buffer size, and a smaller buffer is a smaller GEMM.
 
 Adding a method means adding one implementation of :class:`VocabHead`.
+
+A head may also be *stateful* (EvoSpec's dynamic buffer): then the loop keeps the head's
+per-row state in ``SpecState.vocab``, hands it to every call, and after each
+verification passes it through ``observe`` with the step's :class:`Feedback`. The state
+is a fixed-shape pytree, so the compiled ``lax.while_loop`` carries it like the caches.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import jax.numpy as jnp
 from jax import Array
@@ -41,6 +46,25 @@ class Candidates:
     logits: Array
 
 
+@pytree.dataclass
+class Feedback:
+    """What one verification tells a stateful head, per row.
+
+    committed: [B, T] int32 the step's committed tokens, left-aligned; -1 past ``count``.
+    bonus: [B] int32 the target's own token (the accepted drafts came from the head; the
+      bonus is the only committed token the head may not have offered).
+    logits: [B, V] float32 the target's logits at the bonus position (the rejection step).
+    hidden: [B, d] the target's final hidden state there (the query of a retrieval).
+    live: [B] bool rows that took this step.
+    """
+
+    committed: Array
+    bonus: Array
+    logits: Array
+    hidden: Array
+    live: Array
+
+
 class VocabHead(Protocol):
     """One vocabulary method. Implementations are pytree dataclasses.
 
@@ -48,21 +72,27 @@ class VocabHead(Protocol):
     ([B, K, 2d] = [embedding(x_t); drafter input feature], the drafter fc's input, which
     does not depend on the drafter layer's output for this step); the draft loop only
     builds it for heads that do.
+
+    ``stateful`` heads also define ``init_state(batch) -> S``, ``observe(S, Feedback) -> S``
+    and ``summary(S) -> dict`` (statistics); their ``__call__`` gets the state as
+    ``state``. Stateless heads get ``state=None``.
     """
 
     name: str
     uses_context: bool
+    stateful: bool
 
     def capacity(self, step: int) -> int:
         """C, the static buffer size at draft step ``step`` (0 = first drafted token)."""
         ...
 
-    def __call__(self, w: Array, h: Array, step: int,
-                 context: Array | None = None) -> Candidates:
+    def __call__(self, w: Array, h: Array, step: int, context: Array | None = None,
+                 state: Any = None) -> Candidates:
         """Candidates for drafter hidden states ``h`` [B, K, d].
 
         w: [V, d] the target's LM head (rows are vocabulary entries).
         step: static draft step t of the children being drafted.
+        state: a stateful head's per-row state (``SpecState.vocab``); None otherwise.
         """
         ...
 
@@ -80,11 +110,12 @@ class FullHead:
     vocab_size: int = pytree.static_field()
     name: ClassVar[str] = "full"
     uses_context: ClassVar[bool] = False
+    stateful: ClassVar[bool] = False
 
     def capacity(self, step: int) -> int:
         return self.vocab_size
 
-    def __call__(self, w, h, step, context=None) -> Candidates:
+    def __call__(self, w, h, step, context=None, state=None) -> Candidates:
         logits = jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
         ids = jnp.broadcast_to(jnp.arange(self.vocab_size, dtype=jnp.int32), logits.shape)
         return Candidates(ids, jnp.ones(logits.shape, bool), logits)

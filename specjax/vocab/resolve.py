@@ -12,6 +12,9 @@ Specs (artifacts default to the drafter's folder, where the shipped SmolLM2 draf
   ``dynaspec-f[:PATH]``: a fixed top-k of clusters. The budgets are the router's
   (``specjax train router``); append ``-shared`` (``dynaspec-shared``) for one shortlist
   per draft step shared by the step's nodes.
+* ``evospec[:NS+ND[:GRAPH]]``: EvoSpec, a static FR-Spec core of NS tokens plus a dynamic
+  buffer of ND (default ``8192+256``); GRAPH is a co-occurrence graph (``specjax
+  build-graph``; default the drafter folder's ``cooccurrence.npy``), or ``none``.
 """
 
 from __future__ import annotations
@@ -102,14 +105,49 @@ def resolve_head(spec: str | VocabHead, target: Target, drafter: Drafter) -> Voc
                          f"pass {name}:{size}:PATH with counts from `specjax build-shortlist`")
         return frequency_head(target.params.head, frequency_ranking(path, target),
                               always_kept(target), int(size), position_aware=name == "pafr")
+    if name == "evospec":
+        return _evospec(spec, arg, target, drafter)
     base = name.removesuffix("-shared")
     if base in ("dynaspec", "dynaspec-f"):
         return _routed(Path(_artifact(arg, drafter, "router",
                                       "train one with `specjax train router`")),
                        target, drafter, position_aware=base == "dynaspec",
                        shared=name.endswith("-shared"))
-    raise ValueError(f"unknown --vocab {spec!r}; use full, fr:N, pafr:N, dynaspec[:ROUTER] or "
-                     "dynaspec-f[:ROUTER]")
+    raise ValueError(f"unknown --vocab {spec!r}; use full, fr:N, pafr:N, dynaspec[:ROUTER], "
+                     "dynaspec-f[:ROUTER] or evospec[:NS+ND[:GRAPH]]")
+
+
+EVOSPEC_DEFAULT = (8192, 256)
+
+
+def _evospec(spec: str, arg: str, target: Target, drafter: Drafter):
+    from specjax.vocab.cooccurrence import load_graph
+    from specjax.vocab.corpus_counts import tokenizer_fingerprint
+    from specjax.vocab.evospec import evospec_head
+
+    sizes, _, graph = arg.partition(":")
+    n_static, n_dyn = EVOSPEC_DEFAULT
+    if sizes:
+        a, plus, b = sizes.partition("+")
+        if not (plus and a.isascii() and a.isdigit() and b.isascii() and b.isdigit()):
+            raise ValueError(f"--vocab {spec}: expected evospec:NS+ND[:GRAPH], e.g. "
+                             "evospec:8192+256 (NS static core tokens, ND dynamic buffer)")
+        n_static, n_dyn = int(a), int(b)
+    counts = _artifact("", drafter, "freq_counts.npy",
+                       "EvoSpec's core is an FR-Spec ranking; build counts with "
+                       "`specjax build-shortlist` and put freq_counts.npy in the drafter folder")
+    successors = None
+    if graph != "none":
+        path = _artifact(graph, drafter, "cooccurrence.npy",
+                         f"build one with `specjax build-graph --out DRAFTER/cooccurrence`, "
+                         f"pass evospec:{n_static}+{n_dyn}:PATH, or :none for no graph")
+        fp = tokenizer_fingerprint(target.tokenizer) if target.tokenizer is not None else None
+        successors = load_graph(path, vocab_size=target.cfg.vocab_size, fingerprint=fp)
+    try:
+        return evospec_head(target.params.head, frequency_ranking(counts, target),
+                            always_kept(target), n_static, n_dyn=n_dyn, successors=successors)
+    except ValueError as e:
+        raise ValueError(f"--vocab {spec}: {e}") from e
 
 
 def _routed(path: Path, target: Target, drafter: Drafter, *, position_aware: bool, shared: bool):

@@ -120,6 +120,27 @@ def test_a_shortlist_head_keeps_the_target_distribution(small_vocab, exact):
     assert pvalue(counts, exact) > 1e-3
 
 
+def test_an_evolving_buffer_keeps_the_target_distribution(small_vocab, exact):
+    """EvoSpec: a small core plus a buffer that changes between steps, per row."""
+    from specjax.vocab.arc import ArcConfig
+    from specjax.vocab.evospec import evospec_head
+
+    target, drafter = small_vocab
+    ranked = np.argsort(-np.asarray(exact.sum(0)))
+    head = evospec_head(target.params.head, ranked, [0], 8, n_dyn=6,
+                        arc=ArcConfig(capacity=6, ghost=6, p_init=3, warmup=0,
+                                      min_residency=0, max_insert=6), recall_k=3)
+    res = specjax.generate(target, [PROMPT] * N, max_new_tokens=3, temperature=TEMP,
+                           stop_on_eos=False, drafter=drafter, tree=TREES["chain-sampled"],
+                           seed=7, vocab=head)
+    toks = np.asarray(res.tokens)
+    counts = np.zeros((V, V))
+    np.add.at(counts, (toks[:, 1], toks[:, 2]), 1)
+    assert res.stats["mean_accepted_length"] > 1.2
+    assert np.mean(res.stats["insertions"]) > 1, "the buffer must change during the run"
+    assert pvalue(counts, exact) > 1e-3
+
+
 def test_eagle_q_one_shortcut_is_exact_but_accepts_less(small_vocab, exact):
     """EAGLE's point-mass rule on sampled drafts: the distribution holds, acceptance drops."""
     target, drafter = small_vocab

@@ -48,9 +48,30 @@ def test_greedy_output_is_the_targets_with_the_shipped_router(smollm2):
     assert 0 < res.stats["mean_shortlist_size"] < 0.25 * target.cfg.vocab_size
 
 
+def test_evospec_resolves_with_the_shipped_graph(smollm2):
+    from specjax.vocab.evospec import EvoSpecHead
+
+    target, drafter = smollm2
+    evo = resolve_head("evospec", target, drafter)
+    assert isinstance(evo, EvoSpecHead) and evo.name == "evospec:8192+256"
+    assert evo.capacity(0) == 8192 + 256 and evo.successors.shape == (49152, 8)
+    assert {1, 2} <= set(np.asarray(evo.core_ids[:2]).tolist())
+    bare = resolve_head("evospec:2048+64:none", target, drafter)
+    assert bare.capacity(3) == 2048 + 64 and bare.successors.shape[1] == 0
+    prompt = "Name three primary colors."
+    vanilla = specjax.generate(target, prompt, max_new_tokens=12).tokens
+    res = specjax.generate(target, prompt, max_new_tokens=12, drafter=drafter,
+                           vocab=evo, tree=specjax.TreeSpec("chain", depth=3))
+    assert res.tokens == vanilla and res.stats["vocab"] == "evospec:8192+256"
+    assert len(res.stats["oov_events"]) == 1
+    with pytest.raises(FileNotFoundError, match="build-graph"):
+        resolve_head("evospec:8192+256:/nowhere/graph", target, drafter)
+
+
 @pytest.mark.parametrize("spec, match", [
     ("nope", "unknown --vocab"), ("fr", "fr:N"), ("fr:many", "fr:N"), ("full:x", "unknown"),
-    ("fr:100000", "exceeds"), ("fr:1", "cannot hold"),
+    ("fr:100000", "exceeds"), ("fr:1", "cannot hold"), ("evospec:8192", "NS\\+ND"),
+    ("evospec:8192+x", "NS\\+ND"), ("evospec:100+49100", "N_dyn"),
 ])
 def test_bad_specs_are_refused(smollm2, spec, match):
     target, drafter = smollm2
