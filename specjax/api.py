@@ -37,6 +37,9 @@ class GenerationResult:
     texts: list[str]
     tokens: list[list[int]]  # new tokens only, EOS included when hit
     stats: dict[str, Any]
+    # A stateful vocabulary head's state after the run (EvoSpec's buffers, one per prompt);
+    # pass it as the next call's ``vocab_state`` to keep adapting. None for other heads.
+    vocab_state: Any = None
 
     @property
     def text(self) -> str:
@@ -217,7 +220,8 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
              system: str | None = None, stop_on_eos: bool = True,
              mode: Literal["compiled", "eager"] = "compiled", drafter: Drafter | None = None,
              tree: TreeSpec | None = None, assume_q_one: bool = False,
-             vocab: str | VocabHead = "full", attention: str = "dense") -> GenerationResult:
+             vocab: str | VocabHead = "full", attention: str = "dense",
+             vocab_state: Any = None) -> GenerationResult:
     """Generate continuations of one or more prompts.
 
     Without a ``drafter`` this is vanilla decoding. With one, it is speculative
@@ -246,6 +250,9 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
       attention: how the tree blocks of a speculative step attend: "dense" (default), or
         :func:`specjax.kernels.tree_attention.tree_attention`'s "xla", "pallas" or "auto"
         (the Pallas kernel on a GPU, XLA elsewhere). Same outputs, other kernels.
+      vocab_state: for a stateful head (EvoSpec), the ``vocab_state`` of an earlier
+        result to start from (same batch size), so the dynamic vocabulary carries over
+        between requests; None starts empty.
     Returns:
       :class:`GenerationResult` with texts, new token ids and ``stats``
       (new_tokens, prefill_s, decode_s, wall_s, tokens_per_s, decode_tokens_per_s;
@@ -268,6 +275,9 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
                         top_k=top_k, top_p=top_p, seed=seed, key=key, stop_on_eos=stop_on_eos,
                         drafter=drafter, tree=tree, assume_q_one=assume_q_one, vocab=vocab,
                         attention=attention)
+    if vocab_state is not None:
+        _check_vocab_state(runner, vocab_state, len(ids))
+        runner.vocab_state = vocab_state
     t0 = time.perf_counter()
     with CompileTimer() as compiled:  # compile time, reported apart from decoding speed
         state = jax.block_until_ready(runner.prefill(req))
@@ -296,7 +306,27 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
         "decode_tokens_per_s": (new - len(ids)) / max(t2 - t1 - decode_compile_s, 1e-9),
         "mode": mode, "compile_s": compiled.seconds, "compiles": compiled.backend_compiles,
     }
-    return GenerationResult(texts=texts, tokens=tokens, stats=stats)
+    return GenerationResult(texts=texts, tokens=tokens, stats=stats,
+                            vocab_state=getattr(state, "vocab", None))
+
+
+def _check_vocab_state(runner: Any, vocab_state: Any, batch: int) -> None:
+    """Refuse a ``vocab_state`` that the run's head cannot continue from."""
+    head = getattr(runner, "head", None)
+    if head is None or not head.stateful:
+        raise ValueError("vocab_state continues a stateful vocabulary head (vocab='evospec'); "
+                         f"this run's head is {getattr(head, 'name', 'none (vanilla)')}")
+    want = jax.tree.structure(head.init_state(1))
+    if jax.tree.structure(vocab_state) != want:
+        raise ValueError(f"vocab_state does not have the {head.name} head's structure; pass "
+                         "the vocab_state of a result made with the same head")
+    rows = {leaf.shape[0] for leaf in jax.tree.leaves(vocab_state)}
+    if rows != {batch}:
+        raise ValueError(f"vocab_state holds {sorted(rows)} rows but this call has {batch} "
+                         "prompts; pass one state row per prompt")
+    if [x.shape[1:] for x in jax.tree.leaves(vocab_state)] != [
+            x.shape[1:] for x in jax.tree.leaves(head.init_state(1))]:
+        raise ValueError(f"vocab_state was made with another buffer size than {head.name}'s")
 
 
 def _plan(target: Target, ids: list[list[int]], *, max_new_tokens: int, temperature: float,

@@ -131,3 +131,27 @@ def test_an_evospec_head_is_a_pytree(w):
     head = evospec_head(w, np.arange(V), [0], 10, n_dyn=8)
     leaves, tree = jax.tree.flatten(head)
     assert isinstance(jax.tree.unflatten(tree, leaves), EvoSpecHead)
+
+
+def test_the_buffer_carries_over_between_requests(tiny_target, fitted_drafter):
+    v = tiny_target.cfg.vocab_size
+    head = evospec_head(tiny_target.params.head, np.arange(v), [0], v // 8, n_dyn=v // 8,
+                        arc=ArcConfig(capacity=v // 8, ghost=v // 8, p_init=v // 16, warmup=2,
+                                      min_residency=1, max_insert=8))
+    tree = TreeSpec("chain", depth=3)
+    kw = dict(max_new_tokens=16, stop_on_eos=False, drafter=fitted_drafter, vocab=head,
+              tree=tree)
+    first = specjax.generate(tiny_target, PROMPTS[:1], **kw)
+    again = specjax.generate(tiny_target, PROMPTS[1:2], vocab_state=first.vocab_state, **kw)
+    fresh = specjax.generate(tiny_target, PROMPTS[1:2], **kw)
+    assert again.tokens == fresh.tokens  # the buffer changes drafts, never the output
+    # The state continued from the first request: its step counter and OOV events add up.
+    steps = int(first.vocab_state.step[0])
+    assert steps == first.stats["target_forwards"]
+    assert int(again.vocab_state.step[0]) == steps + again.stats["target_forwards"]
+    assert again.stats["oov_events"][0] >= first.stats["oov_events"][0] > 0
+    with pytest.raises(ValueError, match="rows but this call has 3"):
+        specjax.generate(tiny_target, PROMPTS, vocab_state=first.vocab_state, **kw)
+    with pytest.raises(ValueError, match="stateful"):
+        specjax.generate(tiny_target, PROMPTS[:1], vocab_state=first.vocab_state,
+                         max_new_tokens=4, drafter=fitted_drafter)

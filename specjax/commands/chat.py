@@ -1,0 +1,100 @@
+"""``specjax chat``: a multi-turn conversation in the terminal, speculative decoding throughout.
+
+Each turn renders the whole conversation with the chat template and generates the reply.
+A stateful vocabulary head (``--vocab evospec``, the default here) keeps its state across
+turns, so the dynamic vocabulary grows with the conversation; after every reply a line
+shows the turn's acceptance (tokens per target forward) and, for EvoSpec, the OOV events
+and insertions of the turn and the buffer's occupancy. Empty line or ``/quit`` ends;
+``/reset`` forgets the conversation and the buffer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, TextIO
+
+from specjax.commands.generate import _add_model, _add_sampling, _add_tree, _resolve_drafter, _tree
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``chat`` to a parser's subparsers; ``args.run`` runs it."""
+    p = subparsers.add_parser("chat", help="an interactive conversation (EvoSpec adapts across "
+                              "turns)", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_model(p)
+    _add_sampling(p)
+    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--drafter", default=None,
+                   help="drafter folder (default: the shipped drafter with the default model)")
+    _add_tree(p)
+    p.add_argument("--vocab", default="evospec",
+                   help="drafter vocabulary head (default evospec; see specjax generate)")
+    p.set_defaults(run=run_chat)
+    return p
+
+
+def turn_line(stats: dict[str, Any], before: dict[str, Any] | None) -> str:
+    """The line printed after a reply: acceptance, and what the buffer did this turn."""
+    line = f"[{stats['new_tokens']} tokens, {stats['decode_tokens_per_s']:.1f} tok/s"
+    if "mean_accepted_length" in stats:
+        line += f", {stats['mean_accepted_length']:.2f} tokens per target forward"
+    if "oov_events" in stats:
+        prev = before or {"oov_events": [0], "insertions": [0], "evictions": [0]}
+        line += (f", OOV events {stats['oov_events'][0] - prev['oov_events'][0]}"
+                 f", inserted {stats['insertions'][0] - prev['insertions'][0]}"
+                 f", evicted {stats['evictions'][0] - prev['evictions'][0]}"
+                 f", buffer {stats['buffer_occupancy'][0]}")
+    return line + "]"
+
+
+def chat_loop(target: Any, drafter: Any, kwargs: dict[str, Any], system: str | None,
+              lines: TextIO, out: TextIO, err: TextIO) -> int:
+    """Read user turns from ``lines`` until EOF / empty / ``/quit``; returns turns answered."""
+    import specjax
+    from specjax.tokenizer import render_chat
+    from specjax.vocab import resolve_head
+
+    head = resolve_head(kwargs.pop("vocab"), target, drafter) if drafter is not None else None
+    messages: list[dict[str, str]] = [] if system is None else [
+        {"role": "system", "content": system}]
+    state, before, turns = None, None, 0
+    while True:
+        print("> ", end="", file=err, flush=True)
+        user = lines.readline()
+        if not user or not user.strip() or user.strip() == "/quit":
+            return turns
+        if user.strip() == "/reset":
+            messages, state, before = messages[:1] if system else [], None, None
+            print("[conversation and vocabulary buffer reset]", file=err)
+            continue
+        messages.append({"role": "user", "content": user.rstrip("\n")})
+        ids = render_chat(target.tokenizer, messages, where=str(target.path), tokenize=True,
+                          add_generation_prompt=True, return_dict=False)
+        extra = {"drafter": drafter, "vocab": head, "vocab_state": state} if head else {}
+        res = specjax.generate(target, [list(ids)], **kwargs, **extra)
+        print(res.text, file=out, flush=True)
+        messages.append({"role": "assistant", "content": res.text})
+        print(turn_line(res.stats, before), file=err)
+        state, before, turns = res.vocab_state, res.stats, turns + 1
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    import specjax
+    from specjax.compile_cache import enable_compilation_cache
+    from specjax.defaults import resolve_model
+
+    enable_compilation_cache()
+    if args.max_new_tokens < 1:
+        raise ValueError("--max-new-tokens must be >= 1")
+    target = specjax.load(resolve_model(args.model), dtype=args.dtype)
+    if target.tokenizer is None:
+        raise ValueError(f"{args.model}: chat needs the model's tokenizer and chat template")
+    drafter = _resolve_drafter(args, target)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                  top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                  tree=None if drafter is None else _tree(args), vocab=args.vocab)
+    if drafter is None:
+        kwargs.pop("tree")
+    chat_loop(target, drafter, kwargs, args.system, sys.stdin, sys.stdout, sys.stderr)
+    return 0

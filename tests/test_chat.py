@@ -1,0 +1,49 @@
+"""``specjax chat``: turns keep the conversation and the EvoSpec buffer."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+from flax import nnx
+
+import specjax
+from specjax.commands.chat import chat_loop, turn_line
+from specjax.drafter import DrafterConfig, EagleDrafter
+from specjax.loaded import Drafter
+from specjax.speculative import TreeSpec
+from specjax.vocab.arc import ArcConfig
+from specjax.vocab.evospec import evospec_head
+from tests.tiny import make_hf_checkpoint
+from tests.vocab.conftest import toy_tokenizer
+
+
+def test_turns_carry_the_buffer_and_print_per_turn_lines(tmp_path):
+    src = make_hf_checkpoint(tmp_path / "hf", "llama")
+    toy_tokenizer().save_pretrained(src)  # a word-level tokenizer with a ChatML template
+    target = specjax.load(specjax.convert(src, tmp_path / "sj", progress=False))
+    model = EagleDrafter(DrafterConfig(target.cfg), rngs=nnx.Rngs(0))
+    drafter = Drafter(cfg=model.cfg, params=model.params())
+    v = target.cfg.vocab_size
+    head = evospec_head(target.params.head, np.arange(v), [0, 1, 2, 3], v // 8, n_dyn=v // 8,
+                        arc=ArcConfig(capacity=v // 8, ghost=v // 8, p_init=v // 16, warmup=2,
+                                      min_residency=1, max_insert=8))
+    out, err = io.StringIO(), io.StringIO()
+    turns = chat_loop(target, drafter,
+                      {"max_new_tokens": 8, "tree": TreeSpec("chain", depth=2), "vocab": head,
+                       "stop_on_eos": False},
+                      None, io.StringIO("hello\nthe cat sat\n/reset\nhi\n\n"), out, err)
+    assert turns == 3
+    lines = [ln.removeprefix("> ") for ln in err.getvalue().splitlines()]
+    lines = [ln for ln in lines if ln.startswith("[")]
+    assert len(lines) == 4 and "reset" in lines[2]
+    assert all("tokens per target forward" in ln and "buffer" in ln
+               for ln in lines[:2] + lines[3:])
+
+
+def test_turn_line_reports_this_turns_events():
+    stats = {"new_tokens": 5, "decode_tokens_per_s": 10.0, "mean_accepted_length": 2.0,
+             "oov_events": [7], "insertions": [30], "evictions": [2], "buffer_occupancy": [28]}
+    line = turn_line(stats, {"oov_events": [4], "insertions": [20], "evictions": [0]})
+    assert "OOV events 3" in line and "inserted 10" in line and "evicted 2" in line
+    assert "buffer 28" in line
