@@ -32,12 +32,13 @@ def test_turns_carry_the_buffer_and_print_per_turn_lines(tmp_path):
     turns = chat_loop(target, drafter,
                       {"max_new_tokens": 8, "tree": TreeSpec("chain", depth=2), "vocab": head,
                        "stop_on_eos": False},
-                      None, io.StringIO("hello\nthe cat sat\n/reset\nhi\n\n"), out, err)
+                      None, io.StringIO("hello\nthe cat sat\n/reset\nhi\n\n"), out, err,
+                      adapt=True)
     assert turns == 3
     lines = [ln.removeprefix("> ") for ln in err.getvalue().splitlines()]
     lines = [ln for ln in lines if ln.startswith("[")]
     assert len(lines) == 4 and "reset" in lines[2]
-    assert all("tokens per target forward" in ln and "buffer" in ln
+    assert all("tokens per target forward" in ln and "buffer" in ln and "LoRA updates" in ln
                for ln in lines[:2] + lines[3:])
 
 

@@ -2,10 +2,12 @@
 
 Each turn renders the whole conversation with the chat template and generates the reply.
 A stateful vocabulary head (``--vocab evospec``, the default here) keeps its state across
-turns, so the dynamic vocabulary grows with the conversation; after every reply a line
-shows the turn's acceptance (tokens per target forward) and, for EvoSpec, the OOV events
-and insertions of the turn and the buffer's occupancy. Empty line or ``/quit`` ends;
-``/reset`` forgets the conversation and the buffer.
+turns, so the dynamic vocabulary grows with the conversation, and ``--adapt lora`` aligns
+the drafter online (:mod:`specjax.train.online_session`). After every reply a line shows
+the turn's acceptance (tokens per target forward), for EvoSpec the OOV events, insertions
+and evictions of the turn and the buffer's occupancy, and with LoRA the updates so far.
+Empty line or ``/quit`` ends; ``/reset`` forgets the conversation (the buffer and the
+deltas stay: they are what the session learned).
 """
 
 from __future__ import annotations
@@ -30,12 +32,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     _add_tree(p)
     p.add_argument("--vocab", default="evospec",
                    help="drafter vocabulary head (default evospec; see specjax generate)")
+    p.add_argument("--adapt", default="none", choices=["none", "lora"],
+                   help="online alignment of the drafter: lora = EvoSpec's LoRA on W_q, W_v "
+                        "(rank 32), updated from each turn's verified text")
     p.set_defaults(run=run_chat)
     return p
 
 
-def turn_line(stats: dict[str, Any], before: dict[str, Any] | None) -> str:
-    """The line printed after a reply: acceptance, and what the buffer did this turn."""
+def turn_line(stats: dict[str, Any], before: dict[str, Any] | None,
+              updates: int | None = None) -> str:
+    """The line printed after a reply: acceptance, what the buffer did, LoRA updates."""
     line = f"[{stats['new_tokens']} tokens, {stats['decode_tokens_per_s']:.1f} tok/s"
     if "mean_accepted_length" in stats:
         line += f", {stats['mean_accepted_length']:.2f} tokens per target forward"
@@ -45,38 +51,44 @@ def turn_line(stats: dict[str, Any], before: dict[str, Any] | None) -> str:
                  f", inserted {stats['insertions'][0] - prev['insertions'][0]}"
                  f", evicted {stats['evictions'][0] - prev['evictions'][0]}"
                  f", buffer {stats['buffer_occupancy'][0]}")
+    if updates is not None:
+        line += f", LoRA updates {updates}"
     return line + "]"
 
 
 def chat_loop(target: Any, drafter: Any, kwargs: dict[str, Any], system: str | None,
-              lines: TextIO, out: TextIO, err: TextIO) -> int:
+              lines: TextIO, out: TextIO, err: TextIO, adapt: bool = False) -> int:
     """Read user turns from ``lines`` until EOF / empty / ``/quit``; returns turns answered."""
     import specjax
     from specjax.tokenizer import render_chat
+    from specjax.train.online_session import OnlineSession
     from specjax.vocab import resolve_head
 
-    head = resolve_head(kwargs.pop("vocab"), target, drafter) if drafter is not None else None
-    messages: list[dict[str, str]] = [] if system is None else [
-        {"role": "system", "content": system}]
-    state, before, turns = None, None, 0
+    vocab = kwargs.pop("vocab")
+    session = None if drafter is None else OnlineSession(
+        target, drafter, resolve_head(vocab, target, drafter), adapt=adapt)
+    start = [] if system is None else [{"role": "system", "content": system}]
+    messages, before, turns = list(start), None, 0
     while True:
         print("> ", end="", file=err, flush=True)
         user = lines.readline()
         if not user or not user.strip() or user.strip() == "/quit":
             return turns
         if user.strip() == "/reset":
-            messages, state, before = messages[:1] if system else [], None, None
-            print("[conversation and vocabulary buffer reset]", file=err)
+            messages = list(start)
+            print("[conversation reset; the vocabulary buffer and LoRA deltas are kept]",
+                  file=err)
             continue
         messages.append({"role": "user", "content": user.rstrip("\n")})
-        ids = render_chat(target.tokenizer, messages, where=str(target.path), tokenize=True,
-                          add_generation_prompt=True, return_dict=False)
-        extra = {"drafter": drafter, "vocab": head, "vocab_state": state} if head else {}
-        res = specjax.generate(target, [list(ids)], **kwargs, **extra)
+        ids = [list(render_chat(target.tokenizer, messages, where=str(target.path),
+                                tokenize=True, add_generation_prompt=True, return_dict=False))]
+        res = (specjax.generate(target, ids, **kwargs) if session is None
+               else session.generate(ids, **kwargs))
         print(res.text, file=out, flush=True)
         messages.append({"role": "assistant", "content": res.text})
-        print(turn_line(res.stats, before), file=err)
-        state, before, turns = res.vocab_state, res.stats, turns + 1
+        print(turn_line(res.stats, before, session.stats["updates"] if adapt else None),
+              file=err)
+        before, turns = res.stats, turns + 1
 
 
 def run_chat(args: argparse.Namespace) -> int:
@@ -96,5 +108,9 @@ def run_chat(args: argparse.Namespace) -> int:
                   tree=None if drafter is None else _tree(args), vocab=args.vocab)
     if drafter is None:
         kwargs.pop("tree")
-    chat_loop(target, drafter, kwargs, args.system, sys.stdin, sys.stdout, sys.stderr)
+        kwargs["vocab"] = "full"
+    if args.adapt != "none" and drafter is None:
+        raise ValueError("--adapt lora aligns a drafter; this run has none (--drafter none?)")
+    chat_loop(target, drafter, kwargs, args.system, sys.stdin, sys.stdout, sys.stderr,
+              adapt=args.adapt == "lora")
     return 0

@@ -141,6 +141,38 @@ def test_an_evolving_buffer_keeps_the_target_distribution(small_vocab, exact):
     assert pvalue(counts, exact) > 1e-3
 
 
+def test_an_online_adapted_drafter_keeps_the_target_distribution(small_vocab, exact):
+    """EvoSpec with LoRA on: after sampled requests moved the deltas and the buffer, the
+    adapted drafter and buffer still leave the output distribution the target's."""
+    import jax
+
+    from specjax.train.online import OnlineConfig
+    from specjax.train.online_session import OnlineSession
+    from specjax.vocab.arc import ArcConfig
+    from specjax.vocab.evospec import evospec_head
+
+    target, drafter = small_vocab
+    ranked = np.argsort(-np.asarray(exact.sum(0)))
+    head = evospec_head(target.params.head, ranked, [0], 8, n_dyn=6,
+                        arc=ArcConfig(capacity=6, ghost=6, p_init=3, warmup=0,
+                                      min_residency=0, max_insert=6), recall_k=3)
+    sess = OnlineSession(target, drafter, head, oc=OnlineConfig(
+        rank=4, alpha=8.0, buffer=4, horizon=2, context=4, top_k=8, lr=1e-2))
+    for i in range(6):
+        sess.generate([PROMPT], max_new_tokens=12, temperature=TEMP, seed=100 + i,
+                      stop_on_eos=False, tree=TREES["chain-sampled"])
+    assert sess.stats["updates"] > 0
+    state = jax.tree.map(lambda a: np.repeat(np.asarray(a), N, axis=0), sess.vocab_state)
+    res = specjax.generate(target, [PROMPT] * N, max_new_tokens=3, temperature=TEMP,
+                           stop_on_eos=False, drafter=sess.current_drafter(),
+                           tree=TREES["chain-sampled"], seed=7, vocab=head, vocab_state=state)
+    toks = np.asarray(res.tokens)
+    counts = np.zeros((V, V))
+    np.add.at(counts, (toks[:, 1], toks[:, 2]), 1)
+    assert res.stats["mean_accepted_length"] > 1.1  # drafts are still accepted
+    assert pvalue(counts, exact) > 1e-3
+
+
 def test_eagle_q_one_shortcut_is_exact_but_accepts_less(small_vocab, exact):
     """EAGLE's point-mass rule on sampled drafts: the distribution holds, acceptance drops."""
     target, drafter = small_vocab

@@ -1,0 +1,148 @@
+"""EvoSpec's online alignment: LoRA merge, the eq. 5 loss, updates, and the session."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax.drafter import drafter_hidden, init_drafter_cache
+from specjax.model import forward_hidden, init_cache
+from specjax.speculative import TreeSpec
+from specjax.train.online import (
+    OnlineConfig,
+    alignment_loss,
+    draft_horizon,
+    init_lora,
+    make_optimizer,
+    memory_bytes,
+    merge,
+    update_jit,
+)
+from specjax.train.online_session import OnlineSession, collect_samples
+from specjax.vocab.arc import ArcConfig
+from specjax.vocab.evospec import evospec_head
+from tests.speculative.conftest import PROMPTS
+
+OC = OnlineConfig(rank=4, alpha=8.0, buffer=4, horizon=3, context=8, top_k=8, lr=1e-2)
+
+
+def _sequence(target):
+    ids = PROMPTS[1] + specjax.generate(target, [PROMPTS[1]], max_new_tokens=24,
+                                        stop_on_eos=False).tokens[0]
+    return ids, len(PROMPTS[1])
+
+
+def test_zero_deltas_leave_the_drafter_unchanged(tiny_target, fitted_drafter):
+    lora = init_lora(fitted_drafter.cfg, 4, 8.0, jax.random.PRNGKey(0))
+    merged = merge(fitted_drafter.params, lora)
+    for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(fitted_drafter.params),
+                    strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    mem = memory_bytes(lora, fitted_drafter.params, make_optimizer(OC))
+    assert mem["lora_trainable"] < mem["full_trainable"] * 0.75
+    assert mem["lora_optimizer"] < mem["full_optimizer"] * 0.75
+
+
+def test_unrolled_steps_match_a_drafter_fed_its_own_features(tiny_target, fitted_drafter):
+    from specjax.train.online import Samples
+
+    ids, p = _sequence(tiny_target)
+    dp, cfg, embed = fitted_drafter.params, fitted_drafter.cfg, tiny_target.params.embed
+    n, t, g = len(ids), p - 1, 3  # the anchor: the prompt's last row, whole prefix as context
+    toks = jnp.asarray([ids])
+    pos = jnp.arange(n)[None]
+    hid, _, _ = forward_hidden(tiny_target.params, tiny_target.cfg, toks, pos,
+                               init_cache(tiny_target.cfg, 1, n))
+    feats = jnp.concatenate([jnp.zeros_like(hid[:, :1]), hid[:, :-1]], axis=1)
+    s = Samples(tokens=toks[:, :t + g], feats=feats[:, :t + 1],
+                top_ids=jnp.zeros((1, g, 2), jnp.int32), top_logits=jnp.zeros((1, g, 2)),
+                valid=jnp.ones((1, g), bool))
+    h = draft_horizon(dp, cfg, embed, s, g)
+    # Reference: rows 0..t read the target's features, row t + j reads row t + j - 1's output.
+    f = feats[:, :t + 1]
+    for j in range(g):
+        ref, _ = drafter_hidden(dp, cfg, embed, toks[:, :t + 1 + j], f, pos[:, :t + 1 + j],
+                                init_drafter_cache(cfg, 1, t + 1 + j))
+        np.testing.assert_allclose(h[0, j], ref[0, -1], rtol=1e-4, atol=1e-4)
+        f = jnp.concatenate([f, ref[:, -1:]], axis=1)
+
+
+def test_samples_are_gated_on_misses_inside_the_vocabulary(tiny_target, fitted_drafter):
+    ids, p = _sequence(tiny_target)
+    dp, cfg = fitted_drafter.params, fitted_drafter.cfg
+    v = tiny_target.cfg.vocab_size
+    s = collect_samples(tiny_target, dp, cfg, ids, p, np.ones(v, bool), OC)
+    none_active = np.zeros(v, bool)
+    assert collect_samples(tiny_target, dp, cfg, ids, p, none_active, OC) is None
+    if s is not None:
+        roots = s.tokens[:, OC.context]
+        assert s.tokens.shape == (len(roots), OC.context + OC.horizon)
+        assert s.top_ids.shape == (len(roots), OC.horizon, OC.top_k)
+
+
+def test_updates_lower_the_loss_on_the_buffer(tiny_target, fitted_drafter):
+    ids, p = _sequence(tiny_target)
+    dp, cfg = fitted_drafter.params, fitted_drafter.cfg
+    every = np.ones(tiny_target.cfg.vocab_size, bool)
+    s = collect_samples(tiny_target, dp, cfg, ids, p, every, OC)
+    s = jax.tree.map(jnp.asarray, s)
+    lora = init_lora(cfg, OC.rank, OC.alpha, jax.random.PRNGKey(0))
+    opt = make_optimizer(OC).init(lora)
+    args = (dp, cfg, tiny_target.params.embed, tiny_target.params.head, s)
+    before, stats = alignment_loss(lora, *args, OC)
+    oc = dataclasses.replace(OC, steps_per_update=20)
+    lora, opt, st = update_jit(lora, opt, *args, oc)
+    after, _ = alignment_loss(lora, *args, OC)
+    assert float(after) < 0.8 * float(before)
+    assert stats["kl"].shape == (OC.horizon,)
+
+
+def test_the_horizon_weights_follow_eq_4(tiny_target, fitted_drafter):
+    ids, p = _sequence(tiny_target)
+    dp, cfg = fitted_drafter.params, fitted_drafter.cfg
+    s = jax.tree.map(jnp.asarray, collect_samples(
+        tiny_target, dp, cfg, ids, p, np.ones(tiny_target.cfg.vocab_size, bool), OC))
+    lora = init_lora(cfg, OC.rank, OC.alpha, jax.random.PRNGKey(0))
+    args = (lora, dp, cfg, tiny_target.params.embed, tiny_target.params.head, s)
+    _, st = alignment_loss(*args, OC)
+    # beta = 0: every step weighs 1, so the loss is the sum of the per-step KLs.
+    flat, fst = alignment_loss(*args, dataclasses.replace(OC, beta=0.0))
+    assert float(flat) == pytest.approx(float(jnp.sum(fst["kl"] * jnp.sum(s.valid, 0)))
+                                        / s.valid.shape[0], rel=1e-4)
+    # A huge beta keeps only step 1 (w_1 = 1, the others vanish).
+    step1, _ = alignment_loss(*args, dataclasses.replace(OC, beta=1e6))
+    assert float(step1) <= float(flat) + 1e-6
+    assert float(step1) == pytest.approx(float(st["l_base"]), rel=1e-4)
+
+
+def _session(target, drafter, adapt=True):
+    v = target.cfg.vocab_size
+    head = evospec_head(target.params.head, np.arange(v), [0], v // 4, n_dyn=v // 8,
+                        arc=ArcConfig(capacity=v // 8, ghost=v // 8, p_init=v // 16, warmup=2,
+                                      min_residency=1, max_insert=8))
+    return OnlineSession(target, drafter, head, oc=OC, adapt=adapt)
+
+
+def test_a_session_adapts_and_keeps_greedy_output(tiny_target, fitted_drafter, tmp_path):
+    sess = _session(tiny_target, fitted_drafter)
+    tree = TreeSpec("chain", depth=3)
+    for prompt in PROMPTS * 2:
+        res = sess.generate([prompt], max_new_tokens=24, stop_on_eos=False, tree=tree)
+        vanilla = specjax.generate(tiny_target, [prompt], max_new_tokens=24,
+                                   stop_on_eos=False).tokens
+        assert res.tokens == vanilla
+    assert sess.stats["updates"] > 0 and sess.stats["samples"] > 0
+    assert float(jnp.abs(sess.lora.b_q).max()) > 0  # the deltas moved
+    path = sess.save(tmp_path / "session")
+    other = _session(tiny_target, fitted_drafter)
+    other.restore(path)
+    for a, b in zip(jax.tree.leaves((sess.lora, sess.opt_state, sess.vocab_state)),
+                    jax.tree.leaves((other.lora, other.opt_state, other.vocab_state)),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert other.stats["updates"] == sess.stats["updates"]

@@ -1,0 +1,187 @@
+"""EvoSpec's online alignment: LoRA on the drafter's W_q and W_v, distilled from verified text.
+
+EvoSpec (section 3.3, eq. 4-5) keeps the drafter's base weights frozen and adapts LoRA
+matrices of rank r (32) and scale alpha / r (alpha = 32) on the query and value
+projections, from samples of the text the target verified:
+
+* **Samples.** A sample is a draft anchor: the root row t of a step whose first draft was
+  wrong although the target's token was in the active vocabulary (a token outside it is the
+  vocabulary's job, not the weights'). It holds the ``context`` tokens before the root and
+  the ``horizon`` (gamma) verified tokens from it, the target's features for the
+  teacher-forced context, and the target's top-K logits at the gamma drafted positions.
+* **Loss (eq. 5).** The drafter drafts gamma steps from the anchor, each step reading its
+  own previous feature (as at inference) and the verified token; step j's distribution on
+  the target's top-K support is compared with the target's: ``T^2 KL(p_T || q_T)`` at
+  distillation temperature T, weighted by ``w_j = exp(-beta * L_base * (j - 1))`` where
+  ``L_base`` is the sample's step-1 KL (no gradient): an uncertain drafter trains on the
+  next token only, an aligned one on longer horizons.
+* **Updates.** A replay buffer of B (32) samples; when it fills, one optax step on the
+  batch, then it empties.
+
+The context is cut to the last ``context`` tokens before the root (the drafter's KV of
+older rows is dropped), so a sample has a fixed shape and a batch is one array; with one
+drafter layer and a few hundred context rows the cut changes little. This module holds the
+pure pieces (LoRA, the sample layout, the loss, the update); the session that collects
+samples between requests is :mod:`specjax.train.online_session`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import Array
+
+from specjax import pytree
+from specjax.drafter import DrafterConfig, DrafterParams, drafter_hidden, init_drafter_cache
+from specjax.model import unfuse_layer
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineConfig:
+    """EvoSpec's alignment settings (paper defaults; ``lr`` is the paper's, see the docs)."""
+
+    rank: int = 32
+    alpha: float = 32.0
+    buffer: int = 32  # B: samples per update
+    horizon: int = 6  # gamma: draft steps scored per sample
+    context: int = 128  # tokens before the root kept in a sample
+    top_k: int = 32  # K_logit: target logits kept per position
+    beta: float = 0.3
+    kd_temperature: float = 1.0
+    lr: float = 1e-5
+    steps_per_update: int = 1
+
+
+@pytree.dataclass
+class Lora:
+    """Low-rank deltas: W_q + s * a_q @ b_q and W_v + s * a_v @ b_v, s = alpha / rank.
+
+    a_q: [d, r]; b_q: [r, Hq*Dh]; a_v: [d, r]; b_v: [r, Hkv*Dh].
+    """
+
+    a_q: Array
+    b_q: Array
+    a_v: Array
+    b_v: Array
+    scale: float = pytree.static_field()
+
+
+def init_lora(cfg: DrafterConfig, rank: int, alpha: float, key: Array) -> Lora:
+    """LoRA's initialisation: a ~ N(0, 1/d), b = 0, so the merged drafter starts as the base."""
+    t = cfg.target
+    d, q, kv = t.hidden_size, t.num_heads * t.head_dim, t.num_kv_heads * t.head_dim
+    k1, k2 = jax.random.split(key)
+    return Lora(a_q=jax.random.normal(k1, (d, rank)) / np.sqrt(d), b_q=jnp.zeros((rank, q)),
+                a_v=jax.random.normal(k2, (d, rank)) / np.sqrt(d), b_v=jnp.zeros((rank, kv)),
+                scale=alpha / rank)
+
+
+def merge(base: DrafterParams, lora: Lora) -> DrafterParams:
+    """The drafter with the deltas folded into W_q and W_v (what the decode loop runs)."""
+    layer = unfuse_layer(base.layer)
+    layer = dataclasses.replace(
+        layer, wq=layer.wq + lora.scale * (lora.a_q @ lora.b_q).astype(layer.wq.dtype),
+        wv=layer.wv + lora.scale * (lora.a_v @ lora.b_v).astype(layer.wv.dtype))
+    return dataclasses.replace(base, layer=layer)
+
+
+@pytree.dataclass
+class Samples:
+    """A batch of draft anchors (see the module doc). N samples, C context, G = horizon.
+
+    tokens: [N, C + G] int32: C context tokens, then the root and the next G - 1 verified
+      tokens (the tokens the G draft steps read).
+    feats: [N, C + 1, d] the target's final-norm features at the C + 1 positions before
+      each of tokens[:, :C + 1] (the feature a drafter row reads; zeros before position 0).
+    top_ids, top_logits: [N, G, K] the target's top-K at the G drafted positions.
+    valid: [N, G] bool positions inside the sequence.
+    """
+
+    tokens: Array
+    feats: Array
+    top_ids: Array
+    top_logits: Array
+    valid: Array
+
+
+def draft_horizon(dp: DrafterParams, cfg: DrafterConfig, embed: Array, s: Samples,
+                  horizon: int) -> Array:
+    """The drafter's G unrolled steps from each anchor: hidden states [N, G, d].
+
+    Context rows (and the root) read the target's features; step j > 0 reads step j-1's
+    own output, as a chain draft does at inference.
+    """
+    n, width = s.tokens.shape
+    c = width - horizon
+    cache = init_drafter_cache(cfg, n, width, s.feats.dtype)
+    pos = jnp.broadcast_to(jnp.arange(c + 1), (n, c + 1))
+    h, cache = drafter_hidden(dp, cfg, embed, s.tokens[:, :c + 1], s.feats, pos, cache)
+    cache = dataclasses.replace(cache, lengths=jnp.full((n,), c + 1, jnp.int32))
+    outs = [h[:, -1]]
+    for j in range(1, horizon):
+        pos = jnp.full((n, 1), c + j, jnp.int32)
+        h, cache = drafter_hidden(dp, cfg, embed, s.tokens[:, c + j:c + j + 1],
+                                  outs[-1][:, None], pos, cache)
+        cache = dataclasses.replace(cache, lengths=cache.lengths + 1)
+        outs.append(h[:, 0])
+    return jnp.stack(outs, axis=1)
+
+
+def alignment_loss(lora: Lora, base: DrafterParams, cfg: DrafterConfig, embed: Array,
+                   head: Array, s: Samples, oc: OnlineConfig) -> tuple[Array, dict]:
+    """Eq. 5 averaged over samples: sum_j w_j T^2 KL(p_T^(j) || q_T^(j)) on the top-K support.
+
+    Returns (loss, {"kl": [G] mean KL per step, "l_base": mean step-1 KL}).
+    """
+    h = draft_horizon(merge(base, lora), cfg, embed, s, oc.horizon)  # [N, G, d]
+    rows = jnp.take(head, s.top_ids, axis=0)  # [N, G, K, d]
+    q_logits = jnp.einsum("ngd,ngkd->ngk", h, rows, preferred_element_type=jnp.float32)
+    t = oc.kd_temperature
+    p = jax.nn.softmax(s.top_logits / t, axis=-1)
+    kl = jnp.sum(p * (jnp.log(p + 1e-30) - jax.nn.log_softmax(q_logits / t, axis=-1)), -1)
+    kl = jnp.where(s.valid, kl, 0.0)  # [N, G]
+    l_base = jax.lax.stop_gradient(kl[:, 0])
+    w = jnp.exp(-oc.beta * l_base[:, None] * jnp.arange(oc.horizon)[None, :])
+    loss = jnp.sum(w * t * t * kl) / kl.shape[0]
+    denom = jnp.maximum(jnp.sum(s.valid, axis=0), 1)
+    return loss, {"kl": jnp.sum(kl, axis=0) / denom, "l_base": jnp.mean(l_base)}
+
+
+def make_optimizer(oc: OnlineConfig) -> optax.GradientTransformation:
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(oc.lr))
+
+
+def update(lora: Lora, opt_state: Any, base: DrafterParams, cfg: DrafterConfig, embed: Array,
+           head: Array, s: Samples, oc: OnlineConfig) -> tuple[Lora, Any, dict]:
+    """``oc.steps_per_update`` optax steps on one full buffer. Jit with static cfg / oc."""
+    tx = make_optimizer(oc)
+
+    def one(carry, _):
+        lora, opt_state = carry
+        (loss, stats), grads = jax.value_and_grad(alignment_loss, has_aux=True)(
+            lora, base, cfg, embed, head, s, oc)
+        upd, opt_state = tx.update(grads, opt_state, lora)
+        return (optax.apply_updates(lora, upd), opt_state), (loss, stats)
+
+    (lora, opt_state), (losses, stats) = jax.lax.scan(one, (lora, opt_state), None,
+                                                      length=oc.steps_per_update)
+    return lora, opt_state, {"loss": losses[0], "loss_after": losses[-1], **jax.tree.map(
+        lambda a: a[-1], stats)}
+
+
+update_jit = jax.jit(update, static_argnames=("cfg", "oc"))
+
+
+def memory_bytes(lora: Lora, base: DrafterParams, opt: optax.GradientTransformation) -> dict:
+    """Trainable and optimiser-state bytes of LoRA against full-parameter updates (OSD)."""
+    def nbytes(tree):
+        return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+    full = jax.tree.map(lambda x: x.astype(jnp.float32), base)
+    return {"lora_trainable": nbytes(lora), "lora_optimizer": nbytes(opt.init(lora)),
+            "full_trainable": nbytes(full), "full_optimizer": nbytes(opt.init(full))}

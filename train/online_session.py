@@ -1,0 +1,207 @@
+"""An EvoSpec session: requests in order, the drafter aligned online and the vocabulary evolving.
+
+:class:`OnlineSession` keeps, between :meth:`OnlineSession.generate` calls, everything
+EvoSpec adapts: the LoRA deltas and their optimiser state, the replay buffer, and the
+EvoSpec head's buffer (``vocab_state``). After each request it turns the verified text into
+draft-anchor samples (:func:`collect_samples`, the gate of :mod:`specjax.train.online`),
+and when the replay buffer holds B samples it runs an update. ``save`` / ``restore`` write
+and read the whole state with orbax.
+
+The drafter only proposes: every request's output is the target's (greedy output equals
+vanilla, sampled output has the target's distribution), whatever the deltas are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.loaded import Drafter, Target
+from specjax.loop import bucket
+from specjax.model import forward_hidden, init_cache, lm_head
+from specjax.train.online import (
+    Lora,
+    OnlineConfig,
+    Samples,
+    init_lora,
+    make_optimizer,
+    memory_bytes,
+    merge,
+    update_jit,
+)
+
+
+def _teacher_forced(target: Target, dp: Any, cfg: Any, ids: list[int], k: int):
+    """(target features [T, d], target top-K ids/logits [T, K], drafter logits [T, V])."""
+    from specjax.drafter import drafter_hidden, init_drafter_cache
+
+    n = bucket(len(ids))
+    toks = jnp.asarray([ids + [0] * (n - len(ids))], jnp.int32)
+    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    hidden, _, _ = forward_hidden(target.params, target.cfg, toks, pos,
+                                  init_cache(target.cfg, 1, n))
+    top = jax.lax.top_k(lm_head(target.params, hidden)[0].astype(jnp.float32), k)
+    shifted = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
+    h, _ = drafter_hidden(dp, cfg, target.params.embed, toks, shifted, pos,
+                          init_drafter_cache(cfg, 1, n, hidden.dtype))
+    t = len(ids)
+    return (np.asarray(hidden[0, :t], np.float32), np.asarray(top[1][:t]),
+            np.asarray(top[0][:t]), h[0, :t] @ target.params.head.T)
+
+
+def collect_samples(target: Target, dp: Any, cfg: Any, ids: list[int], prompt_len: int,
+                    active: np.ndarray, oc: OnlineConfig) -> Samples | None:
+    """Draft anchors of one verified sequence (the gate of the module doc), as numpy arrays.
+
+    ids: prompt + output tokens; active: [V] bool the active vocabulary at the end of the
+    request (EvoSpec's core and buffer). A row t predicts ids[t + 1]; anchors are the rows
+    in the output's range with at least ``oc.context`` rows before them whose active-vocab
+    argmax misses an in-vocabulary target token.
+    """
+    feats, top_ids, top_logits, dlogits = _teacher_forced(target, dp, cfg, ids, oc.top_k)
+    dlogits = np.asarray(jnp.where(jnp.asarray(active)[None], dlogits, -jnp.inf))
+    pred = dlogits.argmax(-1)
+    nxt = np.asarray(ids[1:] + [-1])
+    c, g = oc.context, oc.horizon
+    rows = np.arange(max(prompt_len - 1, c), len(ids) - 1)
+    rows = rows[(pred[rows] != nxt[rows]) & active[nxt[rows]]]
+    if rows.size == 0:
+        return None
+    d = feats.shape[1]
+    padded_ids = np.asarray(ids + [0] * g, np.int32)
+    tokens = np.stack([padded_ids[t - c:t + g] for t in rows])
+    zero = np.zeros((1, d), np.float32)
+    f = np.concatenate([zero, feats])  # f[i] = feature read by row i
+    tf = np.stack([f[t - c:t + 1] for t in rows])
+    span = rows[:, None] + np.arange(g)[None]
+    valid = span < len(ids) - 1  # the position's next token exists
+    span = np.minimum(span, len(ids) - 1)
+    return Samples(tokens=tokens, feats=tf, top_ids=top_ids[span], top_logits=top_logits[span],
+                   valid=valid)
+
+
+def _concat(parts: list[Samples]) -> Samples:
+    return jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
+
+
+@dataclasses.dataclass
+class OnlineSession:
+    """Requests in order with EvoSpec: ``vocab`` evolves, LoRA aligns (``adapt``)."""
+
+    target: Target
+    drafter: Drafter
+    vocab: Any  # a VocabHead (an EvoSpec head, or any head for LoRA alone)
+    oc: OnlineConfig = OnlineConfig()
+    adapt: bool = True
+    seed: int = 0
+    lora: Lora | None = None
+    opt_state: Any = None
+    vocab_state: Any = None
+    buffer: list = dataclasses.field(default_factory=list)
+    stats: dict = dataclasses.field(default_factory=lambda: {
+        "requests": 0, "samples": 0, "updates": 0, "update_s": [], "loss": []})
+
+    def __post_init__(self) -> None:
+        if self.lora is None:
+            self.lora = init_lora(self.drafter.cfg, self.oc.rank, self.oc.alpha,
+                                  jax.random.PRNGKey(self.seed))
+            self.opt_state = make_optimizer(self.oc).init(self.lora)
+
+    def current_drafter(self) -> Drafter:
+        """The drafter the next request drafts with: the base with the deltas merged."""
+        if not self.adapt:
+            return self.drafter
+        return dataclasses.replace(self.drafter, params=merge(self.drafter.params, self.lora))
+
+    def _active(self) -> np.ndarray:
+        v = self.target.cfg.vocab_size
+        head = self.vocab
+        if not getattr(head, "stateful", False):
+            active = np.zeros(v, bool)
+            ids = getattr(head, "ids", None)
+            active[np.asarray(ids) if ids is not None else np.arange(v)] = True
+            return active
+        active = np.asarray(head.in_core).copy()
+        dyn = np.asarray(self.vocab_state.arc.ids[0])
+        active[dyn[dyn >= 0]] = True
+        return active
+
+    def generate(self, prompt: Any, **kwargs: Any) -> Any:
+        """One request (one prompt): :func:`specjax.generate` with this session's state."""
+        import specjax
+        from specjax.api import encode_prompts
+
+        ids = encode_prompts(self.target, prompt, kwargs.get("chat", True),
+                             kwargs.get("system"))
+        if len(ids) != 1:
+            raise ValueError("a session serves one conversation: pass one prompt per request")
+        res = specjax.generate(self.target, ids, drafter=self.current_drafter(),
+                               vocab=self.vocab, vocab_state=self.vocab_state,
+                               **{k: v for k, v in kwargs.items() if k not in ("chat", "system")})
+        self.vocab_state = res.vocab_state
+        self.stats["requests"] += 1
+        if self.adapt:
+            self._learn(ids[0], res.tokens[0])
+        return res
+
+    def _learn(self, prompt: list[int], output: list[int]) -> None:
+        dr = self.current_drafter()
+        s = collect_samples(self.target, dr.params, dr.cfg, prompt + output, len(prompt),
+                            self._active(), self.oc)
+        if s is None:
+            return
+        self.buffer.append(s)
+        self.stats["samples"] += len(s.tokens)
+        while sum(len(b.tokens) for b in self.buffer) >= self.oc.buffer:
+            pool = _concat(self.buffer)
+            batch = jax.tree.map(lambda a: a[-self.oc.buffer:], pool)  # the newest B
+            rest = jax.tree.map(lambda a: a[:-self.oc.buffer], pool)
+            self.buffer = [rest] if len(rest.tokens) else []
+            t0 = time.perf_counter()
+            self.lora, self.opt_state, st = jax.block_until_ready(update_jit(
+                self.lora, self.opt_state, self.drafter.params, self.drafter.cfg,
+                self.target.params.embed, self.target.params.head,
+                jax.tree.map(jnp.asarray, batch), self.oc))
+            self.stats["update_s"].append(time.perf_counter() - t0)
+            self.stats["loss"].append(float(st["loss"]))
+            self.stats["updates"] += 1
+            self.buffer = []  # "updates run when it fills", then it empties
+
+    def memory(self) -> dict:
+        return memory_bytes(self.lora, self.drafter.params, make_optimizer(self.oc))
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path: str | Path) -> Path:
+        """Write LoRA, optimiser state and the vocabulary state with orbax."""
+        import orbax.checkpoint as ocp
+
+        path = Path(path).absolute()
+        state = {"lora": self.lora, "opt_state": self.opt_state,
+                 "vocab_state": self.vocab_state, "stats": {
+                     "requests": self.stats["requests"], "updates": self.stats["updates"]}}
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(path, jax.tree.map(np.asarray, state), force=True)
+        ckptr.wait_until_finished()
+        return path
+
+    def restore(self, path: str | Path) -> None:
+        """Read what :meth:`save` wrote into this session (same drafter, head and settings)."""
+        import orbax.checkpoint as ocp
+
+        vocab_state = self.vocab_state
+        if vocab_state is None and getattr(self.vocab, "stateful", False):
+            vocab_state = self.vocab.init_state(1)
+        abstract = {"lora": self.lora, "opt_state": self.opt_state, "vocab_state": vocab_state,
+                    "stats": {"requests": 0, "updates": 0}}
+        got = ocp.StandardCheckpointer().restore(
+            Path(path).absolute(), jax.tree.map(np.asarray, abstract))
+        self.lora, self.opt_state = got["lora"], got["opt_state"]
+        self.vocab_state = got["vocab_state"]
+        self.stats["requests"] = int(got["stats"]["requests"])
+        self.stats["updates"] = int(got["stats"]["updates"])
