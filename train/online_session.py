@@ -108,6 +108,13 @@ class OnlineSession:
         "requests": 0, "samples": 0, "updates": 0, "update_s": [], "loss": []})
 
     def __post_init__(self) -> None:
+        from specjax.drafter import DrafterConfig
+
+        if self.adapt and not isinstance(self.drafter.cfg, DrafterConfig):
+            kind = type(self.drafter.cfg).__name__
+            raise ValueError("online LoRA alignment adapts EAGLE-1/2 drafters (one decoder "
+                             f"layer with W_q, W_v); this drafter is {kind}; pass adapt=False "
+                             "to keep only the vocabulary state")
         if self.lora is None:
             self.lora = init_lora(self.drafter.cfg, self.oc.rank, self.oc.alpha,
                                   jax.random.PRNGKey(self.seed))
