@@ -7,10 +7,20 @@ import argparse
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``bench`` and its subcommands to a parser's subparsers; each sets ``args.run``."""
-    from specjax.bench import breakdown, decode, gemm, latency, oracle, spec, tree_compare, vocab
+    from specjax.bench import (
+        breakdown,
+        decode,
+        evospec,
+        gemm,
+        latency,
+        oracle,
+        spec,
+        tree_compare,
+        vocab,
+    )
 
     b = subparsers.add_parser("bench", help="benchmarks (results as JSON + plot)")
     bench = b.add_subparsers(dest="bench", required=True)
-    for module in (decode, spec, tree_compare, breakdown, vocab, gemm, latency, oracle):
+    for module in (decode, spec, tree_compare, breakdown, vocab, gemm, latency, oracle, evospec):
         module.add_parser(bench)
     return b

@@ -1,0 +1,220 @@
+"""``specjax bench evospec``: a topic switch, as in EvoSpec's figure 2.
+
+A stream of requests, first from one domain and then from another (ShareGPT first user
+turns chosen by keywords: programming, then medicine and law by default), runs in order
+through five configurations, each with its own state carried from request to request:
+
+* ``full``: the full vocabulary, a frozen drafter;
+* ``fr``: FR-Spec's static core (the same N as EvoSpec's core), frozen;
+* ``buffer``: EvoSpec's core + dynamic buffer, frozen drafter;
+* ``lora``: the static core with online LoRA alignment;
+* ``evospec``: core + buffer + LoRA (both halves).
+
+Greedy, so every configuration's tokens must equal vanilla decoding's (checked per
+request). Reported: MAL per request per configuration, the mean before and after the
+switch, how many requests after the switch EvoSpec needs to come within 3% of the full
+head's MAL (a trailing mean of 5), LoRA updates and their time, and the LoRA path's
+trainable and optimiser bytes against full-parameter online updates. JSON + a plot of MAL
+over the stream with the switch marked. Spec-Bench's questions are never in the stream.
+
+Resumable: after each request, the record goes to ``<out>.partial.jsonl`` and each
+configuration's state to ``<out>.state/<config>/`` (orbax); a rerun restores and goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DOMAINS = {
+    "code": r"\b(python|javascript|java|c\+\+|function|class|def|code|compile|sql|api|bug|"
+            r"script|typescript|react|regex)\b",
+    "medical": r"\b(patient|patients|disease|symptom|symptoms|clinical|diagnosis|medical|"
+               r"treatment|therapy|cancer|drug|doctor|health)\b",
+    "legal": r"\b(law|legal|court|contract|attorney|lawsuit|statute|clause|liability|"
+             r"plaintiff|defendant|jurisdiction)\b",
+}
+CONFIGS = ("full", "fr", "buffer", "lora", "evospec")
+
+
+def domain_prompts(tokenizer: Any, domain: str, n: int, *, skip: int, max_tokens: int,
+                   exclude: set) -> list[str]:
+    """The first ``n`` ShareGPT first user turns (from record ``skip``) matching a domain."""
+    from specjax.train.data import iter_records, normalize_messages, sharegpt_path
+    from specjax.train.prompts import _shingles
+
+    pattern = re.compile(DOMAINS[domain], re.IGNORECASE)
+    others = [re.compile(p, re.IGNORECASE) for d, p in DOMAINS.items() if d != domain]
+    out: list[str] = []
+    for i, rec in enumerate(iter_records(sharegpt_path())):
+        if i < skip:
+            continue
+        msgs = normalize_messages(rec)
+        if not msgs or msgs[0]["role"] != "user":
+            continue
+        text = msgs[0]["content"]
+        # Two or more hits and none of the other domains': a clear topic.
+        if (len(pattern.findall(text)) < 2 or any(o.search(text) for o in others)
+                or _shingles(text) & exclude):
+            continue
+        if len(tokenizer.encode(text)) > max_tokens:
+            continue
+        out.append(text)
+        if len(out) == n:
+            return out
+    raise ValueError(f"ShareGPT has only {len(out)} usable {domain} prompts after record "
+                     f"{skip}; lower --per-domain")
+
+
+def _session(config: str, target: Any, drafter: Any, core: int, n_dyn: int, oc: Any) -> Any:
+    from specjax.train.online_session import OnlineSession
+    from specjax.vocab import resolve_head
+
+    spec = {"full": "full", "fr": f"fr:{core}", "lora": f"fr:{core}"}.get(
+        config, f"evospec:{core}+{n_dyn}")
+    return OnlineSession(target, drafter, resolve_head(spec, target, drafter), oc=oc,
+                         adapt=config in ("lora", "evospec"))
+
+
+def recovery(mal: Sequence[float], ref: Sequence[float], start: int, *, window: int = 5,
+             within: float = 0.03) -> int | None:
+    """Requests after ``start`` until the trailing mean of ``mal`` is within ``within`` of
+    ``ref``'s (None if never)."""
+    for i in range(start, len(mal)):
+        lo = max(start, i - window + 1)
+        if np.mean(mal[lo:i + 1]) >= (1 - within) * np.mean(ref[lo:i + 1]):
+            return i - start + 1
+    return None
+
+
+def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
+                      domains: Sequence[str] = ("code", "medical"), per_domain: int = 20,
+                      max_new_tokens: int = 128, core: int = 8192, n_dyn: int = 256,
+                      lr: float = 1e-5, skip: int = 600, out: str | Path = "results/"
+                      "bench_evospec.json", progress: bool = True) -> dict[str, Any]:
+    import jax
+    from tqdm.auto import tqdm
+
+    import specjax
+    from specjax.bench.common import first_mismatch, machine_info, save_figure, write_json
+    from specjax.bench.partial import append_record, partial_path, read_partial
+    from specjax.bench.phases import resolve_drafter
+    from specjax.bench.questions import resolve_questions
+    from specjax.defaults import resolve_model
+    from specjax.speculative import TreeSpec
+    from specjax.train.online import OnlineConfig
+    from specjax.train.prompts import load_exclusions
+
+    out = Path(out)
+    target = specjax.load(resolve_model(model, progress=progress))
+    drafter, label = resolve_drafter(drafter_dir, target)
+    exclude = load_exclusions([resolve_questions(None)])
+    stream = [(d, p) for d in domains for p in domain_prompts(
+        target.tokenizer, d, per_domain, skip=skip, max_tokens=256, exclude=exclude)]
+    oc = OnlineConfig(lr=lr)
+    tree = TreeSpec()
+    config = {"domains": list(domains), "per_domain": per_domain, "core": core,
+              "n_dyn": n_dyn, "lr": lr, "max_new_tokens": max_new_tokens, "drafter": label,
+              "tree": dataclasses.asdict(tree)}
+    config = json.loads(json.dumps(config))
+    part, state_dir = partial_path(out), out.with_suffix(".state")
+    done = [r for r in read_partial(part) if r.get("config") == config]
+    if len(done) < len(read_partial(part)):  # another configuration's partial results
+        part.unlink()
+        shutil.rmtree(state_dir, ignore_errors=True)
+        done = []
+    sessions = {c: _session(c, target, drafter, core, n_dyn, oc) for c in CONFIGS}
+    if done:
+        for c, s in sessions.items():
+            s.restore(state_dir / c)
+    bar = tqdm(total=len(stream), initial=len(done), desc="bench evospec", disable=not progress)
+    records = list(done)
+    for i, (domain, prompt) in enumerate(stream):
+        if i < len(done):
+            continue
+        vanilla = specjax.generate(target, prompt, max_new_tokens=max_new_tokens).tokens[0]
+        rec: dict[str, Any] = {"config": config, "index": i, "domain": domain}
+        for c, s in sessions.items():
+            before = s.stats["updates"]
+            res = s.generate(prompt, max_new_tokens=max_new_tokens, tree=tree)
+            rec[c] = {"mal": res.stats["mean_accepted_length"],
+                      "mismatch_at": first_mismatch(res.tokens[0], vanilla),
+                      "updates": s.stats["updates"] - before,
+                      **{k: res.stats[k][0] for k in ("oov_events", "insertions",
+                                                       "buffer_occupancy") if k in res.stats}}
+            s.save(state_dir / c)
+        append_record(part, rec)
+        records.append(rec)
+        bar.update()
+    bar.close()
+    switch = per_domain
+    mal = {c: [r[c]["mal"] for r in records] for c in CONFIGS}
+    result = {
+        "config": config, "machine": machine_info(), "switch_at": switch,
+        "mal": mal, "greedy_identical": all(r[c]["mismatch_at"] is None for r in records
+                                            for c in CONFIGS),
+        "mean_before": {c: float(np.mean(v[:switch])) for c, v in mal.items()},
+        "mean_after": {c: float(np.mean(v[switch:])) for c, v in mal.items()},
+        "recovery_requests": recovery(mal["evospec"], mal["full"], switch),
+        "lora_updates": {c: sessions[c].stats["updates"] for c in ("lora", "evospec")},
+        "lora_update_s": {c: sessions[c].stats["update_s"] for c in ("lora", "evospec")},
+        "memory": sessions["evospec"].memory(),
+    }
+    write_json(out, result)
+    _plot(result, out.with_suffix(".png"), save_figure)
+    jax.clear_caches()
+    return result
+
+
+def _plot(result: dict, path: Path, save_figure: Any) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for c, v in result["mal"].items():
+        ax.plot(range(1, len(v) + 1), v, marker=".", label=c)
+    ax.axvline(result["switch_at"] + 0.5, color="k", ls="--", lw=1)
+    ax.set_xlabel("request")
+    ax.set_ylabel("mean accepted length")
+    ax.set_title(" -> ".join(result["config"]["domains"]) + " (switch dashed)")
+    ax.legend()
+    save_figure(fig, path)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("evospec", help="EvoSpec on a topic-switch stream",
+                              description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--drafter", default=None)
+    p.add_argument("--domains", default="code,medical",
+                   help=f"two or more of {', '.join(DOMAINS)}, in stream order")
+    p.add_argument("--per-domain", type=int, default=20)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--core", type=int, default=8192)
+    p.add_argument("--n-dyn", type=int, default=256)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--out", default="results/bench_evospec.json")
+    p.set_defaults(run=_run)
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    domains = [d.strip() for d in args.domains.split(",") if d.strip()]
+    bad = [d for d in domains if d not in DOMAINS]
+    if bad or len(domains) < 2:
+        raise ValueError(f"--domains needs two or more of {', '.join(DOMAINS)}; got "
+                         f"{args.domains!r}")
+    r = run_evospec_bench(args.model, args.drafter, domains=domains,
+                          per_domain=args.per_domain, max_new_tokens=args.max_new_tokens,
+                          core=args.core, n_dyn=args.n_dyn, lr=args.lr, out=args.out)
+    print(json.dumps({k: r[k] for k in ("mean_before", "mean_after", "recovery_requests",
+                                        "greedy_identical")}, indent=1))
+    return 0

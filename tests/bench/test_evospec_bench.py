@@ -1,0 +1,38 @@
+"""bench evospec: the recovery count, the topic filter, and (bench marker) a tiny real run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specjax.bench.evospec import DOMAINS, recovery, run_evospec_bench
+
+
+def test_recovery_counts_requests_until_the_trailing_mean_is_close():
+    full = [2.0] * 10
+    mal = [2.0] * 5 + [1.0, 1.5, 1.9, 2.0, 2.0]
+    # Within 3% of 2.0 needs a trailing mean >= 1.94. Windows of 5 from request 5 never get
+    # there (the last is 1.68); windows of 2 do at the 4th request, (1.9 + 2.0) / 2 = 1.95.
+    assert recovery(mal, full, 5) is None
+    assert recovery(mal, full, 5, window=2) == 4
+    assert recovery([2.0] * 6, full[:6], 3) == 1
+
+
+def test_domain_patterns_tell_the_topics_apart():
+    import re
+
+    code = re.compile(DOMAINS["code"], re.IGNORECASE)
+    med = re.compile(DOMAINS["medical"], re.IGNORECASE)
+    assert len(code.findall("Write a Python function that parses JSON, then a class")) >= 2
+    assert not med.search("Write a Python function that parses JSON")
+    assert len(med.findall("What treatment helps patients with this disease?")) >= 2
+
+
+@pytest.mark.bench
+def test_a_tiny_stream_runs_and_keeps_greedy_output(tmp_path):
+    r = run_evospec_bench(None, None, per_domain=1, max_new_tokens=12, core=2048, n_dyn=32,
+                          out=tmp_path / "e.json", progress=False)
+    assert r["greedy_identical"] and len(r["mal"]["evospec"]) == 2
+    assert json.loads((tmp_path / "e.json").read_text())["switch_at"] == 1
+    assert (tmp_path / "e.png").stat().st_size > 0
