@@ -13,6 +13,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         evospec,
         gemm,
         latency,
+        mips,
         oracle,
         spec,
         tree_compare,
@@ -21,6 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
     b = subparsers.add_parser("bench", help="benchmarks (results as JSON + plot)")
     bench = b.add_subparsers(dest="bench", required=True)
-    for module in (decode, spec, tree_compare, breakdown, vocab, gemm, latency, oracle, evospec):
+    for module in (decode, spec, tree_compare, breakdown, vocab, gemm, latency, oracle, evospec,
+                   mips):
         module.add_parser(bench)
     return b
