@@ -95,6 +95,58 @@ def recovery(mal: Sequence[float], ref: Sequence[float], start: int, *, window: 
     return None
 
 
+def step_cost(target: Any, drafter: Any, *, core: int = 8192, n_dyn: int = 256,
+              context: int = 512, runs: int = 20) -> dict[str, Any]:
+    """What keeping the buffer in the compiled loop costs per step (B = 1, best ms).
+
+    * the draft phase (default EAGLE-2 tree) with ``fr:core`` against ``evospec:core+n_dyn``
+      (the buffer's rows gathered and scored at every expansion);
+    * ``observe`` alone (the hit bookkeeping, and the ARC update under its ``lax.cond``)
+      on a step without an OOV event and on one with (a token outside core and buffer),
+      starting from a half-full buffer.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.bench.phases import draft_latency
+    from specjax.bench.timing import time_calls
+    from specjax.loop import bucket
+    from specjax.speculative import TreeSpec, cache_capacity
+    from specjax.vocab import resolve_head
+    from specjax.vocab.head import Feedback
+
+    tree = TreeSpec()
+    cap = cache_capacity(context, 128, tree)
+    heads = {"fr": resolve_head(f"fr:{core}", target, drafter),
+             "evospec": resolve_head(f"evospec:{core}+{n_dyn}", target, drafter)}
+    out: dict[str, Any] = {"draft_ms": {
+        k: draft_latency(target, drafter, tree, context=context, capacity=cap,
+                         out_len=bucket(128), runs=runs, head=h)["best_ms"]
+        for k, h in heads.items()}}
+    evo = heads["evospec"]
+    v = target.cfg.vocab_size
+    outside = np.flatnonzero(~np.asarray(evo.in_core))
+    state = evo.init_state(1)
+    observe = jax.jit(evo.observe)
+    rs = np.random.RandomState(0)
+    logits = jnp.asarray(rs.randn(1, v).astype(np.float32))
+    for tok in outside[: n_dyn // 2]:  # half-fill the buffer through real events
+        fb = Feedback(committed=jnp.asarray([[int(tok), -1, -1, -1, -1]]),
+                      bonus=jnp.asarray([int(tok)]), logits=logits,
+                      hidden=jnp.zeros((1, target.cfg.hidden_size)), live=jnp.ones((1,), bool))
+        state = observe(state, fb)
+    core_tok = int(np.asarray(evo.core_ids)[5])
+    new_tok = int(outside[-1])
+    for name, tok in (("observe_no_event_ms", core_tok), ("observe_event_ms", new_tok)):
+        fb = Feedback(committed=jnp.asarray([[tok, -1, -1, -1, -1]]), bonus=jnp.asarray([tok]),
+                      logits=logits, hidden=jnp.zeros((1, target.cfg.hidden_size)),
+                      live=jnp.ones((1,), bool))
+        out[name] = time_calls(lambda fb=fb: observe(state, fb), runs)["best_ms"]
+    out["draft_overhead"] = out["draft_ms"]["evospec"] / out["draft_ms"]["fr"]
+    out["occupancy"] = int(np.asarray(state.arc.ids != -1).sum())
+    return out
+
+
 def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
                       domains: Sequence[str] = ("code", "medical"), per_domain: int = 20,
                       max_new_tokens: int = 128, core: int = 8192, n_dyn: int = 256,
@@ -202,11 +254,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--n-dyn", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--out", default="results/bench_evospec.json")
+    p.add_argument("--step-cost", action="store_true",
+                   help="only measure the per-step cost of the buffer (draft phase fr vs "
+                        "evospec, observe with and without an OOV event) and print it")
     p.set_defaults(run=_run)
     return p
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.step_cost:
+        import specjax
+        from specjax.bench.phases import resolve_drafter
+        from specjax.defaults import resolve_model
+
+        target = specjax.load(resolve_model(args.model))
+        drafter, _ = resolve_drafter(args.drafter, target)
+        print(json.dumps(step_cost(target, drafter, core=args.core, n_dyn=args.n_dyn),
+                         indent=1))
+        return 0
     domains = [d.strip() for d in args.domains.split(",") if d.strip()]
     bad = [d for d in domains if d not in DOMAINS]
     if bad or len(domains) < 2:
