@@ -58,13 +58,18 @@ def exact_second_third(target) -> np.ndarray:
     return np.einsum("a,ab,abc->bc", p1, p2, p3)
 
 
+def pair_counts(tokens: list[list[int]]) -> np.ndarray:
+    """[V, V] counts of (x2, x3) over sampled rows of three new tokens."""
+    toks = np.asarray(tokens)
+    counts = np.zeros((V, V))
+    np.add.at(counts, (toks[:, 1], toks[:, 2]), 1)
+    return counts
+
+
 def sample_second_third(target, drafter, tree, vocab="full") -> tuple[np.ndarray, float]:
     res = specjax.generate(target, [PROMPT] * N, max_new_tokens=3, temperature=TEMP,
                            stop_on_eos=False, drafter=drafter, tree=tree, seed=7, vocab=vocab)
-    toks = np.asarray(res.tokens)
-    counts = np.zeros((V, V))
-    np.add.at(counts, (toks[:, 1], toks[:, 2]), 1)
-    return counts, res.stats["mean_accepted_length"]
+    return pair_counts(res.tokens), res.stats["mean_accepted_length"]
 
 
 def pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
@@ -133,9 +138,7 @@ def test_an_evolving_buffer_keeps_the_target_distribution(small_vocab, exact):
     res = specjax.generate(target, [PROMPT] * N, max_new_tokens=3, temperature=TEMP,
                            stop_on_eos=False, drafter=drafter, tree=TREES["chain-sampled"],
                            seed=7, vocab=head)
-    toks = np.asarray(res.tokens)
-    counts = np.zeros((V, V))
-    np.add.at(counts, (toks[:, 1], toks[:, 2]), 1)
+    counts = pair_counts(res.tokens)
     assert res.stats["mean_accepted_length"] > 1.2
     assert np.mean(res.stats["insertions"]) > 1, "the buffer must change during the run"
     assert pvalue(counts, exact) > 1e-3
@@ -166,9 +169,7 @@ def test_an_online_adapted_drafter_keeps_the_target_distribution(small_vocab, ex
     res = specjax.generate(target, [PROMPT] * N, max_new_tokens=3, temperature=TEMP,
                            stop_on_eos=False, drafter=sess.current_drafter(),
                            tree=TREES["chain-sampled"], seed=7, vocab=head, vocab_state=state)
-    toks = np.asarray(res.tokens)
-    counts = np.zeros((V, V))
-    np.add.at(counts, (toks[:, 1], toks[:, 2]), 1)
+    counts = pair_counts(res.tokens)
     assert res.stats["mean_accepted_length"] > 1.1  # drafts are still accepted
     assert pvalue(counts, exact) > 1e-3
 
@@ -179,9 +180,7 @@ def test_eagle_q_one_shortcut_is_exact_but_accepts_less(small_vocab, exact):
     res = specjax.generate(target, [PROMPT] * N, max_new_tokens=3, temperature=TEMP,
                            stop_on_eos=False, drafter=drafter, tree=TREES["chain-sampled"],
                            seed=7, assume_q_one=True)
-    toks = np.asarray(res.tokens)
-    counts = np.zeros((V, V))
-    np.add.at(counts, (toks[:, 1], toks[:, 2]), 1)
+    counts = pair_counts(res.tokens)
     assert pvalue(counts, exact) > 1e-3
     _, mal = sample_second_third(target, drafter, TREES["chain-sampled"])
     assert res.stats["mean_accepted_length"] < mal - 0.02
