@@ -316,8 +316,8 @@ def _check_vocab_state(runner: Any, vocab_state: Any, batch: int) -> None:
     if head is None or not head.stateful:
         raise ValueError("vocab_state continues a stateful vocabulary head (vocab='evospec'); "
                          f"this run's head is {getattr(head, 'name', 'none (vanilla)')}")
-    want = jax.tree.structure(head.init_state(1))
-    if jax.tree.structure(vocab_state) != want:
+    fresh = head.init_state(1)
+    if jax.tree.structure(vocab_state) != jax.tree.structure(fresh):
         raise ValueError(f"vocab_state does not have the {head.name} head's structure; pass "
                          "the vocab_state of a result made with the same head")
     rows = {leaf.shape[0] for leaf in jax.tree.leaves(vocab_state)}
@@ -325,7 +325,7 @@ def _check_vocab_state(runner: Any, vocab_state: Any, batch: int) -> None:
         raise ValueError(f"vocab_state holds {sorted(rows)} rows but this call has {batch} "
                          "prompts; pass one state row per prompt")
     if [x.shape[1:] for x in jax.tree.leaves(vocab_state)] != [
-            x.shape[1:] for x in jax.tree.leaves(head.init_state(1))]:
+            x.shape[1:] for x in jax.tree.leaves(fresh)]:
         raise ValueError(f"vocab_state was made with another buffer size than {head.name}'s")
 
 

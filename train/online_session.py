@@ -165,20 +165,18 @@ class OnlineSession:
             return
         self.buffer.append(s)
         self.stats["samples"] += len(s.tokens)
-        while sum(len(b.tokens) for b in self.buffer) >= self.oc.buffer:
-            pool = _concat(self.buffer)
-            batch = jax.tree.map(lambda a: a[-self.oc.buffer:], pool)  # the newest B
-            rest = jax.tree.map(lambda a: a[:-self.oc.buffer], pool)
-            self.buffer = [rest] if len(rest.tokens) else []
-            t0 = time.perf_counter()
-            self.lora, self.opt_state, st = jax.block_until_ready(update_jit(
-                self.lora, self.opt_state, self.drafter.params, self.drafter.cfg,
-                self.target.params.embed, self.target.params.head,
-                jax.tree.map(jnp.asarray, batch), self.oc))
-            self.stats["update_s"].append(time.perf_counter() - t0)
-            self.stats["loss"].append(float(st["loss"]))
-            self.stats["updates"] += 1
-            self.buffer = []  # "updates run when it fills", then it empties
+        if sum(len(b.tokens) for b in self.buffer) < self.oc.buffer:
+            return
+        # "Updates run when it fills": one update on the newest B samples, then it empties.
+        batch = jax.tree.map(lambda a: jnp.asarray(a[-self.oc.buffer:]), _concat(self.buffer))
+        self.buffer = []
+        t0 = time.perf_counter()
+        self.lora, self.opt_state, st = jax.block_until_ready(update_jit(
+            self.lora, self.opt_state, self.drafter.params, self.drafter.cfg,
+            self.target.params.embed, self.target.params.head, batch, self.oc))
+        self.stats["update_s"].append(time.perf_counter() - t0)
+        self.stats["loss"].append(float(st["loss"]))
+        self.stats["updates"] += 1
 
     def memory(self) -> dict:
         return memory_bytes(self.lora, self.drafter.params, make_optimizer(self.oc))

@@ -130,17 +130,18 @@ def step_cost(target: Any, drafter: Any, *, core: int = 8192, n_dyn: int = 256,
     observe = jax.jit(evo.observe)
     rs = np.random.RandomState(0)
     logits = jnp.asarray(rs.randn(1, v).astype(np.float32))
+
+    def committing(tok: int) -> Feedback:
+        """A step that committed ``tok`` as its bonus (and nothing else)."""
+        return Feedback(committed=jnp.asarray([[tok, -1, -1, -1, -1]]), bonus=jnp.asarray([tok]),
+                        logits=logits, hidden=jnp.zeros((1, target.cfg.hidden_size)),
+                        live=jnp.ones((1,), bool))
+
     for tok in outside[: n_dyn // 2]:  # half-fill the buffer through real events
-        fb = Feedback(committed=jnp.asarray([[int(tok), -1, -1, -1, -1]]),
-                      bonus=jnp.asarray([int(tok)]), logits=logits,
-                      hidden=jnp.zeros((1, target.cfg.hidden_size)), live=jnp.ones((1,), bool))
-        state = observe(state, fb)
+        state = observe(state, committing(int(tok)))
     core_tok = int(np.asarray(evo.core_ids)[5])
-    new_tok = int(outside[-1])
-    for name, tok in (("observe_no_event_ms", core_tok), ("observe_event_ms", new_tok)):
-        fb = Feedback(committed=jnp.asarray([[tok, -1, -1, -1, -1]]), bonus=jnp.asarray([tok]),
-                      logits=logits, hidden=jnp.zeros((1, target.cfg.hidden_size)),
-                      live=jnp.ones((1,), bool))
+    for name, tok in (("observe_no_event_ms", core_tok), ("observe_event_ms", int(outside[-1]))):
+        fb = committing(tok)
         out[name] = time_calls(lambda fb=fb: observe(state, fb), runs)["best_ms"]
     out["draft_overhead"] = out["draft_ms"]["evospec"] / out["draft_ms"]["fr"]
     out["occupancy"] = int(np.asarray(state.arc.ids != -1).sum())

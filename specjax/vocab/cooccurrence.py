@@ -94,6 +94,13 @@ def count_bigrams(tokenizer: Any, docs: Iterable[str], *, vocab_size: int,
                disable=not progress, dynamic_ncols=True)
     pending_k: list[np.ndarray] = []
     last_save = done
+
+    def fold() -> tuple[np.ndarray, np.ndarray]:
+        """The counts so far with the pending pairs added (one count each)."""
+        merged = _merge(np.concatenate([keys, *pending_k]),
+                        np.concatenate([counts, *(np.ones(k.size, np.int64) for k in pending_k)]))
+        pending_k.clear()
+        return merged
     for batch in iter(lambda: list(itertools.islice(it, batch_size)), []):
         for ids in _encode_batch(tokenizer, batch):
             a = np.asarray(ids, np.int64)
@@ -106,18 +113,12 @@ def count_bigrams(tokenizer: Any, docs: Iterable[str], *, vocab_size: int,
         done += len(batch)
         bar.update(len(batch))
         if sum(k.size for k in pending_k) > 2_000_000 or done - last_save >= checkpoint_every:
-            new_k, new_c = _merge(np.concatenate(pending_k or [keys[:0]]),
-                                  np.ones(sum(k.size for k in pending_k)))
-            keys, counts = _merge(np.concatenate([keys, new_k]),
-                                  np.concatenate([counts, new_c]))
-            pending_k.clear()
+            keys, counts = fold()
             bar.set_postfix(tokens=f"{tokens:,}", pairs=f"{keys.size:,}", refresh=False)
             if done - last_save >= checkpoint_every:
                 save()
                 last_save = done
-    if pending_k:
-        new_k, new_c = _merge(np.concatenate(pending_k), np.ones(sum(k.size for k in pending_k)))
-        keys, counts = _merge(np.concatenate([keys, new_k]), np.concatenate([counts, new_c]))
+    keys, counts = fold()
     save()
     bar.close()
     return keys, counts, tokens

@@ -34,7 +34,7 @@ from jax import Array
 
 from specjax import pytree
 from specjax.vocab.arc import EMPTY, ArcConfig, ArcState, observe_event, touch
-from specjax.vocab.fr_head import frequency_order
+from specjax.vocab.fr_head import frequency_head
 from specjax.vocab.head import Candidates, Feedback, masked
 
 
@@ -151,21 +151,15 @@ def evospec_head(w: Array, ranked: np.ndarray, always: list[int], n_static: int,
       p starting at ``n_dyn // 2``).
     """
     v = w.shape[0]
-    order = frequency_order(ranked, always)
-    if n_static < len(always):
-        raise ValueError(f"core size {n_static} cannot hold the {len(always)} always-kept "
-                         "tokens (EOS and chat specials)")
-    if n_static > order.size:
-        raise ValueError(f"core size {n_static} exceeds the frequency list's {order.size} "
-                         "tokens")
+    # The core is FR-Spec's shortlist: the same ranking, checks and gathered rows.
+    fr = frequency_head(w, ranked, always, n_static)
     if n_dyn < 1 or n_static + n_dyn > v:
         raise ValueError(f"the dynamic buffer needs 1 <= N_dyn <= V - N_static = "
                          f"{v - n_static}, got {n_dyn}")
     if not 1 <= recall_k <= v:
         raise ValueError(f"recall_k must be in [1, {v}], got {recall_k}")
-    core = order[:n_static]
     in_core = np.zeros(v, bool)
-    in_core[core] = True
+    in_core[np.asarray(fr.ids)] = True
     if successors is None:
         successors = np.zeros((v, 0), np.int32)
     successors = np.asarray(successors, np.int32)
@@ -176,7 +170,6 @@ def evospec_head(w: Array, ranked: np.ndarray, always: list[int], n_static: int,
         arc = ArcConfig(capacity=n_dyn, ghost=n_dyn, p_init=n_dyn // 2)
     elif arc.capacity != n_dyn:
         raise ValueError(f"ARC capacity {arc.capacity} differs from N_dyn={n_dyn}")
-    return EvoSpecHead(core_ids=jnp.asarray(core), core_w=jnp.take(w, jnp.asarray(core), axis=0),
-                       in_core=jnp.asarray(in_core),
+    return EvoSpecHead(core_ids=fr.ids, core_w=fr.w_blocks[0], in_core=jnp.asarray(in_core),
                        successors=jnp.asarray(successors[:, :fanout]), arc=arc,
                        recall_k=recall_k)
