@@ -19,6 +19,24 @@ def partial_path(out: Path) -> Path:
     return out.with_name(out.stem + ".partial.jsonl")
 
 
+def resume_from(out: Path, resume: bool) -> tuple[Path, list[dict[str, Any]]]:
+    """(the partial file of ``out``, its records): [] and the file removed unless ``resume``."""
+    path = partial_path(out)
+    if not resume:
+        path.unlink(missing_ok=True)
+        return path, []
+    return path, read_partial(path)
+
+
+def drafter_stamp(drafter: Any) -> float | None:
+    """The drafter manifest's mtime, for resume keys: a drafter retrained in place must not
+    resume from the old one's records (None for an in-memory drafter)."""
+    if drafter.path is None:
+        return None
+    manifest = Path(drafter.path) / "specjax.json"
+    return manifest.stat().st_mtime if manifest.exists() else None
+
+
 def read_partial(path: Path) -> list[dict[str, Any]]:
     """The records of a partial file, in the order written; [] if there is none."""
     if not path.exists():

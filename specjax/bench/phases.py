@@ -96,6 +96,16 @@ def random_drafter(target: Target, seed: int = 0) -> Drafter:
     return Drafter(cfg=m.cfg, params=params, meta={"random": True, "seed": seed})
 
 
+def load_models(model_dir: str | Path, dtype: str | None, drafter: Drafter | None,
+                drafter_dir: str | Path | None) -> tuple[Target, Drafter, str]:
+    """(target, drafter, drafter name) for a benchmark: ``drafter`` if given (tests), else
+    :func:`resolve_drafter` of ``drafter_dir``."""
+    target = specjax.load(model_dir, dtype)
+    if drafter is not None:
+        return target, drafter, str(drafter.path) if drafter.path is not None else "in-memory"
+    return target, *resolve_drafter(drafter_dir, target)
+
+
 def resolve_drafter(drafter_dir: str | Path | None, target: Target) -> tuple[Drafter, str]:
     """(drafter, name) for ``drafter_dir``: a folder, None for the shipped one, "random"."""
     if drafter_dir is not None and str(drafter_dir) == "none":

@@ -58,8 +58,8 @@ from specjax.bench.common import (
     save_figure,
     write_json,
 )
-from specjax.bench.partial import append_record, partial_path, read_partial
-from specjax.bench.phases import draft_latency, resolve_drafter
+from specjax.bench.partial import append_record, drafter_stamp, resume_from
+from specjax.bench.phases import draft_latency, load_models
 from specjax.bench.questions import (
     QUESTIONS_ENV,
     TASKS,
@@ -320,11 +320,8 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
     t_start = time.perf_counter()
     load_start = os.getloadavg()
 
-    target = specjax.load(cfg.model_dir, cfg.dtype)
-    if drafter is not None:
-        drafter_name = str(drafter.path) if drafter.path is not None else "in-memory"
-    else:
-        drafter, drafter_name = resolve_drafter(cfg.drafter_dir, target)
+    target, drafter, drafter_name = load_models(cfg.model_dir, cfg.dtype, drafter,
+                                                cfg.drafter_dir)
     head = resolve_head(cfg.vocab, target, drafter)
 
     evals, calib_qids, calib_ids, qpath = spec_bench_prompts(
@@ -355,13 +352,8 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
     }
 
     # Resume: a selection and prompt records written under the same configuration.
-    ppath = partial_path(out)
-    old = read_partial(ppath) if cfg.resume else []
-    if not cfg.resume and ppath.exists():
-        ppath.unlink()
-    # A drafter retrained in place must not resume from the old one's records.
-    manifest = None if drafter.path is None else Path(drafter.path) / "specjax.json"
-    stamp = manifest.stat().st_mtime if manifest is not None and manifest.exists() else None
+    ppath, old = resume_from(out, cfg.resume)
+    stamp = drafter_stamp(drafter)
     sel_key = json.dumps(jsonable({k: v for k, v in config.items()
                                     if k not in ("per_task", "tasks", "eager_per_task")}
                                    | {"drafter_mtime": stamp}), sort_keys=True)

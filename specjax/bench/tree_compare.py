@@ -82,8 +82,8 @@ from specjax.bench.common import (
     save_figure,
     write_json,
 )
-from specjax.bench.partial import append_record, partial_path, read_partial
-from specjax.bench.phases import resolve_drafter
+from specjax.bench.partial import append_record, drafter_stamp, resume_from
+from specjax.bench.phases import load_models
 from specjax.bench.questions import (
     QUESTIONS_ENV,
     TASKS,
@@ -504,11 +504,8 @@ def run_tree_bench(cfg: TreeBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
     out = Path(cfg.out)
     t_start = time.perf_counter()
     load_start = os.getloadavg()
-    target = specjax.load(cfg.model_dir, cfg.dtype)
-    if drafter is not None:
-        drafter_name = str(drafter.path) if drafter.path is not None else "in-memory"
-    else:
-        drafter, drafter_name = resolve_drafter(cfg.drafter_dir, target)
+    target, drafter, drafter_name = load_models(cfg.model_dir, cfg.dtype, drafter,
+                                                cfg.drafter_dir)
     head = resolve_head("full", target, drafter)
     evals, calib_qids, calib_ids, qpath = spec_bench_prompts(
         target, questions=cfg.questions, tasks=cfg.tasks, per_task=cfg.per_task,
@@ -536,12 +533,8 @@ def run_tree_bench(cfg: TreeBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
     # Resume: units written under the same settings. Which prompts, budgets, kinds and
     # temperatures a run covers is left out of the key: each unit names its own, so a
     # wider run reuses a narrower one's work.
-    ppath = partial_path(out)
-    old = read_partial(ppath) if cfg.resume else []
-    if not cfg.resume and ppath.exists():
-        ppath.unlink()
-    manifest = None if drafter.path is None else Path(drafter.path) / "specjax.json"
-    stamp = manifest.stat().st_mtime if manifest is not None and manifest.exists() else None
+    ppath, old = resume_from(out, cfg.resume)
+    stamp = drafter_stamp(drafter)
     key = json.dumps(jsonable({k: v for k, v in config.items()
                                if k not in ("per_task", "budgets", "temperatures", "kinds",
                                             "tasks", "question_ids", "block_prompts",
