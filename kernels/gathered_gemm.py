@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
+
+from specjax.compat import pallas_gpu_available, pltriton, triton_params
 
 Impl = Literal["auto", "xla", "pallas", "ref"]
 
@@ -168,7 +169,7 @@ def gathered_matmul_pallas(h: Array, w: Array, idx: Array, *, block_c: int = 128
         # Every j of row i shares the block and writes only its own masked slice of it.
         out_specs=pl.BlockSpec((None, c), lambda i, j: (i, 0)),
         out_shape=jax.ShapeDtypeStruct((n, c), jnp.float32),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
+        compiler_params=triton_params(num_warps=num_warps, num_stages=2),
         interpret=interpret,
         name=f"gathered_matmul_{block_c=}_{block_d=}",
     )(h, w, idx)
@@ -195,7 +196,7 @@ def gathered_matmul(h: Array, w: Array, idx: Array, *, impl: Impl = "auto") -> A
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"{name} must be floating point, got dtype {x.dtype}")
     if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+        impl = "pallas" if pallas_gpu_available() else "xla"
     if impl == "pallas":
         if idx.dtype != jnp.int32:  # map padding to -1 first: a cast could wrap it in range
             idx = jnp.where(_in_range(idx, w.shape[0]), idx, -1).astype(jnp.int32)

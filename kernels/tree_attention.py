@@ -49,8 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
+from specjax.compat import pallas_gpu_available, pltriton, triton_params
 from specjax.tree.base import pack_ancestors, unpack_ancestors
 
 Impl = Literal["auto", "xla", "pallas", "ref"]
@@ -337,7 +337,7 @@ def tree_attention_pallas(q: Array, k_cache: Array, v_cache: Array, prefix_len: 
         ],
         out_specs=pl.BlockSpec((None, block_q, None, dh), lambda i, h, bi: (bi, i, h, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"tree_attention_{block_q=}_{block_k=}_{block_t=}",
     )(q, k_cache, v_cache, prefix_len, words, kblocks, nblocks)
@@ -414,7 +414,7 @@ def tree_attention(q: Array, k_cache: Array, v_cache: Array, prefix_len: Array,
     _validate(q, k_cache, v_cache, prefix_len, tree_mask, tree_len)
     prefix_len = prefix_len.astype(jnp.int32)
     if impl == "auto":
-        on_gpu = jax.default_backend() == "gpu"
+        on_gpu = pallas_gpu_available()
         impl = "pallas" if on_gpu and _pallas_supports(q, k_cache, v_cache) else "xla"
     if impl == "pallas":
         if not _pallas_supports(q, k_cache, v_cache):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax.compat import lower_for_cuda
 from specjax.kernels.gathered_gemm import (
     _xla_chunk,
     gathered_matmul,
@@ -67,18 +68,36 @@ PALLAS_CASES = [
 ]
 
 
-@pytest.mark.parametrize("n,c,vocab,d,block_c,block_d,dtype", PALLAS_CASES)
-def test_pallas_interpret_matches_reference(n, c, vocab, d, block_c, block_d, dtype):
-    h, w, idx = _problem(n, c, vocab, d, dtype, seed=c)
-    out = gathered_matmul_pallas(h, w, idx, block_c=block_c, block_d=block_d, interpret=True)
-    _check(out, h, w, idx)
+class TestGatheredGemm:
+    """The Pallas kernel against the reference, compiled (needs a GPU); the subclass below
+    runs the same cases in interpret mode, as jax's own ``gpu_ops_test`` does."""
+
+    INTERPRET = False
+
+    @pytest.fixture(autouse=True)
+    def _backend(self):
+        if not self.INTERPRET and jax.default_backend() != "gpu":
+            pytest.skip("compiled Triton kernels need a GPU (run with JAX_PLATFORMS=cuda)")
+
+    def pallas(self, *args, **kwargs):
+        return gathered_matmul_pallas(*args, interpret=self.INTERPRET, **kwargs)
+
+    @pytest.mark.parametrize("n,c,vocab,d,block_c,block_d,dtype", PALLAS_CASES)
+    def test_matches_reference(self, n, c, vocab, d, block_c, block_d, dtype):
+        h, w, idx = _problem(n, c, vocab, d, dtype, seed=c)
+        _check(self.pallas(h, w, idx, block_c=block_c, block_d=block_d), h, w, idx)
+
+    def test_mixed_dtypes(self):
+        """bfloat16 hidden states against a float32 table, the default blocks."""
+        h, w, idx = _problem(2, 130, 400, 96, jnp.float32, seed=7)
+        h = h.astype(jnp.bfloat16)
+        _check(self.pallas(h, w, idx), h, w, idx)
 
 
-def test_pallas_interpret_mixed_dtypes():
-    """bfloat16 hidden states against a float32 table, the default blocks."""
-    h, w, idx = _problem(2, 130, 400, 96, jnp.float32, seed=7)
-    h = h.astype(jnp.bfloat16)
-    _check(gathered_matmul_pallas(h, w, idx, interpret=True), h, w, idx)
+class TestGatheredGemmInterpret(TestGatheredGemm):
+    """The same cases in the Pallas interpreter, on any backend."""
+
+    INTERPRET = True
 
 
 @pytest.mark.parametrize("n,c,d,dtype", [
@@ -107,15 +126,15 @@ S = jax.ShapeDtypeStruct
 ])
 def test_pallas_lowers_for_cuda(n, c, vocab, d, dtype):
     f = partial(gathered_matmul_pallas, interpret=False)
-    lowered = jax.jit(f).trace(S((n, d), dtype), S((vocab, d), dtype),
-                               S((n, c), jnp.int32)).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(f, S((n, d), dtype), S((vocab, d), dtype),
+                             S((n, c), jnp.int32))
     assert "triton" in lowered.as_text()
 
 
 def test_dispatcher_lowers_non_int32_ids_for_cuda():
     f = partial(gathered_matmul, impl="pallas")
-    lowered = jax.jit(f).trace(S((2, 64), jnp.float32), S((512, 64), jnp.float32),
-                               S((2, 100), jnp.int16)).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(f, S((2, 64), jnp.float32), S((512, 64), jnp.float32),
+                             S((2, 100), jnp.int16))
     assert "triton" in lowered.as_text()
 
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax.compat import lower_for_cuda
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import (
     count_tree_blocks,
@@ -312,17 +313,17 @@ def test_pallas_lowers_for_cuda(dtype, dh):
     """An EAGLE-2-sized tree (T = 60) with GQA group 3 over a 1000-row cache."""
     b, t, hkv, s = 2, 60, 2, 1000
     f = partial(tree_attention_pallas, interpret=False)
-    lowered = jax.jit(f).trace(S((b, t, hkv * 3, dh), dtype), S((b, s, hkv, dh), dtype),
-                               S((b, s, hkv, dh), dtype), S((b,), jnp.int32),
-                               S((b, t, 2), jnp.uint32)).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(f, S((b, t, hkv * 3, dh), dtype), S((b, s, hkv, dh), dtype),
+                             S((b, s, hkv, dh), dtype), S((b,), jnp.int32),
+                             S((b, t, 2), jnp.uint32))
     assert "triton" in lowered.as_text()
 
 
 def test_dispatcher_lowers_bool_mask_for_cuda():
     f = partial(tree_attention, impl="pallas")
-    lowered = jax.jit(f).trace(S((1, 20, 4, 64), jnp.bfloat16), S((1, 128, 4, 64), jnp.bfloat16),
-                               S((1, 128, 4, 64), jnp.bfloat16), S((1,), jnp.int64),
-                               S((1, 20, 20), jnp.bool_)).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(f, S((1, 20, 4, 64), jnp.bfloat16), S((1, 128, 4, 64), jnp.bfloat16),
+                             S((1, 128, 4, 64), jnp.bfloat16), S((1,), jnp.int64),
+                             S((1, 20, 20), jnp.bool_))
     assert "triton" in lowered.as_text()
 
 

@@ -1,0 +1,44 @@
+"""The one place for what differs between the jax lines specjax supports (0.10.2 - 0.11.x).
+
+Everything version- or backend-dependent that the kernels and tests touch goes through
+here, so a jax upgrade that moves an API changes this file and nothing else:
+
+* the Pallas Triton module (``load``/``store``/``dot`` with masks) and its compiler params;
+* whether compiled Pallas GPU kernels can run here (a GPU backend), which picks the
+  kernels' default implementation;
+* lowering a function for CUDA on any jaxlib, which the CPU suite uses to catch GPU-only
+  lowering errors without a GPU.
+
+Checked on jax 0.10.2 (CPU, this machine's lock) and 0.11.2 (CPU here under Python 3.12,
+and the GPU machines' CUDA 13 build).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.experimental.pallas import triton as pltriton  # noqa: F401  (re-exported)
+
+JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3]
+                                     if p.isdigit())
+
+
+def triton_params(*, num_warps: int, num_stages: int) -> Any:
+    """Compiler params for a Pallas kernel lowered through Triton (both jax lines name the
+    class ``CompilerParams``; 0.4.x called it ``TritonCompilerParams``)."""
+    cls = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
+    return cls(num_warps=num_warps, num_stages=num_stages)
+
+
+def pallas_gpu_available() -> bool:
+    """True when the default backend is a GPU, so compiled Triton kernels can run."""
+    return jax.default_backend() == "gpu"
+
+
+def lower_for_cuda(fn: Callable, *args: Any) -> Any:
+    """``jax.jit(fn)`` lowered for CUDA from abstract ``args`` (``jax.ShapeDtypeStruct``s),
+    on any jaxlib: a CPU-only install lowers Pallas/Triton kernels to their Triton IR
+    without a GPU, which is where GPU-only errors (block shapes, dtypes) show up."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
