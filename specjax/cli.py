@@ -1,4 +1,5 @@
-"""``specjax`` command line: convert, generate, bench, train, build-shortlist."""
+"""``specjax`` command line: convert, generate, chat, bench, train, build-shortlist,
+build-graph, env."""
 
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser and sets ``run`` (parsed flags -> exit code) as its default, so :func:`main`
     runs any command as ``args.run(args)``.
     """
-    from specjax.commands import bench, chat, convert, generate
+    from specjax.commands import bench, chat, convert, env, generate
     from specjax.train import cli as train
     from specjax.vocab import build_shortlist, cooccurrence
 
     parser = argparse.ArgumentParser(prog="specjax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (convert, generate, chat, bench, train, build_shortlist, cooccurrence):
+    for command in (convert, generate, chat, bench, train, build_shortlist, cooccurrence, env):
         command.add_parser(sub)
     return parser
 

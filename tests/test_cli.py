@@ -62,3 +62,22 @@ def test_generate_stream_prints_what_generate_returns(smollm2_dir, capsys):
     want = json.loads(capsys.readouterr().out)["text"]
     assert main([*args, "--stream"]) == 0
     assert capsys.readouterr().out == want + "\n"
+
+
+def test_env_reports_backend_versions_and_caches(capsys, monkeypatch, tmp_path):
+    """`specjax env`: what a bug report needs, as text and as JSON, from the live process."""
+    import jax
+
+    monkeypatch.setenv("SPECJAX_HOME", str(tmp_path))
+    monkeypatch.delenv("SPECJAX_JAX_CACHE", raising=False)
+    assert main(["env", "--json"]) == 0
+    env = json.loads(capsys.readouterr().out)
+    assert env["backend"] == jax.default_backend()
+    assert len(env["devices"]) == jax.device_count()
+    assert env["versions"]["jax"] == jax.__version__
+    assert env["caches"] == {"specjax_home": str(tmp_path),
+                             "jax_compilation_cache": str(tmp_path / "jax-cache")}
+    assert env["env"]["SPECJAX_HOME"] == str(tmp_path)
+    assert main(["env"]) == 0
+    text = capsys.readouterr().out
+    assert f"backend: {jax.default_backend()}" in text and f"  jax: {jax.__version__}" in text

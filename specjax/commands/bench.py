@@ -12,6 +12,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         decode,
         evospec,
         gemm,
+        lane,
         latency,
         mips,
         oracle,
@@ -23,6 +24,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     b = subparsers.add_parser("bench", help="benchmarks (results as JSON + plot)")
     bench = b.add_subparsers(dest="bench", required=True)
     for module in (decode, spec, tree_compare, breakdown, vocab, gemm, latency, oracle, evospec,
-                   mips):
+                   mips, lane):
         module.add_parser(bench)
     return b
