@@ -173,6 +173,8 @@ class EagleDrafter(nnx.Module):
                 norms |= {"bq": jnp.zeros((q,)), "bk": jnp.zeros((kv,)), "bv": jnp.zeros((kv,))}
             if t.qk_norm:
                 norms |= {"q_norm": jnp.ones((t.head_dim,)), "k_norm": jnp.ones((t.head_dim,))}
+            if t.sandwich_norms:
+                norms |= {"post_attn_norm": jnp.ones((d,)), "post_mlp_norm": jnp.ones((d,))}
             init_layer = LayerParams(**weights, **norms)
         # One nnx.Param per LayerParams field; a None field stays None.
         fields = {f.name: getattr(init_layer, f.name) for f in dataclasses.fields(LayerParams)}
