@@ -149,7 +149,9 @@ def drafter_hidden(dp: DrafterParams, cfg: DrafterConfig, embed: Array, tokens: 
 def init_drafter_cache(cfg: DrafterConfig, batch: int, capacity: int,
                        dtype=jnp.float32) -> KVCache:
     """The drafter's own one-layer KV cache."""
-    return init_cache(dataclasses.replace(cfg.target, num_layers=1), batch, capacity, dtype)
+    # One layer, attending globally (a Gemma target's layer pattern is not the drafter's).
+    return init_cache(dataclasses.replace(cfg.target, num_layers=1, layer_types=()), batch,
+                      capacity, dtype)
 
 
 class EagleDrafter(nnx.Module):
