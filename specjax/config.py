@@ -185,8 +185,6 @@ class ModelConfig:
             return cls(**_common_fields(hf), **_gemma3_fields(hf))
         if hf.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {hf['hidden_act']!r} is not supported (silu)")
-        heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         if model_type == "qwen2":
             bias = True
         else:
@@ -213,23 +211,12 @@ class ModelConfig:
         elif rope_type not in (None, "default"):
             raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported")
         return cls(
-            model_type=model_type,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            **_common_fields(hf),
             rope_theta=float(rope_theta),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bias,
             qk_norm=model_type == "qwen3",
             rope_scaling=scaling,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=_eos_ids(hf),
         )
 
     def to_json(self) -> dict[str, Any]:
