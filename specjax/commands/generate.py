@@ -107,10 +107,11 @@ def _resolve_drafter(args: argparse.Namespace, target: Any) -> Any:
 
     if args.drafter is None and args.model is not None:
         if is_named(args.model, GEMMA3_MODEL_NAME):
-            print(f"[{GEMMA3_MODEL_NAME}: no drafter is shipped for this target, so this is "
-                  "vanilla decoding; speculative decoding needs a drafter trained for it: "
-                  f"`specjax train drafter --target {GEMMA3_MODEL_NAME} ...`, then --drafter "
-                  "PATH]", file=sys.stderr)
+            print(f"[{GEMMA3_MODEL_NAME}: no drafter is shipped for this target yet, so this "
+                  "is vanilla decoding. Speculative decoding needs a drafter trained for it: "
+                  f"`specjax train drafter --target {GEMMA3_MODEL_NAME} --data TOKENS.jsonl "
+                  "--out DIR` (pre-tokenised {\"tokens\": [...]} records: the base model has "
+                  "no chat template), then --drafter DIR]", file=sys.stderr)
         return None
     if args.drafter == "none":
         return None
