@@ -28,6 +28,7 @@ _ARCHS = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
 _TOP_LEVEL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -48,6 +49,10 @@ _BLOCK = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 has four norms per block; llama.cpp's ``ffn_norm`` is its pre-feed-forward norm.
+_GEMMA3_BLOCK = dict(_BLOCK, ffn_norm="pre_feedforward_layernorm",
+                     post_attention_norm="post_attention_layernorm",
+                     post_ffw_norm="post_feedforward_layernorm")
 _REQUIRED_BLOCK = ["attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                    "ffn_gate", "ffn_up", "ffn_down"]
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -157,7 +162,11 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: floa
 def read_gguf(
     path: str | os.PathLike, progress: bool = True
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Read a llama/qwen2/qwen3 GGUF file as an HF ``(config_dict, state_dict)`` pair.
+    """Read a llama/qwen2/qwen3/gemma3 GGUF file as an HF ``(config_dict, state_dict)`` pair.
+
+    Gemma 3: llama.cpp stores every norm weight as ``1 + w``; this returns HF's ``w`` (as
+    transformers' GGUF loader does), and the config llama.cpp assumes but does not write:
+    a global layer every sixth (``sliding_window_pattern`` 6), local RoPE base 10000.
 
     Args:
         path: the ``.gguf`` file.
@@ -188,7 +197,10 @@ def read_gguf(
     n_heads = _meta(reader, f"{arch}.attention.head_count")
     n_kv = _meta(reader, f"{arch}.attention.head_count_kv", n_heads)
 
-    block = _REQUIRED_BLOCK + (["attn_q_norm", "attn_k_norm"] if arch == "qwen3" else [])
+    block = _REQUIRED_BLOCK + (["attn_q_norm", "attn_k_norm"] if arch in ("qwen3", "gemma3")
+                               else [])
+    block += ["post_attention_norm", "post_ffw_norm"] if arch == "gemma3" else []
+    block_names = _GEMMA3_BLOCK if arch == "gemma3" else _BLOCK
     required = ["token_embd.weight", "output_norm.weight"]
     required += [f"blk.{i}.{s}.weight" for i in range(n_layers) for s in block]
     if arch == "qwen2":
@@ -207,8 +219,8 @@ def read_gguf(
         m = _BLOCK_RE.fullmatch(name)
         if name in _TOP_LEVEL:
             names[name] = _TOP_LEVEL[name]
-        elif m and int(m[1]) < n_layers and m[2] in _BLOCK:
-            names[name] = f"model.layers.{m[1]}.{_BLOCK[m[2]]}.{m[3]}"
+        elif m and int(m[1]) < n_layers and m[2] in block_names:
+            names[name] = f"model.layers.{m[1]}.{block_names[m[2]]}.{m[3]}"
         elif name != "rope_freqs.weight":  # Consumed into rope_scaling below.
             unexpected.append(name)
     if unexpected:
@@ -248,6 +260,18 @@ def read_gguf(
         config["attention_bias"] = True
     if (scaling := _rope_scaling(reader, arch, int(head_dim), theta)) is not None:
         config["rope_scaling"] = scaling
+    if arch == "gemma3":
+        del config["hidden_act"]
+        config |= {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "sliding_window": _meta(reader, f"{arch}.attention.sliding_window"),
+            # llama.cpp hard-codes these for gemma3 instead of writing them: every sixth
+            # layer global, local RoPE base 10000, and the attention scale 1/sqrt(head_dim)
+            # (all Gemma 3 sizes but 27B, whose query_pre_attn_scalar is d / heads).
+            "sliding_window_pattern": 6,
+            "rope_local_base_freq": 10000.0,
+            "query_pre_attn_scalar": int(head_dim),
+        }
 
     state: dict[str, np.ndarray] = {}
     for name, hf_name in tqdm(names.items(), desc="Dequantizing GGUF", disable=not progress):
@@ -265,6 +289,9 @@ def read_gguf(
             w = _unpermute(w, n_heads)
         elif arch == "llama" and ".attn_k." in name:
             w = _unpermute(w, n_kv)
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma's 1 + w; HF (and this state) hold w
+
         state[hf_name] = w
     return config, state
 

@@ -1,7 +1,11 @@
-"""Hugging Face Llama/Qwen state dicts to :class:`specjax.model.Params`.
+"""Hugging Face Llama/Qwen/Gemma 3 state dicts to :class:`specjax.model.Params`.
 
 HF stores linear weights as ``[out, in]``; specjax keeps ``[in, out]`` so a
-projection is ``x @ w``. Embedding and LM head stay ``[V, d]``.
+projection is ``x @ w``. Embedding and LM head stay ``[V, d]``. Gemma 3's norm weights
+``w`` become the multipliers ``1 + w`` (``ModelConfig.norm_plus_one``), and its four
+per-layer norms map as input -> ``attn_norm``, post_attention -> ``post_attn_norm``,
+pre_feedforward -> ``mlp_norm``, post_feedforward -> ``post_mlp_norm`` (in Llama's
+naming ``post_attention_layernorm`` is the pre-MLP norm).
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (cfg.head_dim,),
                        p + "self_attn.k_norm.weight": (cfg.head_dim,)}
+        if cfg.sandwich_norms:
+            shapes |= {p + "pre_feedforward_layernorm.weight": (d,),
+                       p + "post_feedforward_layernorm.weight": (d,)}
     return shapes
 
 
@@ -111,27 +118,43 @@ def load_hf_state(path: Path, progress: bool = True) -> dict[str, np.ndarray]:
     return state
 
 
-def layer_from_hf(state: dict[str, np.ndarray], prefix: str, dtype=np.float32) -> LayerParams:
+def _norm_weight(w: np.ndarray, cfg: ModelConfig | None, dtype) -> np.ndarray:
+    """A norm weight as specjax stores it: ``1 + w`` (added in fp32) for Gemma 3."""
+    w = np.asarray(w, np.float32)
+    return (w + 1.0 if cfg is not None and cfg.norm_plus_one else w).astype(dtype)
+
+
+def layer_from_hf(state: dict[str, np.ndarray], prefix: str, dtype=np.float32,
+                  cfg: ModelConfig | None = None) -> LayerParams:
     """One decoder layer from HF names under ``prefix`` (e.g. "model.layers.3.").
 
     Linear weights are transposed to [in, out]; tensors the state lacks (biases,
     q/k norms, an EAGLE-1 layer's input norm) become None. Callers check which
-    tensors are required before.
+    tensors are required before. ``cfg`` (when given) selects Gemma 3's norm names and
+    its ``1 + w`` norm weights.
     """
     def get(name: str, transpose: bool = False) -> np.ndarray | None:
         a = state.get(prefix + name)
         return None if a is None else np.ascontiguousarray(a.T if transpose else a).astype(dtype)
 
+    def norm(name: str) -> np.ndarray | None:
+        a = state.get(prefix + name)
+        return None if a is None else _norm_weight(a, cfg, dtype)
+
     a = "self_attn."
+    sandwich = cfg is not None and cfg.sandwich_norms
     return LayerParams(
-        attn_norm=get("input_layernorm.weight"),
+        attn_norm=norm("input_layernorm.weight"),
         wq=get(a + "q_proj.weight", True), wk=get(a + "k_proj.weight", True),
         wv=get(a + "v_proj.weight", True), wo=get(a + "o_proj.weight", True),
-        mlp_norm=get("post_attention_layernorm.weight"),
+        mlp_norm=norm("pre_feedforward_layernorm.weight" if sandwich
+                      else "post_attention_layernorm.weight"),
         w_gate=get("mlp.gate_proj.weight", True), w_up=get("mlp.up_proj.weight", True),
         w_down=get("mlp.down_proj.weight", True),
         bq=get(a + "q_proj.bias"), bk=get(a + "k_proj.bias"), bv=get(a + "v_proj.bias"),
-        q_norm=get(a + "q_norm.weight"), k_norm=get(a + "k_norm.weight"),
+        q_norm=norm(a + "q_norm.weight"), k_norm=norm(a + "k_norm.weight"),
+        post_attn_norm=norm("post_attention_layernorm.weight") if sandwich else None,
+        post_mlp_norm=norm("post_feedforward_layernorm.weight") if sandwich else None,
     )
 
 
@@ -145,8 +168,8 @@ def params_from_hf_state(cfg: ModelConfig, state: dict[str, np.ndarray], source:
 
     return Params(
         embed=get("model.embed_tokens.weight"),
-        layers=tuple(layer_from_hf(state, f"model.layers.{i}.", dtype)
+        layers=tuple(layer_from_hf(state, f"model.layers.{i}.", dtype, cfg)
                      for i in range(cfg.num_layers)),
-        final_norm=get("model.norm.weight"),
+        final_norm=_norm_weight(state["model.norm.weight"], cfg, dtype),
         lm_head=None if cfg.tie_word_embeddings else get("lm_head.weight"),
     )

@@ -130,30 +130,52 @@ def _visible(prefix_len: Array, mask: Array, capacity: int) -> Array:
     return (rel < 0)[:, None, :] | (in_tree[:, None, :] & from_tree)
 
 
+def window_visible(prefix_len: Array, positions: Array, capacity: int, window: int) -> Array:
+    """[B, T, S] bool: the cache rows inside a sliding window of ``window`` positions.
+
+    Query i (at ``positions[b, i]``) may see a key at position k iff
+    ``positions[b, i] - k < window`` (transformers' ``sliding_window_overlay``). Every
+    cache row's position follows from the layout: a prefix row ``s < prefix_len[b]`` holds
+    position ``s`` (the committed sequence, compacted after every step), and block row
+    ``prefix_len[b] + j`` holds the new token j, at ``positions[b, j]`` (so R == T: a block
+    whose rows are not its own queries, a drafter's workspace, has no positions here).
+    Rows past the block get a position no query is near; :func:`_visible` drops them anyway.
+    AND this with the causal/tree visibility; alone it is not a mask.
+    """
+    t = positions.shape[1]
+    rel = jnp.arange(capacity)[None, :] - prefix_len[:, None]  # [B, S]
+    block_pos = jnp.take_along_axis(positions, jnp.clip(rel, 0, t - 1), axis=1)  # [B, S]
+    key_pos = jnp.where(rel < 0, jnp.arange(capacity)[None, :], block_pos)
+    return positions[:, :, None] - key_pos[:, None, :] < window
+
+
 # --------------------------------------------------------------------------------------
 # Reference and XLA
 # --------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("tree_len",))
+@functools.partial(jax.jit, static_argnames=("tree_len", "scale", "window"))
 def tree_attention_ref(q: Array, k_cache: Array, v_cache: Array, prefix_len: Array,
-                       tree_mask: Array, *, tree_len: int | None = None) -> Array:
+                       tree_mask: Array, *, tree_len: int | None = None,
+                       scale: float | None = None, window: int | None = None,
+                       positions: Array | None = None) -> Array:
     """Plain-jnp specification, in float32 at full precision.
 
     q: [B, T, Hq, Dh]; k_cache, v_cache: [B, S, Hkv, Dh]; prefix_len: [B] int;
     tree_mask: [B, T, R] bool or [B, T, W] packed uint32 (``tree_len`` = R, default T)
     -> [B, T, Hq, Dh] in q's dtype.
 
-    Scores ``q . k / sqrt(Dh)`` over every cache row, the rows outside the visibility
-    invariant (module docstring) removed, softmax, weighted sum of V. A query with no
-    visible row gives 0.
+    Scores ``q . k * scale`` (default ``1 / sqrt(Dh)``) over every cache row, the rows
+    outside the visibility invariant (module docstring) removed, and with ``window`` also
+    those outside the sliding window (:func:`window_visible`, from ``positions`` [B, T]),
+    softmax, weighted sum of V. A query with no visible row gives 0.
     """
     b, t, hq, dh = q.shape
     s, hkv = k_cache.shape[1:3]
-    vis = _visible(prefix_len, _bool_mask(tree_mask, tree_len), s)[:, None, None]
+    vis = _all_visible(prefix_len, tree_mask, tree_len, s, window, positions)[:, None, None]
     qf = q.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, dh)
     scores = jnp.einsum("btkgd,bskd->bkgts", qf, k_cache.astype(jnp.float32),
-                        precision=lax.Precision.HIGHEST) / math.sqrt(dh)
+                        precision=lax.Precision.HIGHEST) * _scale(scale, dh)
     scores = jnp.where(vis, scores, -jnp.inf)
     m = jnp.max(scores, axis=-1, keepdims=True)
     p = jnp.where(vis, jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
@@ -164,9 +186,11 @@ def tree_attention_ref(q: Array, k_cache: Array, v_cache: Array, prefix_len: Arr
     return out.reshape(b, t, hq, dh).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("tree_len",))
+@functools.partial(jax.jit, static_argnames=("tree_len", "scale", "window"))
 def tree_attention_xla(q: Array, k_cache: Array, v_cache: Array, prefix_len: Array,
-                       tree_mask: Array, *, tree_len: int | None = None) -> Array:
+                       tree_mask: Array, *, tree_len: int | None = None,
+                       scale: float | None = None, window: int | None = None,
+                       positions: Array | None = None) -> Array:
     """XLA path: :func:`specjax.model.attention`'s dense masked softmax. Shapes as the
     reference.
 
@@ -178,10 +202,10 @@ def tree_attention_xla(q: Array, k_cache: Array, v_cache: Array, prefix_len: Arr
     """
     b, t, hq, dh = q.shape
     s, hkv = k_cache.shape[1:3]
-    vis = _visible(prefix_len, _bool_mask(tree_mask, tree_len), s)
+    vis = _all_visible(prefix_len, tree_mask, tree_len, s, window, positions)
     qg = q.reshape(b, t, hkv, hq // hkv, dh)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(dh)
+    scores = scores * _scale(scale, dh)
     scores = jnp.where(vis[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache, preferred_element_type=jnp.float32)
@@ -264,6 +288,19 @@ def _tree_attention_kernel(q_ref, k_ref, v_ref, plen_ref, words_ref, kblk_ref, n
     o_ref[...] = (o / jnp.where(l_sum > 0, l_sum, 1.0)[:, None]).astype(o_ref.dtype)
 
 
+def _scale(scale: float | None, dh: int) -> float:
+    return 1.0 / math.sqrt(dh) if scale is None else scale
+
+
+def _all_visible(prefix_len: Array, tree_mask: Array, tree_len: int | None, capacity: int,
+                 window: int | None, positions: Array | None) -> Array:
+    """[B, T, S] the visibility invariant, ANDed with the sliding window when one is set."""
+    vis = _visible(prefix_len, _bool_mask(tree_mask, tree_len), capacity)
+    if window is not None:
+        vis &= window_visible(prefix_len, positions, capacity, window)
+    return vis
+
+
 def _check_block(name: str, value: int, minimum: int = _MIN_BLOCK) -> None:
     if value < minimum or value & (value - 1):
         why = (" (the Triton lowering needs power-of-two tiles, tl.dot at least 16)"
@@ -277,11 +314,12 @@ def _clamp_block(block: int, n: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("tree_len", "block_q", "block_k", "block_t",
-                                             "num_warps", "num_stages", "interpret"))
+                                             "num_warps", "num_stages", "interpret", "scale"))
 def tree_attention_pallas(q: Array, k_cache: Array, v_cache: Array, prefix_len: Array,
                           tree_mask: Array, *, tree_len: int | None = None, block_q: int = 32,
                           block_k: int = 64, block_t: int = 32, num_warps: int = 4,
-                          num_stages: int = 2, interpret: bool = False) -> Array:
+                          num_stages: int = 2, interpret: bool = False,
+                          scale: float | None = None) -> Array:
     """Pallas kernel (Triton lowering). Shapes as the reference; Dh a power of two >= 16,
     q, k_cache and v_cache of one dtype, prefix_len int32.
 
@@ -299,6 +337,7 @@ def tree_attention_pallas(q: Array, k_cache: Array, v_cache: Array, prefix_len: 
       block_t: tree rows per tree key block, a power of two >= 16.
       num_warps, num_stages: Triton launch parameters.
       interpret: run the kernel body in the Pallas interpreter (any backend, e.g. CPU).
+      scale: the factor on q . k (default 1 / sqrt(Dh)).
     """
     for name, value in (("block_q", block_q), ("block_k", block_k), ("block_t", block_t)):
         _check_block(name, value)
@@ -321,7 +360,7 @@ def tree_attention_pallas(q: Array, k_cache: Array, v_cache: Array, prefix_len: 
     words = jnp.pad(words, ((0, 0), (0, t_pad - t), (0, 0)))  # padding rows: no tree bits
 
     kernel = functools.partial(_tree_attention_kernel, block_k=block_k, block_t=block_t,
-                               tree_len=r, scale=1.0 / math.sqrt(dh))
+                               tree_len=r, scale=_scale(scale, dh))
     kv_spec = pl.BlockSpec((None, s, None, dh), lambda i, h, bi: (bi, 0, lax.div(h, group), 0))
     out = pl.pallas_call(
         kernel,
@@ -395,7 +434,8 @@ def _validate(q: Array, k_cache: Array, v_cache: Array, prefix_len: Array, tree_
 
 def tree_attention(q: Array, k_cache: Array, v_cache: Array, prefix_len: Array,
                    tree_mask: Array, *, tree_len: int | None = None,
-                   impl: Impl = "auto") -> Array:
+                   impl: Impl = "auto", scale: float | None = None, window: int | None = None,
+                   positions: Array | None = None) -> Array:
     """Attention of a draft tree's queries over a KV cache with a ragged prefix.
 
     q: [B, T, Hq, Dh]; k_cache, v_cache: [B, S, Hkv, Dh] with the tree's K/V written at
@@ -404,27 +444,48 @@ def tree_attention(q: Array, k_cache: Array, v_cache: Array, prefix_len: Array,
     Query i sees the prefix and the tree rows its mask row allows (module docstring).
 
     ``impl``: "auto" (the Pallas kernel when the default backend is a GPU and the kernel
-    supports the inputs, i.e. Dh a power of two >= 16 and one dtype for q, K and V; else
-    XLA), "xla", "pallas" or "ref".
+    supports the inputs, i.e. Dh a power of two >= 16, one dtype for q, K and V and no
+    sliding window; else XLA), "xla", "pallas" or "ref".
+
+    ``scale``: the factor on q . k (default 1 / sqrt(Dh); Gemma's ``query_pre_attn_scalar``
+    sets another). ``window`` with ``positions`` [B, T] (the queries' RoPE positions; R must
+    be T): a sliding-window layer, where query i also needs ``positions[b, i] - k < window``
+    for the key at position k (:func:`window_visible`). The Pallas kernel does not
+    implement the window and refuses it.
 
     Raises:
       ValueError: on inconsistent shapes or dtypes, Hq not a multiple of Hkv, a packed mask
         too narrow for R tree rows, more tree rows than cache rows, or an unknown impl.
     """
     _validate(q, k_cache, v_cache, prefix_len, tree_mask, tree_len)
+    if window is not None:
+        t = q.shape[1]
+        if positions is None or positions.shape != (q.shape[0], t):
+            raise ValueError(f"a sliding window needs the queries' positions [B, T] = "
+                             f"[{q.shape[0]}, {t}], got "
+                             f"{None if positions is None else positions.shape}")
+        if _tree_rows(tree_mask, tree_len) != t:
+            raise ValueError("a sliding window needs the block rows to be the queries' own "
+                             f"(R == T); got R={_tree_rows(tree_mask, tree_len)}, T={t}")
     prefix_len = prefix_len.astype(jnp.int32)
     if impl == "auto":
         on_gpu = pallas_gpu_available()
-        impl = "pallas" if on_gpu and _pallas_supports(q, k_cache, v_cache) else "xla"
+        impl = ("pallas" if on_gpu and window is None and _pallas_supports(q, k_cache, v_cache)
+                else "xla")
+    if impl == "pallas" and window is not None:
+        raise ValueError("the Pallas tree-attention kernel does not implement sliding-window "
+                         "layers (Gemma 3's local layers); use attention 'auto', 'xla' or "
+                         "'dense'")
     if impl == "pallas":
         if not _pallas_supports(q, k_cache, v_cache):
             raise ValueError(f"the Pallas kernel needs Dh a power of two >= 16 and one dtype "
                              f"for q, k_cache and v_cache; got Dh={q.shape[-1]}, "
                              f"{q.dtype}/{k_cache.dtype}/{v_cache.dtype}")
         return tree_attention_pallas(q, k_cache, v_cache, prefix_len, tree_mask,
-                                     tree_len=tree_len)
+                                     tree_len=tree_len, scale=scale)
+    extra = dict(tree_len=tree_len, scale=scale, window=window, positions=positions)
     if impl == "xla":
-        return tree_attention_xla(q, k_cache, v_cache, prefix_len, tree_mask, tree_len=tree_len)
+        return tree_attention_xla(q, k_cache, v_cache, prefix_len, tree_mask, **extra)
     if impl == "ref":
-        return tree_attention_ref(q, k_cache, v_cache, prefix_len, tree_mask, tree_len=tree_len)
+        return tree_attention_ref(q, k_cache, v_cache, prefix_len, tree_mask, **extra)
     raise ValueError(f"unknown impl {impl!r}: expected 'auto', 'xla', 'pallas' or 'ref'")

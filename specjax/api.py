@@ -123,7 +123,8 @@ def encode_prompts(target: Target, prompts: str | list[str] | list[list[int]], c
         if tok is None:
             raise ValueError(f"{target.path} has no tokenizer files; pass token ids instead")
         if chat and tok.chat_template is None:
-            raise ValueError(f"{target.path}'s tokenizer has no chat template; pass chat=False")
+            raise ValueError(f"{target.path}'s tokenizer has no chat template (a base model, "
+                             "e.g. gemma3-270m); pass chat=False (--no-chat)")
         ids = []
         for p in texts:
             if chat:

@@ -431,6 +431,8 @@ _LAYER_DIMS: dict[str, tuple[tuple[str | int, ...], ...]] = {
     "bv": (("num_kv_heads", "head_dim"),),
     "q_norm": (("head_dim",),),
     "k_norm": (("head_dim",),),
+    "post_attn_norm": (("hidden_size",),),
+    "post_mlp_norm": (("hidden_size",),),
 }
 _VOCAB_DIMS = (("vocab_size",), ("hidden_size",))
 
@@ -441,6 +443,7 @@ def layer_dims(cfg: ModelConfig, *, input_norm: bool = True) -> dict[str, tuple]
     names += ["attn_norm"] if input_norm else []
     names += ["bq", "bk", "bv"] if cfg.attention_bias else []
     names += ["q_norm", "k_norm"] if cfg.qk_norm else []
+    names += ["post_attn_norm", "post_mlp_norm"] if cfg.sandwich_norms else []
     return {n: _LAYER_DIMS[n] for n in names}
 
 
@@ -473,7 +476,8 @@ def check_tensor_shapes(where: Path, cfg: ModelConfig, dims: dict[str, tuple],
                               f"hold {len(have_layers)} layers; {fix}")
     flags = {"lm_head": "tie_word_embeddings", "bq": "attention_bias", "bk": "attention_bias",
              "bv": "attention_bias", "q_norm": "qk_norm", "k_norm": "qk_norm",
-             "attn_norm": "input_norm", "fc_bias": "fc_bias"}
+             "attn_norm": "input_norm", "fc_bias": "fc_bias",
+             "post_attn_norm": "sandwich_norms", "post_mlp_norm": "sandwich_norms"}
     for names, verb in ((sorted(set(dims) - set(tensors)), "lacks"),
                         (sorted(set(tensors) - set(dims)), "has unexpected")):
         if names:

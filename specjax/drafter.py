@@ -149,7 +149,9 @@ def drafter_hidden(dp: DrafterParams, cfg: DrafterConfig, embed: Array, tokens: 
 def init_drafter_cache(cfg: DrafterConfig, batch: int, capacity: int,
                        dtype=jnp.float32) -> KVCache:
     """The drafter's own one-layer KV cache."""
-    return init_cache(dataclasses.replace(cfg.target, num_layers=1), batch, capacity, dtype)
+    # One layer, attending globally (a Gemma target's layer pattern is not the drafter's).
+    return init_cache(dataclasses.replace(cfg.target, num_layers=1, layer_types=()), batch,
+                      capacity, dtype)
 
 
 class EagleDrafter(nnx.Module):
@@ -173,6 +175,8 @@ class EagleDrafter(nnx.Module):
                 norms |= {"bq": jnp.zeros((q,)), "bk": jnp.zeros((kv,)), "bv": jnp.zeros((kv,))}
             if t.qk_norm:
                 norms |= {"q_norm": jnp.ones((t.head_dim,)), "k_norm": jnp.ones((t.head_dim,))}
+            if t.sandwich_norms:
+                norms |= {"post_attn_norm": jnp.ones((d,)), "post_mlp_norm": jnp.ones((d,))}
             init_layer = LayerParams(**weights, **norms)
         # One nnx.Param per LayerParams field; a None field stays None.
         fields = {f.name: getattr(init_layer, f.name) for f in dataclasses.fields(LayerParams)}

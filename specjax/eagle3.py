@@ -266,7 +266,8 @@ class Eagle3Head:
 def init_eagle3_cache(cfg: Eagle3Config, batch: int, capacity: int,
                       dtype=jnp.float32) -> KVCache:
     """The drafter's own one-layer KV cache."""
-    return init_cache(dataclasses.replace(cfg.layer, num_layers=1), batch, capacity, dtype)
+    return init_cache(dataclasses.replace(cfg.layer, num_layers=1, layer_types=()), batch,
+                      capacity, dtype)
 
 
 def check_vocab_map(d2t: np.ndarray, t2d: np.ndarray, vocab_size: int,

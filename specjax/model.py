@@ -1,4 +1,4 @@
-"""Llama / Qwen2 / Qwen3 decoder as pure functions over pytrees.
+"""Llama / Qwen2 / Qwen3 / Gemma 3 decoder as pure functions over pytrees.
 
 Layout conventions (the converters in ``specjax.convert`` produce these):
 
@@ -14,6 +14,14 @@ Layout conventions (the converters in ``specjax.convert`` produce these):
 
 The forward pass takes explicit positions and a mask over the block of new
 tokens, so the same function runs a prefill, one decode step, or a draft tree.
+
+Gemma 3 is the same forward with the config's feature flags: embeddings scaled by
+sqrt(d), sandwich norms (RMSNorm on the attention and MLP outputs before each residual
+add), GeGLU, q/k norms, ``query_pre_attn_scalar``, and sliding-window (local) layers
+with their own RoPE base. The cache stays full length on every layer: a local layer's
+window is a mask on positions (:func:`specjax.kernels.tree_attention.window_visible`),
+so a prefill, a decode step and a tree node near the window's edge see exactly the keys
+transformers' masks give them.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from jax import Array
 
 from specjax import pytree
 from specjax.config import ModelConfig
-from specjax.kernels.tree_attention import tree_attention
+from specjax.kernels.tree_attention import tree_attention, window_visible
 
 
 @pytree.dataclass
@@ -47,6 +55,8 @@ class LayerParams:
     bv: Array | None = None  # [Hkv*Dh]
     q_norm: Array | None = None  # [Dh], Qwen3
     k_norm: Array | None = None  # [Dh]
+    post_attn_norm: Array | None = None  # [d], Gemma 3: on the attention output
+    post_mlp_norm: Array | None = None  # [d], Gemma 3: on the MLP output
 
 
 @pytree.dataclass
@@ -69,6 +79,8 @@ class FusedLayerParams:
     bqkv: Array | None = None  # [q_dim + 2 * kv_dim], Qwen2
     q_norm: Array | None = None  # [Dh], Qwen3
     k_norm: Array | None = None
+    post_attn_norm: Array | None = None  # [d], Gemma 3
+    post_mlp_norm: Array | None = None  # [d], Gemma 3
     q_dim: int = pytree.static_field(default=0)  # Hq * Dh
     kv_dim: int = pytree.static_field(default=0)  # Hkv * Dh
 
@@ -97,7 +109,8 @@ def fuse_layer(lp: LayerParams | FusedLayerParams) -> FusedLayerParams:
         attn_norm=lp.attn_norm, wqkv=cat([lp.wq, lp.wk, lp.wv]), wo=lp.wo,
         mlp_norm=lp.mlp_norm, w_gate_up=cat([lp.w_gate, lp.w_up]), w_down=lp.w_down,
         bqkv=None if lp.bq is None else cat([lp.bq, lp.bk, lp.bv]), q_norm=lp.q_norm,
-        k_norm=lp.k_norm, q_dim=int(lp.wq.shape[1]), kv_dim=int(lp.wk.shape[1]))
+        k_norm=lp.k_norm, post_attn_norm=lp.post_attn_norm, post_mlp_norm=lp.post_mlp_norm,
+        q_dim=int(lp.wq.shape[1]), kv_dim=int(lp.wk.shape[1]))
 
 
 def unfuse_layer(lp: LayerParams | FusedLayerParams) -> LayerParams:
@@ -107,7 +120,8 @@ def unfuse_layer(lp: LayerParams | FusedLayerParams) -> LayerParams:
     return LayerParams(attn_norm=lp.attn_norm, wq=lp.wq, wk=lp.wk, wv=lp.wv, wo=lp.wo,
                        mlp_norm=lp.mlp_norm, w_gate=lp.w_gate, w_up=lp.w_up,
                        w_down=lp.w_down, bq=lp.bq, bk=lp.bk, bv=lp.bv, q_norm=lp.q_norm,
-                       k_norm=lp.k_norm)
+                       k_norm=lp.k_norm, post_attn_norm=lp.post_attn_norm,
+                       post_mlp_norm=lp.post_mlp_norm)
 
 
 @pytree.dataclass
@@ -157,17 +171,31 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -
                    lengths=jnp.zeros((batch,), jnp.int32))
 
 
-def rms_norm(x: Array, weight: Array, eps: float) -> Array:
-    """RMSNorm in fp32, cast back before the scale (as HF Llama does)."""
+def rms_norm(x: Array, weight: Array, eps: float, scale_fp32: bool = False) -> Array:
+    """RMSNorm in fp32. The default casts back before the scale (HF Llama); ``scale_fp32``
+    scales in fp32 and then casts (HF Gemma 3, whose ``1 + w`` is the stored ``weight``)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if scale_fp32:
+        return (xf * weight.astype(jnp.float32)).astype(x.dtype)
     return weight * xf.astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> Array:
-    """[Dh/2] inverse frequencies, with llama3 scaling when configured."""
+def _norm(cfg: ModelConfig, x: Array, weight: Array) -> Array:
+    return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_plus_one)
+
+
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> Array:
+    """[Dh/2] inverse frequencies: of a FULL layer (llama3 or linear scaling when
+    configured), or with ``local`` of a SLIDING layer (base ``rope_local_theta``, never
+    scaled, as transformers' Gemma 3)."""
     dh = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+    if local:
+        return inv
+    if cfg.rope_linear_factor is not None:
+        return inv / cfg.rope_linear_factor
     s = cfg.rope_scaling
     if s is None:
         return inv
@@ -228,7 +256,7 @@ def _write_rows(buf: Array, rows: Array, new: Array) -> Array:
 def attention(cfg: ModelConfig, lp: LayerParams | FusedLayerParams, x: Array,
               positions: Array, inv_freq: Array, k_buf: Array, v_buf: Array, rows: Array,
               mask: Array, block: tuple[Array, Array] | None = None,
-              attention_impl: str = "dense"):
+              attention_impl: str = "dense", window: int | None = None):
     """GQA self-attention of new tokens over the cache; K/V rows written at ``rows``.
 
     x: [B, T, in] (in = d, or 2d for an EAGLE-3 layer); only the attention
@@ -238,6 +266,9 @@ def attention(cfg: ModelConfig, lp: LayerParams | FusedLayerParams, x: Array,
     which reads ``block = (lengths [B], block_mask [B, T, R])``, the arguments ``mask``
     was built from by :func:`cache_mask` ("auto": the Pallas kernel on a GPU, else XLA,
     which computes what "dense" does).
+    ``window`` (static): this is a sliding-window layer. "dense" reads it from ``mask``,
+    which the caller built with the window (:func:`forward_hidden`); the other
+    implementations apply it to ``positions`` themselves.
     """
     b, t, _ = x.shape
     dh = cfg.head_dim
@@ -256,20 +287,21 @@ def attention(cfg: ModelConfig, lp: LayerParams | FusedLayerParams, x: Array,
     k = k.reshape(b, t, cfg.num_kv_heads, dh)
     v = v.reshape(b, t, cfg.num_kv_heads, dh)
     if lp.q_norm is not None:
-        q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+        q = _norm(cfg, q, lp.q_norm)
+        k = _norm(cfg, k, lp.k_norm)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     k_buf = _write_rows(k_buf, rows, k)
     v_buf = _write_rows(v_buf, rows, v)
     if attention_impl != "dense":
         lengths, block_mask = block
-        out = tree_attention(q, k_buf, v_buf, lengths, block_mask, impl=attention_impl)
+        out = tree_attention(q, k_buf, v_buf, lengths, block_mask, impl=attention_impl,
+                             scale=cfg.attn_scale, window=window, positions=positions)
         return out.reshape(b, t, cfg.num_heads * dh) @ lp.wo, k_buf, v_buf
 
     q = q.reshape(b, t, cfg.num_kv_heads, cfg.q_per_kv, dh)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k_buf, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(dh)
+    scores = scores * cfg.attn_scale
     # A finite fill keeps fully masked rows (padding queries) NaN-free.
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_buf.dtype)
@@ -280,25 +312,37 @@ def attention(cfg: ModelConfig, lp: LayerParams | FusedLayerParams, x: Array,
 def decoder_layer(cfg: ModelConfig, lp: LayerParams | FusedLayerParams, x: Array, positions: Array,
                   inv_freq: Array, k_buf: Array, v_buf: Array, rows: Array,
                   mask: Array, block: tuple[Array, Array] | None = None,
-                  attention_impl: str = "dense") -> tuple[Array, Array, Array]:
+                  attention_impl: str = "dense",
+                  window: int | None = None) -> tuple[Array, Array, Array]:
     """One pre-norm decoder layer; the target's layers and the drafter's share it.
 
     x: [B, T, d]; k_buf/v_buf: this layer's [B, S, Hkv, Dh] cache, returned with
     new token i written at row ``rows[b, i]``; mask: [B, T, S] from
     :func:`cache_mask`. ``lp.attn_norm`` may be None: EAGLE-1 drafters feed their
-    fc output to the attention without a norm.
+    fc output to the attention without a norm. ``window``: a sliding-window layer
+    (:func:`attention`); ``inv_freq`` and ``mask`` must be that layer kind's. Gemma 3's
+    ``post_attn_norm`` and ``post_mlp_norm`` (when present) normalise each block's output
+    before its residual add.
     """
-    h = x if lp.attn_norm is None else rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    h = x if lp.attn_norm is None else _norm(cfg, x, lp.attn_norm)
     attn, k_buf, v_buf = attention(cfg, lp, h, positions, inv_freq, k_buf, v_buf, rows, mask,
-                                   block, attention_impl)
+                                   block, attention_impl, window)
+    if lp.post_attn_norm is not None:
+        attn = _norm(cfg, attn, lp.post_attn_norm)
     x = x + attn
-    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+    h = _norm(cfg, x, lp.mlp_norm)
     if isinstance(lp, FusedLayerParams):
         gate, up = jnp.split(h @ lp.w_gate_up, 2, axis=-1)
     else:
         gate, up = h @ lp.w_gate, h @ lp.w_up
-    x = x + (jax.nn.silu(gate) * up) @ lp.w_down
-    return x, k_buf, v_buf
+    if cfg.hidden_act == "gelu_pytorch_tanh":
+        act = jax.nn.gelu(gate, approximate=True)  # GeGLU, tanh-approximated as in PyTorch
+    else:
+        act = jax.nn.silu(gate)
+    mlp = (act * up) @ lp.w_down
+    if lp.post_mlp_norm is not None:
+        mlp = _norm(cfg, mlp, lp.post_mlp_norm)
+    return x + mlp, k_buf, v_buf
 
 
 def forward_hidden(params: Params, cfg: ModelConfig, tokens: Array, positions: Array,
@@ -323,6 +367,8 @@ def forward_hidden(params: Params, cfg: ModelConfig, tokens: Array, positions: A
       write_rows: [B, T] cache rows for the new tokens; default
         ``lengths[b] + i``. A drafter expanding tree nodes writes node j at
         ``lengths[b] + j`` and passes a ``block_mask`` over those tree rows.
+        A model with sliding-window layers refuses it: the window needs each block
+        row's position, which is the new token's own only with the default rows.
     Returns:
       (hidden [B, T, d] after the final norm, updated cache, taps [B, T, d] each).
     """
@@ -330,21 +376,37 @@ def forward_hidden(params: Params, cfg: ModelConfig, tokens: Array, positions: A
     if block_mask is None:
         block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     mask = cache_mask(cache.lengths, block_mask, cache.capacity)
+    local_mask = None
+    if any(cfg.is_sliding(i) for i in range(cfg.num_layers)):
+        if write_rows is not None or block_mask.shape[-1] != t:
+            raise ValueError("a model with sliding-window layers runs its new tokens at the "
+                             "default cache rows (write_rows=None, block_mask [B, T, T]): "
+                             "the window is a mask on each row's position")
+        local_mask = mask & window_visible(cache.lengths, positions, cache.capacity,
+                                           cfg.sliding_window)
     if write_rows is None:
         write_rows = cache.lengths[:, None] + jnp.arange(t)[None, :]
     inv_freq = rope_inv_freq(cfg)
+    local_inv_freq = rope_inv_freq(cfg, local=True) if local_mask is not None else None
     x = params.embed[tokens]
+    if cfg.scale_embeddings:
+        # transformers casts sqrt(d) to the weights' dtype before the product.
+        x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
     taps = {-1: x} if -1 in tap_layers else {}
     ks, vs = [], []
     for i, lp in enumerate(params.layers):
-        x, k_buf, v_buf = decoder_layer(cfg, lp, x, positions, inv_freq, cache.k[i], cache.v[i],
-                                        write_rows, mask, (cache.lengths, block_mask),
-                                        attention_impl)
+        local = cfg.is_sliding(i)
+        x, k_buf, v_buf = decoder_layer(cfg, lp, x, positions,
+                                        local_inv_freq if local else inv_freq,
+                                        cache.k[i], cache.v[i], write_rows,
+                                        local_mask if local else mask,
+                                        (cache.lengths, block_mask), attention_impl,
+                                        cfg.sliding_window if local else None)
         ks.append(k_buf)
         vs.append(v_buf)
         if i in tap_layers:
             taps[i] = x
-    hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    hidden = _norm(cfg, x, params.final_norm)
     cache = KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths)
     return hidden, cache, tuple(taps[i] for i in tap_layers)
 

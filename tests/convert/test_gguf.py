@@ -116,15 +116,18 @@ def _write_gguf(path: Path, model, arch: str, drop=(), rope_freqs=None) -> Path:
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # Gemma 3: per layer type
+    w.add_rope_freq_base(rope["rope_theta"])
     w.add_vocab_size(c.vocab_size)
     w.add_bos_token_id(c.bos_token_id)
     w.add_eos_token_id(c.eos_token_id)
     if arch == "llama":
         w.add_rope_dimension_count(c.head_dim)
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
+    if arch == "gemma3":
+        w.add_sliding_window(c.sliding_window)
     arch_enum = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
     name_map = gguf.get_tensor_name_map(arch_enum, c.num_hidden_layers)
     for hf_name, t in model.state_dict().items():
@@ -137,6 +140,8 @@ def _write_gguf(path: Path, model, arch: str, drop=(), rope_freqs=None) -> Path:
             data = _llama_cpp_permute(data, c.num_attention_heads)
         elif arch == "llama" and "k_proj" in hf_name:
             data = _llama_cpp_permute(data, c.num_key_value_heads)
+        elif arch == "gemma3" and hf_name.endswith("norm.weight"):
+            data = data + 1.0  # llama.cpp's Gemma converter stores 1 + w
         if name not in drop:
             w.add_tensor(name, np.ascontiguousarray(data))
     if rope_freqs is not None:
@@ -198,12 +203,45 @@ def test_missing_tensor_and_unsupported_architecture(tmp_path):
     with pytest.raises(GGUFError, match=r"lacks 1 required tensors.*blk\.1\.ffn_up\.weight"):
         read_gguf(path, progress=False)
 
-    w = gguf.GGUFWriter(str(tmp_path / "gemma.gguf"), "gemma3")
+    w = gguf.GGUFWriter(str(tmp_path / "gemma2.gguf"), "gemma2")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(GGUFError, match="'gemma3' is not supported.*llama, qwen2, qwen3"):
-        read_gguf(tmp_path / "gemma.gguf")
+    with pytest.raises(GGUFError, match="'gemma2' is not supported.*llama, qwen2, qwen3, gemma3"):
+        read_gguf(tmp_path / "gemma2.gguf")
+
+
+def test_gemma3_round_trip(tmp_path):
+    """A tiny Gemma 3 written with llama.cpp's conventions (norms stored as 1 + w, a global
+    layer every sixth, attention scale 1/sqrt(head_dim)) reads back as transformers' state,
+    and the converted model gives transformers' logits."""
+    import jax.numpy as jnp
+
+    from specjax.config import ModelConfig
+    from specjax.convert.hf import params_from_hf_state
+    from specjax.model import forward, init_cache
+
+    model = make_hf_model("gemma3", num_hidden_layers=6, layer_types=None,
+                          query_pre_attn_scalar=16)
+    c = model.config
+    assert c.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    config, state = read_gguf(_write_gguf(tmp_path / "g.gguf", model, "gemma3"), progress=False)
+    assert config["model_type"] == "gemma3_text"
+    assert config["architectures"] == ["Gemma3ForCausalLM"]
+    assert (config["sliding_window"], config["head_dim"]) == (c.sliding_window, c.head_dim)
+    hf_state = {k: v.numpy() for k, v in model.state_dict().items()}
+    assert set(state) == set(hf_state)
+    for name, ref in hf_state.items():  # norms went through + 1 and - 1 in float32
+        np.testing.assert_allclose(state[name], ref, atol=1e-6, rtol=0, err_msg=name)
+    cfg = ModelConfig.from_hf(config)
+    assert cfg.layer_types == tuple(c.layer_types) and cfg.attn_scale == 16 ** -0.5
+    params = params_from_hf_state(cfg, state, "g.gguf")
+    toks = np.random.RandomState(0).randint(3, 256, (1, 20))
+    with torch.no_grad():
+        ref = model(torch.tensor(toks)).logits.numpy()
+    logits, _ = forward(params, cfg, jnp.asarray(toks), jnp.arange(20)[None],
+                        init_cache(cfg, 1, 32))
+    assert np.abs(np.asarray(logits) - ref).max() <= 1e-4

@@ -368,3 +368,30 @@ def test_block_sizes_must_be_powers_of_two(name, value):
         tree_attention_pallas(*_args(), interpret=True, **{name: value})
     with pytest.raises(ValueError, match="block_size must be a power of two"):
         count_tree_blocks(jnp.ones((8, 8), bool), 12)
+
+
+# --------------------------------------------------------------------------------------
+# Gemma 3: another attention scale, and the sliding window (XLA and reference only)
+# --------------------------------------------------------------------------------------
+
+
+def test_scale_and_window_xla_equals_reference():
+    """``scale`` replaces 1/sqrt(Dh) everywhere (the Pallas kernel included, interpreted);
+    ``window`` removes the keys at distance >= window from each query's position, in the
+    XLA path as in the reference, and refuses the Pallas kernel."""
+    q, k, v, plen, anc = make_problem(2, 12, 2, 2, 16, 40, jnp.float32, prefix=[6, 20])
+    depth = jnp.sum(anc, axis=-1) - 1  # a node's depth: its ancestors, itself excluded
+    pos = plen[:, None] + depth
+    scaled = tree_attention_ref(q, k, v, plen, anc, scale=0.1)
+    assert max_error(scaled, tree_attention_ref(q, k, v, plen, anc)) > 1e-3
+    out = tree_attention_pallas(q, k, v, plen, pack_ancestors(anc), scale=0.1, interpret=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(scaled), rtol=1e-5, atol=1e-5)
+    windowed = tree_attention_ref(q, k, v, plen, anc, scale=0.1, window=5, positions=pos)
+    assert max_error(windowed, scaled) > 1e-3
+    out = tree_attention(q, k, v, plen, anc, impl="xla", scale=0.1, window=5, positions=pos)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(windowed), rtol=1e-5, atol=1e-5)
+    # A window wider than every query-key distance changes nothing.
+    wide = tree_attention_ref(q, k, v, plen, anc, scale=0.1, window=64, positions=pos)
+    np.testing.assert_allclose(np.asarray(wide), np.asarray(scaled), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="Pallas tree-attention kernel does not implement"):
+        tree_attention(q, k, v, plen, anc, impl="pallas", window=5, positions=pos)

@@ -27,6 +27,15 @@ FEATURES = {
     "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
     "qwen3-qk-norm": ("qwen3", {}),
     "qwen3-qk-norm-head-dim": ("qwen3", dict(head_dim=32)),
+    # tests.tiny.GEMMA3: local and global layers with a window of 8 (the 24-token prompt and
+    # the 40-token greedy continuation run past it), q/k norms, sandwich norms, GeGLU,
+    # sqrt(d) embeddings, query_pre_attn_scalar 24 != head_dim 16, untied head.
+    "gemma3-sliding-window": ("gemma3", {}),
+    "gemma3-tied-mqa-linear-rope": ("gemma3", dict(
+        tie_word_embeddings=True, num_key_value_heads=1,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                            "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
 }
 
 PROMPT_LEN = 24
