@@ -29,6 +29,7 @@ from jax import Array
 from specjax import pytree
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import tree_attention
+from specjax.sharding import constrain_logits
 
 
 @pytree.dataclass
@@ -350,8 +351,13 @@ def forward_hidden(params: Params, cfg: ModelConfig, tokens: Array, positions: A
 
 
 def lm_head(params: Params, hidden: Array) -> Array:
-    """Full-vocabulary logits in fp32. hidden: [..., d] -> [..., V]."""
-    return jnp.einsum("...d,vd->...v", hidden, params.head, preferred_element_type=jnp.float32)
+    """Full-vocabulary logits in fp32. hidden: [B, ..., d] -> [B, ..., V].
+
+    Under a mesh the logits stay split over the vocabulary like the head's rows
+    (:func:`specjax.sharding.constrain_logits`); without one this is the plain product.
+    """
+    return constrain_logits(jnp.einsum("...d,vd->...v", hidden, params.head,
+                                       preferred_element_type=jnp.float32))
 
 
 @partial(jax.jit, static_argnames=("cfg",))
