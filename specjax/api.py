@@ -310,10 +310,11 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
         else:
             while not all_done(state):
                 state = runner.step(state)
-        out = np.asarray(state.output.tokens)[:n]
+        out = sh.to_host(state.output.tokens)[:n]
     t2 = time.perf_counter()
     decode_compile_s = compiled.since(t1)
-    state = _first_rows(state, n)
+    if mesh is not None:
+        state = _first_rows(state, n)
 
     tokens = [[int(t) for t in row if t != PAD] for row in out]
     texts = ([target.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
@@ -384,9 +385,10 @@ def _runner_on_mesh(runner: VanillaRunner | SpecRunner, req: Request, n: int,
 
 
 def _first_rows(state: Any, n: int) -> Any:
-    """``state`` with its statistics and head state cut to the first ``n`` (real) rows."""
-    cut = {f: jax.tree.map(lambda a: a[:n], getattr(state, f)) for f in ("stats", "vocab")
-           if getattr(state, f, None) is not None}
+    """``state``'s statistics and head state cut to the first ``n`` (real) rows, on the host
+    (gathered from every host's shards in a multi-host run)."""
+    cut = {f: jax.tree.map(lambda a: sh.to_host(a)[:n], getattr(state, f))
+           for f in ("stats", "vocab") if getattr(state, f, None) is not None}
     return dataclasses.replace(state, **cut) if cut else state
 
 

@@ -366,3 +366,38 @@ def flat_shardings(abstract: Mapping[str, Any], mesh: Mesh) -> dict[str, NamedSh
         path = (jax.tree_util.GetAttrKey(field),)
         out[name] = NamedSharding(mesh, spec(param_axes(path, a), tuple(a.shape), mesh))
     return out
+
+
+def init_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                     process_id: int | None = None) -> None:
+    """Join a multi-host run (``jax.distributed.initialize``); call before any jax work.
+
+    Every host runs the same program with the same ``coordinator_address`` (host:port of
+    process 0) and ``num_processes``, and its own ``process_id``; afterwards
+    ``jax.devices()`` lists every host's devices and a mesh spans them all. All None: JAX
+    reads them from the cluster environment (SLURM, TPU pods, ...). See docs/sharding.md.
+    """
+    given = [coordinator_address is not None, num_processes is not None,
+             process_id is not None]
+    if any(given) and not all(given):
+        raise ValueError("a multi-host run needs all of coordinator address, number of "
+                         "processes and process id (--coordinator-address, --num-processes, "
+                         "--process-id), or none of them to read them from the cluster")
+    if num_processes is not None:
+        if not isinstance(num_processes, int) or num_processes < 1:
+            raise ValueError(f"num_processes must be an int >= 1, got {num_processes!r}")
+        if not isinstance(process_id, int) or not 0 <= process_id < num_processes:
+            raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id!r}")
+        if not re.fullmatch(r"[\w.\-\[\]:]+:\d+", coordinator_address or ""):
+            raise ValueError("coordinator_address must be HOST:PORT (process 0's), got "
+                             f"{coordinator_address!r}")
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+
+
+def to_host(x: Array) -> np.ndarray:
+    """``x`` as one numpy array on this host, gathering other hosts' shards if needed."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
