@@ -152,3 +152,23 @@ def test_every_parameter_field_has_a_rule(tiny_target, fitted_drafter):
 
     for tree in (tiny_target.params, unfuse_params(tiny_target.params), fitted_drafter.params):
         jax.tree_util.tree_map_with_path(sh.param_axes, tree)  # KeyError names a new field
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--mesh", "data=2,model=4"], "needs 8 devices, jax sees 1"),
+    (["--mesh", "data=2,tensor=4"], "unknown axis 'tensor'"),
+    (["--mesh", "model=2", "--stream"], "--stream runs on one device"),
+    (["--num-processes", "2"], "needs all of coordinator address"),
+    (["--coordinator-address", "nohost", "--num-processes", "2", "--process-id", "0"],
+     "HOST:PORT"),
+    (["--coordinator-address", "h:1", "--num-processes", "2", "--process-id", "2"],
+     r"process_id must be in \[0, 2\)"),
+])
+def test_generate_refuses_bad_mesh_flags_before_loading(tmp_path, capsys, args, message):
+    from specjax.cli import main
+
+    # The model folder does not exist: each refusal must come before the load.
+    assert main(["generate", "--model", str(tmp_path / "none"), "--prompt", "hi",
+                 *args]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and __import__("re").search(message, err), err
