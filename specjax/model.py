@@ -29,7 +29,7 @@ from jax import Array
 from specjax import pytree
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import tree_attention
-from specjax.sharding import constrain_logits
+from specjax.sharding import attend_by_heads, constrain_logits
 
 
 @pytree.dataclass
@@ -265,7 +265,9 @@ def attention(cfg: ModelConfig, lp: LayerParams | FusedLayerParams, x: Array,
     v_buf = _write_rows(v_buf, rows, v)
     if attention_impl != "dense":
         lengths, block_mask = block
-        out = tree_attention(q, k_buf, v_buf, lengths, block_mask, impl=attention_impl)
+        # Under a mesh each device attends with its own rows and KV heads (shard_map).
+        out = attend_by_heads(partial(tree_attention, impl=attention_impl), q, k_buf, v_buf,
+                              lengths, block_mask)
         return out.reshape(b, t, cfg.num_heads * dh) @ lp.wo, k_buf, v_buf
 
     q = q.reshape(b, t, cfg.num_kv_heads, cfg.q_per_kv, dh)

@@ -401,3 +401,28 @@ def to_host(x: Array) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def attend_by_heads(attend: Callable[..., Array], q: Array, k_cache: Array, v_cache: Array,
+                    prefix_len: Array, tree_mask: Array) -> Array:
+    """``attend(q, k_cache, v_cache, prefix_len, tree_mask)`` (a tree-attention kernel)
+    with batch rows over ``data`` and KV heads over ``model``, under ``shard_map``.
+
+    q: [B, T, Hq, Dh]; k_cache, v_cache: [B, S, Hkv, Dh]; prefix_len: [B];
+    tree_mask: [B, T, R or W] -> [B, T, Hq, Dh]. Query head h reads KV head h // group, so
+    a contiguous split of the KV heads splits the query heads with them: each device runs
+    the kernel on its own heads and rows, with no communication. XLA cannot partition a
+    Pallas call by itself; an axis that does not divide B (or Hkv) is not split.
+    """
+    mesh = active_mesh()
+    if mesh is None:
+        return attend(q, k_cache, v_cache, prefix_len, tree_mask)
+    d, m = axis_size(mesh, "data"), axis_size(mesh, "model")
+    rows = "data" if d > 1 and q.shape[0] % d == 0 else None
+    heads = "model" if m > 1 and k_cache.shape[2] % m == 0 else None
+    if rows is None and heads is None:
+        return attend(q, k_cache, v_cache, prefix_len, tree_mask)
+    qkv = P(rows, None, heads)
+    return jax.shard_map(attend, mesh=mesh, in_specs=(qkv, qkv, qkv, P(rows), P(rows)),
+                         out_specs=qkv, check_vma=False)(q, k_cache, v_cache, prefix_len,
+                                                         tree_mask)

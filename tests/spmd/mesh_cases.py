@@ -25,6 +25,9 @@ import time
 # the meshes rather than crossed with them); 2x2 also runs the full head.
 MESH_HEADS = {"data=1,model=1": ["full"], "data=2": ["evospec"], "model=2": ["pafr"],
               "data=2,model=2": ["full", "dynaspec"], "model=8": ["fr"]}
+# Cases that also route the tree blocks through kernels/tree_attention.py (its XLA path,
+# under shard_map by rows and KV heads) instead of the inline dense softmax.
+TREE_ATTENTION = {("data=2,model=2", "dynaspec"), ("model=2", "pafr")}
 INSPECTED = ("data=2,model=2", "model=8")  # meshes whose placements are recorded
 TREE = dict(kind="eagle2", depth=3, top_k=2, total_tokens=6)
 NEW = 16
@@ -95,7 +98,8 @@ def main(target_dir: str, drafter_dir: str, out: str) -> None:
         run(f"vanilla {mesh}", target, mesh)
         for name in names:
             run(f"eagle2 {mesh} {name}", target, mesh, drafter=drafter, tree=tree,
-                vocab=made.get(name, "full"))
+                vocab=made.get(name, "full"),
+                attention="xla" if (mesh, name) in TREE_ATTENTION else "dense")
 
     # Where everything lives on the 2x2 and 1x8 meshes.
     for mesh_text in INSPECTED:
