@@ -59,8 +59,9 @@ def load(path: str | Path, dtype: str | None = None,
       dtype: cast parameters, e.g. "bfloat16"; None keeps the stored dtype.
       mesh: a :class:`jax.sharding.Mesh` over ``("data", "model")`` or a string such as
         ``"data=2,model=4"`` (:mod:`specjax.sharding`): every tensor is restored straight
-        into its sharding, so no host holds the whole model. Pass the same mesh to
-        :func:`generate`.
+        into its sharding, with no host copy of the whole model (only the tensors being
+        read pass whole through memory; docs/benchmarks.md, issue 17). Pass the same mesh
+        to :func:`generate`.
     """
     if not isinstance(path, str | Path):
         raise TypeError(f"path must be a str or Path, got {type(path).__name__}")
@@ -373,9 +374,9 @@ def _runner_on_mesh(runner: VanillaRunner | SpecRunner, req: Request, n: int,
     if mesh is None:
         return runner, req
     limits = dataclasses.replace(req.limits, max_new=req.limits.max_new.at[n:].set(1))
-    rows = (lambda p, x: ("batch",))  # noqa: E731  prompt [B, P] and lengths [B]: by row
-    req = dataclasses.replace(req, prompt=sh.shard_tree(req.prompt, mesh, rows),
-                              prompt_lens=sh.shard_tree(req.prompt_lens, mesh, rows),
+    # prompt [B, P] and prompt_lens [B] split by row, like every per-row loop-state array.
+    req = dataclasses.replace(req, prompt=sh.shard_tree(req.prompt, mesh, sh.state_axes),
+                              prompt_lens=sh.shard_tree(req.prompt_lens, mesh, sh.state_axes),
                               limits=sh.shard_tree(limits, mesh, sh.state_axes))
     if isinstance(runner, SpecRunner):
         runner.head = sh.shard_tree(runner.head, mesh)

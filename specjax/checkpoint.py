@@ -307,7 +307,8 @@ def restore_params(dir_: Path, manifest: dict[str, Any],
     Uses the manifest's ``tensors`` table ({name: [shape, dtype]}) for the abstract
     tree and its ``files`` table (when present) for a size check first. With a ``mesh``
     (:mod:`specjax.sharding`) each tensor is restored straight into its sharding: every
-    device reads only its own slice, and no host holds the whole tensor.
+    device gets only its own slice and no host assembles the whole model (a tensor that
+    conversion stored as one chunk is still decoded whole while it is read).
     """
     check_param_files(dir_, manifest.get("files"))
     shapes = manifest["tensors"]
