@@ -310,7 +310,10 @@ def constrain_state(state: Any) -> Any:
 
 
 def constrain_logits(logits: Array) -> Array:
-    """Logits [B, ..., V]: rows over ``data``, the vocabulary over ``model``."""
+    """Logits [B, ..., V] (or one row [V]): rows over ``data``, the vocabulary over
+    ``model``."""
+    if logits.ndim < 2:
+        return constrain(logits, ("vocab",))
     return constrain(logits, ("batch",) + (None,) * (logits.ndim - 2) + ("vocab",))
 
 
