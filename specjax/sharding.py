@@ -163,6 +163,11 @@ def as_mesh(mesh: Mesh | str | Mapping[str, int] | None) -> Mesh | None:
     if mesh is None or isinstance(mesh, Mesh):
         if mesh is not None and tuple(mesh.axis_names) != MESH_AXES:
             raise ValueError(f"mesh axes must be {MESH_AXES}, got {tuple(mesh.axis_names)}")
+        if mesh is not None and any(t != AxisType.Auto for t in mesh.axis_types):
+            # The layout is given by placements and constraints that XLA propagates;
+            # explicit-sharding axes would make every op's sharding part of its type.
+            raise ValueError(f"mesh axes must be AxisType.Auto, got {mesh.axis_types}; "
+                             "build it with specjax.make_mesh(data, model)")
         return mesh
     if isinstance(mesh, str):
         return make_mesh(**parse_mesh(mesh))

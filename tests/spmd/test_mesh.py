@@ -133,6 +133,18 @@ def test_parse_mesh():
             sh.parse_mesh(bad)
 
 
+def test_a_mesh_of_other_axes_is_refused():
+    dev = jax.devices()[:1]
+    with pytest.raises(ValueError, match="mesh axes must be"):
+        sh.as_mesh(jax.make_mesh((1, 1), ("batch", "tp"), devices=dev))
+    explicit = jax.make_mesh((1, 1), sh.MESH_AXES, devices=dev,
+                             axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    with pytest.raises(ValueError, match="AxisType.Auto"):
+        sh.as_mesh(explicit)
+    with pytest.raises(TypeError, match="mesh must be"):
+        sh.as_mesh(8)
+
+
 def test_a_dimension_the_mesh_axis_does_not_divide_is_replicated():
     mesh = jax.sharding.AbstractMesh((2, 4), sh.MESH_AXES)
     assert sh.spec(("batch", "seq", "kv_heads", "head_dim"), (4, 32, 3, 64), mesh) == P("data")
