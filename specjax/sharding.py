@@ -327,10 +327,11 @@ def vocab_gather_matmul(matmul: Callable[[Array, Array, Array], Array], h: Array
     """``matmul(h, w, idx)`` (a gathered GEMM, padding ids -> 0.0) with ``w`` [V, d] split
     over the vocabulary, gathering within each shard.
 
-    XLA partitions a gather from a vocabulary-sharded operand by all-gathering it (the
-    whole LM head, every draft step). Here each device gathers only the ids in its own
-    rows (others become padding, logit exactly 0.0) and a ``psum`` over ``model`` adds the
-    one non-zero term per entry: the same float32 values as on one device.
+    XLA partitions the gather by itself as a masked gather in each shard followed by an
+    all-reduce of the gathered rows, [N, C, d] (measured on jax 0.10.2). Here each device
+    gathers only the ids in its own rows (others become padding, logit exactly 0.0), runs
+    the GEMM on them, and a ``psum`` over ``model`` adds the logits, [N, C]: d times fewer
+    bytes, and the same float32 values as on one device (one non-zero term per entry).
     h: [N, d], idx: [N, C] -> [N, C] float32. Without a model axis dividing V, it is
     ``matmul`` itself.
     """
