@@ -379,7 +379,7 @@ def _runner_on_mesh(runner: VanillaRunner | SpecRunner, req: Request, n: int,
                               prompt_lens=sh.shard_tree(req.prompt_lens, mesh, sh.state_axes),
                               limits=sh.shard_tree(limits, mesh, sh.state_axes))
     if isinstance(runner, SpecRunner):
-        runner.head = sh.shard_tree(runner.head, mesh)
+        runner.head = sh.shard_head(runner.head, mesh)
         if runner.vocab_state is not None:
             runner.vocab_state = sh.shard_tree(runner.vocab_state, mesh, sh.state_axes)
     return runner, req

@@ -261,6 +261,16 @@ def shard_params(params: Any, mesh: Mesh) -> Any:
     return shard_tree(params, mesh)
 
 
+def shard_head(head: Any, mesh: Mesh) -> Any:
+    """A vocabulary head on ``mesh``. A head whose weight rows are cut into blocks of any
+    size (FR-Spec / PA-FR) re-cuts them at multiples of the model axis first
+    (``split_rows``), so no block falls back to replication."""
+    m = axis_size(mesh, "model")
+    if m > 1 and hasattr(head, "split_rows"):
+        head = head.split_rows(m)
+    return shard_tree(head, mesh)
+
+
 def fallbacks(tree: Any, mesh: Any, axes_of: Callable = param_axes) -> list[str]:
     """Paths of the leaves with a sharded logical axis that ``mesh`` leaves replicated
     (its mesh axis does not divide the dimension)."""

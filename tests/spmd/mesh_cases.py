@@ -106,7 +106,7 @@ def main(target_dir: str, drafter_dir: str, out: str) -> None:
         mesh = sh.as_mesh(mesh_text)
         target = specjax.load(target_dir, mesh=mesh)
         dparams = sh.shard_params(drafter.params, mesh)
-        placed = {name: sh.shard_tree(h, mesh) for name, h in heads(target).items()}
+        placed = {name: sh.shard_head(h, mesh) for name, h in heads(target).items()}
         # The requests of the runs above: the prefill program is already compiled.
         runner, req = _plan(target, _pad_rows(PROMPTS, mesh), max_new_tokens=NEW,
                             temperature=0.0, top_k=0, top_p=1.0, seed=0, key=None,

@@ -85,9 +85,10 @@ def test_head_rows_are_split_over_the_vocabulary(mesh_run, mesh):
     # Index tables and the DynaSpec router are replicated on purpose (read whole).
     assert all(s == [] for s in h["dynaspec"].values())
     assert h["evospec"][".core_ids"] == [] and h["evospec"][".successors"] == []
-    # PA-FR's budget blocks: split where the model axis divides their rows (the largest,
-    # block 0 of 32+ rows here); the rest replicated (documented in specjax.sharding).
-    assert h["pafr"][".w_blocks[0]"] == ["model"]
+    # PA-FR's budget blocks (42, 32, 25, ... rows) are re-cut at multiples of the model
+    # axis, so every one of them splits.
+    blocks = [s for p, s in h["pafr"].items() if p.startswith(".w_blocks")]
+    assert len(blocks) > 1 and all(s == ["model"] for s in blocks), h["pafr"]
 
 
 def test_loop_state_is_split_by_rows_and_kv_heads(mesh_run):
@@ -143,6 +144,24 @@ def test_a_mesh_of_other_axes_is_refused():
         sh.as_mesh(explicit)
     with pytest.raises(TypeError, match="mesh must be"):
         sh.as_mesh(8)
+
+
+def test_recut_frequency_blocks_score_the_same_candidates():
+    import numpy as np
+
+    from specjax.vocab.fr_head import frequency_head
+
+    rs = np.random.RandomState(0)
+    w = jnp.asarray(rs.randn(300, 16).astype(np.float32))
+    h = jnp.asarray(rs.randn(2, 3, 16).astype(np.float32))
+    head = frequency_head(w, rs.permutation(300), [0], k_max=256, position_aware=True)
+    for m in (2, 8):
+        recut = head.split_rows(m)
+        assert all(b.shape[0] % m == 0 for b in recut.w_blocks), [b.shape for b in recut.w_blocks]
+        for step in range(6):
+            a, b = head(w, h, step), recut(w, h, step)
+            assert (a.ids == b.ids).all()
+            np.testing.assert_allclose(a.logits, b.logits, rtol=1e-6, atol=1e-6)
 
 
 def test_a_dimension_the_mesh_axis_does_not_divide_is_replicated():
