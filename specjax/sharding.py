@@ -5,8 +5,9 @@ The idiom is jax-llm-examples': every weight, cache buffer and loop-state array 
 logical axis to a mesh axis (or to None: replicated), and the model's functions run
 unchanged under any mesh. Sharding is expressed by placing the inputs
 (:func:`shard_params`, :func:`shard_tree`) and by :func:`constrain` at a few points
-(the loop state, the logits); XLA's partitioner does the rest. Where it does badly (a
-gather from a vocabulary-sharded matrix), :func:`vocab_gather_matmul` uses ``shard_map``.
+(the loop state, the logits); XLA's partitioner does the rest. Where it does badly (the
+gathered GEMM on a vocabulary-sharded matrix, :func:`vocab_gather_matmul`; the
+tree-attention kernels, :func:`attend_by_heads`), ``shard_map`` says what each device does.
 
 The mesh has two axes (:data:`MESH_AXES`):
 
@@ -27,7 +28,7 @@ over a split dimension (``wo``, ``w_down``, the drafter's ``fc``), which sum par
 products across devices in another order (a few ulps). The tests check that greedy tokens
 equal the single-device run's on every mesh they try.
 
-No mesh is active unless :func:`use_mesh` (``jax.set_mesh``) set one: then
+A mesh is active only inside :func:`use_mesh` (``jax.set_mesh``); outside it
 :func:`constrain` is the identity and every function is the single-device one.
 """
 
