@@ -9,6 +9,8 @@ Top-level API::
     result = specjax.generate(target, "Hello", drafter=drafter, tree=specjax.TreeSpec())
     for chunk in specjax.stream(target, "Hello", drafter=drafter):
         print(chunk.text, end="", flush=True)
+    target = specjax.load(out, mesh="data=2,model=4")  # SPMD: see docs/sharding.md
+    result = specjax.generate(target, prompts, mesh="data=2,model=4")
 """
 
 from specjax.api import Chunk, GenerationResult, generate, load, load_drafter, stream
@@ -16,8 +18,10 @@ from specjax.config import ModelConfig
 from specjax.convert import convert
 from specjax.loaded import Drafter, Target
 from specjax.sampling import SamplingConfig
+from specjax.sharding import init_distributed, make_mesh
 from specjax.speculative import TreeSpec
 
 __all__ = ["Chunk", "Drafter", "GenerationResult", "ModelConfig", "SamplingConfig", "Target",
-           "TreeSpec", "convert", "generate", "load", "load_drafter", "stream"]
+           "TreeSpec", "convert", "generate", "init_distributed", "load", "load_drafter",
+           "make_mesh", "stream"]
 __version__ = "0.1.0"

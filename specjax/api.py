@@ -14,6 +14,7 @@ import numpy as np
 
 from specjax import drafter as drafter_lib
 from specjax import eagle3
+from specjax import sharding as sh
 from specjax._checks import check_bool, check_int, check_real, check_seed, check_text
 from specjax.checkpoint import CheckpointError, load_target, read_manifest
 from specjax.compile_cache import CompileTimer
@@ -47,7 +48,8 @@ class GenerationResult:
         return self.texts[0]
 
 
-def load(path: str | Path, dtype: str | None = None) -> Target:
+def load(path: str | Path, dtype: str | None = None,
+         mesh: sh.Mesh | str | None = None) -> Target:
     """Load a folder written by ``specjax convert``.
 
     The tokenizer is loaded with :func:`specjax.tokenizer.load_tokenizer`, which never
@@ -55,6 +57,11 @@ def load(path: str | Path, dtype: str | None = None) -> Target:
 
     Args:
       dtype: cast parameters, e.g. "bfloat16"; None keeps the stored dtype.
+      mesh: a :class:`jax.sharding.Mesh` over ``("data", "model")`` or a string such as
+        ``"data=2,model=4"`` (:mod:`specjax.sharding`): every tensor is restored straight
+        into its sharding, with no host copy of the whole model (only the tensors being
+        read pass whole through memory; docs/benchmarks.md, issue 17). Pass the same mesh
+        to :func:`generate`.
     """
     if not isinstance(path, str | Path):
         raise TypeError(f"path must be a str or Path, got {type(path).__name__}")
@@ -65,8 +72,14 @@ def load(path: str | Path, dtype: str | None = None) -> Target:
     # The tokenizer next: a folder that asks to run code is refused before its tensors
     # are read.
     tokenizer = load_tokenizer(path)
-    cfg, params = load_target(path, dtype)
-    params = fuse_params(params)  # Q/K/V and gate/up as one product each (inference layout)
+    mesh = sh.as_mesh(mesh)
+    cfg, params = load_target(path, dtype, mesh)
+    if mesh is None or sh.axis_size(mesh, "model") == 1:
+        # Q/K/V and gate/up as one product each (the inference layout); a model axis keeps
+        # them apart so they split on head and MLP boundaries (specjax.sharding.RULES).
+        params = fuse_params(params)
+    if mesh is not None:
+        params = sh.shard_params(params, mesh)  # a no-op but for the fused layers' placement
     return Target(cfg=cfg, params=params, tokenizer=tokenizer, path=path)
 
 
@@ -222,7 +235,7 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
              mode: Literal["compiled", "eager"] = "compiled", drafter: Drafter | None = None,
              tree: TreeSpec | None = None, assume_q_one: bool = False,
              vocab: str | VocabHead = "full", attention: str = "dense",
-             vocab_state: Any = None) -> GenerationResult:
+             vocab_state: Any = None, mesh: sh.Mesh | str | None = None) -> GenerationResult:
     """Generate continuations of one or more prompts.
 
     Without a ``drafter`` this is vanilla decoding. With one, it is speculative
@@ -254,6 +267,13 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
       vocab_state: for a stateful head (EvoSpec), the ``vocab_state`` of an earlier
         result to start from (same batch size), so the dynamic vocabulary carries over
         between requests; None starts empty.
+      mesh: run SPMD over a device mesh (:mod:`specjax.sharding`): a
+        :class:`jax.sharding.Mesh` over ``("data", "model")`` or a string such as
+        ``"data=2,model=4"``. Batch rows split over ``data`` (a batch that is not a
+        multiple of it is padded with rows that stop after one token, then dropped);
+        heads, MLP columns, the vocabulary and the KV cache over ``model``. Greedy tokens
+        equal the single-device run's. The target, drafter and head are placed on the
+        mesh on every call unless already there: load with ``load(path, mesh=...)``.
     Returns:
       :class:`GenerationResult` with texts, new token ids and ``stats``
       (new_tokens, prefill_s, decode_s, wall_s, tokens_per_s, decode_tokens_per_s;
@@ -271,16 +291,20 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
         target, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
         top_p=top_p, seed=seed, key=key, chat=chat, system=system, stop_on_eos=stop_on_eos,
         mode=mode, drafter=drafter, tree=tree, assume_q_one=assume_q_one, vocab=vocab)
+    mesh = sh.as_mesh(mesh)
     ids = encode_prompts(target, prompts, chat, system)
-    runner, req = _plan(target, ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                        top_k=top_k, top_p=top_p, seed=seed, key=key, stop_on_eos=stop_on_eos,
-                        drafter=drafter, tree=tree, assume_q_one=assume_q_one, vocab=vocab,
-                        attention=attention)
+    n = len(ids)
+    target, drafter = _on_mesh(target, drafter, mesh)
+    runner, req = _plan(target, _pad_rows(ids, mesh), max_new_tokens=max_new_tokens,
+                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, key=key,
+                        stop_on_eos=stop_on_eos, drafter=drafter, tree=tree,
+                        assume_q_one=assume_q_one, vocab=vocab, attention=attention)
     if vocab_state is not None:
-        _check_vocab_state(runner, vocab_state, len(ids))
-        runner.vocab_state = vocab_state
+        _check_vocab_state(runner, vocab_state, n)
+        runner.vocab_state = _pad_state(runner.head, vocab_state, req.prompt.shape[0])
+    runner, req = _runner_on_mesh(runner, req, n, mesh)
     t0 = time.perf_counter()
-    with CompileTimer() as compiled:  # compile time, reported apart from decoding speed
+    with CompileTimer() as compiled, sh.use_mesh(mesh):  # compile time apart from speed
         state = jax.block_until_ready(runner.prefill(req))
         t1 = time.perf_counter()
         if mode == "compiled":
@@ -288,9 +312,11 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
         else:
             while not all_done(state):
                 state = runner.step(state)
-        out = np.asarray(state.output.tokens)
+        out = sh.to_host(state.output.tokens)[:n]
     t2 = time.perf_counter()
     decode_compile_s = compiled.since(t1)
+    if mesh is not None:
+        state = _first_rows(state, n)
 
     tokens = [[int(t) for t in row if t != PAD] for row in out]
     texts = ([target.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
@@ -307,8 +333,65 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
         "decode_tokens_per_s": (new - len(ids)) / max(t2 - t1 - decode_compile_s, 1e-9),
         "mode": mode, "compile_s": compiled.seconds, "compiles": compiled.backend_compiles,
     }
+    if mesh is not None:
+        stats["mesh"] = dict(mesh.shape)
     return GenerationResult(texts=texts, tokens=tokens, stats=stats,
                             vocab_state=getattr(state, "vocab", None))
+
+
+def _on_mesh(target: Target, drafter: Drafter | None,
+             mesh: sh.Mesh | None) -> tuple[Target, Drafter | None]:
+    """The target and drafter with their parameters on ``mesh`` (unchanged without one)."""
+    if mesh is None:
+        return target, drafter
+    target = dataclasses.replace(target, params=sh.shard_params(target.params, mesh))
+    if drafter is not None:
+        drafter = dataclasses.replace(drafter, params=sh.shard_params(drafter.params, mesh))
+    return target, drafter
+
+
+def _pad_rows(ids: list[list[int]], mesh: sh.Mesh | None) -> list[list[int]]:
+    """``ids`` plus copies of the first prompt up to a multiple of the ``data`` axis.
+
+    The copies are padding rows: :func:`_runner_on_mesh` gives them a budget of one token,
+    so they are done after the prefill and never grow; generate drops them.
+    """
+    data = 1 if mesh is None else sh.axis_size(mesh, "data")
+    return ids + [ids[0]] * (-len(ids) % data)
+
+
+def _pad_state(head: Any, vocab_state: Any, rows: int) -> Any:
+    """A stateful head's state with fresh rows appended up to ``rows`` (padding rows)."""
+    extra = rows - jax.tree.leaves(vocab_state)[0].shape[0]
+    if extra == 0:
+        return vocab_state
+    return jax.tree.map(lambda a, b: jnp.concatenate([a, b]), vocab_state,
+                        head.init_state(extra))
+
+
+def _runner_on_mesh(runner: VanillaRunner | SpecRunner, req: Request, n: int,
+                    mesh: sh.Mesh | None) -> tuple[VanillaRunner | SpecRunner, Request]:
+    """The head and the request placed on ``mesh``; padding rows past ``n`` stop at once."""
+    if mesh is None:
+        return runner, req
+    limits = dataclasses.replace(req.limits, max_new=req.limits.max_new.at[n:].set(1))
+    # prompt [B, P] and prompt_lens [B] split by row, like every per-row loop-state array.
+    req = dataclasses.replace(req, prompt=sh.shard_tree(req.prompt, mesh, sh.state_axes),
+                              prompt_lens=sh.shard_tree(req.prompt_lens, mesh, sh.state_axes),
+                              limits=sh.shard_tree(limits, mesh, sh.state_axes))
+    if isinstance(runner, SpecRunner):
+        runner.head = sh.shard_head(runner.head, mesh)
+        if runner.vocab_state is not None:
+            runner.vocab_state = sh.shard_tree(runner.vocab_state, mesh, sh.state_axes)
+    return runner, req
+
+
+def _first_rows(state: Any, n: int) -> Any:
+    """``state``'s statistics and head state cut to the first ``n`` (real) rows, on the host
+    (gathered from every host's shards in a multi-host run)."""
+    cut = {f: jax.tree.map(lambda a: sh.to_host(a)[:n], getattr(state, f))
+           for f in ("stats", "vocab") if getattr(state, f, None) is not None}
+    return dataclasses.replace(state, **cut) if cut else state
 
 
 def _check_vocab_state(runner: Any, vocab_state: Any, batch: int) -> None:

@@ -300,17 +300,27 @@ def check_param_files(dir_: Path, files: Any) -> None:
                                   "(truncated or overwritten), convert it again")
 
 
-def restore_params(dir_: Path, manifest: dict[str, Any]) -> dict[str, jax.Array]:
+def restore_params(dir_: Path, manifest: dict[str, Any],
+                   mesh: Any = None) -> dict[str, jax.Array]:
     """Restore a flat dict written by :func:`save_params` given its manifest.
 
     Uses the manifest's ``tensors`` table ({name: [shape, dtype]}) for the abstract
-    tree and its ``files`` table (when present) for a size check first.
+    tree and its ``files`` table (when present) for a size check first. With a ``mesh``
+    (:mod:`specjax.sharding`) each tensor is restored straight into its sharding: every
+    device gets only its own slice and no host assembles the whole model (a tensor that
+    conversion stored as one chunk is still decoded whole while it is read).
     """
     check_param_files(dir_, manifest.get("files"))
     shapes = manifest["tensors"]
     try:
         abstract = {k: jax.ShapeDtypeStruct(tuple(int(n) for n in s), jnp.dtype(d))
                     for k, (s, d) in shapes.items()}
+        if mesh is not None:
+            from specjax.sharding import flat_shardings
+
+            placed = flat_shardings(abstract, mesh)
+            abstract = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed[k])
+                        for k, a in abstract.items()}
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{dir_ / MANIFEST}: \"tensors\" must map names to [shape, dtype] "
                               f"({type(e).__name__}: {e}); convert the checkpoint again") from e
@@ -322,6 +332,8 @@ def restore_params(dir_: Path, manifest: dict[str, Any]) -> dict[str, jax.Array]
     except Exception as e:  # orbax raises many types; all mean the same thing here.
         raise CheckpointError(f"{dir_}: cannot restore tensors ({type(e).__name__}: {e}); the "
                               "checkpoint is corrupt, convert it again") from e
+    if mesh is not None:
+        return flat  # already jax arrays in their shardings
     # orbax hands back host numpy arrays; put them on the device once here, not
     # on every jitted call that takes them.
     return jax.device_put(flat)
@@ -499,8 +511,12 @@ def check_tensor_shapes(where: Path, cfg: ModelConfig, dims: dict[str, tuple],
                                   f"gives {want}; {fix}")
 
 
-def load_target(dir_: Path, dtype: str | None = None) -> tuple[ModelConfig, Params]:
+def load_target(dir_: Path, dtype: str | None = None,
+                mesh: Any = None) -> tuple[ModelConfig, Params]:
     """Config and device params of a converted target; ``dtype`` casts (e.g. "bfloat16").
+
+    ``mesh``: restore every tensor directly into its sharding on that mesh (see
+    :func:`restore_params`).
 
     Raises CheckpointError for a missing, foreign or corrupt folder, naming the manifest
     field when its config is invalid or disagrees with the stored tensor shapes.
@@ -512,7 +528,7 @@ def load_target(dir_: Path, dtype: str | None = None) -> tuple[ModelConfig, Para
     except ValueError as e:
         raise CheckpointError(f"{where}: {e}; convert the checkpoint again") from e
     check_tensor_shapes(where, cfg, target_dims(cfg), manifest.get("tensors"))
-    flat = restore_params(dir_, manifest)
+    flat = restore_params(dir_, manifest, mesh)
     if dtype is not None:
         flat = {k: v.astype(jnp.dtype(dtype)) for k, v in flat.items()}
     return cfg, unflatten_params(flat, cfg.num_layers)

@@ -21,6 +21,7 @@ from specjax.config import ModelConfig
 from specjax.loop import Limits, Output, last_valid, prefill_target, run_until_done, sample_first
 from specjax.model import KVCache, Params, forward_hidden, lm_head
 from specjax.sampling import StaticSampling, sample
+from specjax.sharding import constrain_state
 
 
 @pytree.dataclass
@@ -47,7 +48,8 @@ def prefill(params: Params, cfg: ModelConfig, prompt: Array, prompt_lens: Array,
     hidden, cache, _ = prefill_target(params, cfg, prompt, prompt_lens, capacity)
     output = sample_first(lm_head(params, last_valid(hidden, prompt_lens)), limits, key,
                           sampling, out_len)
-    return DecodeState(output=output, limits=limits, cache=cache, last=output.tokens[:, 0])
+    return constrain_state(DecodeState(output=output, limits=limits, cache=cache,
+                                       last=output.tokens[:, 0]))
 
 
 def decode_step(params: Params, cfg: ModelConfig, state: DecodeState,
@@ -61,10 +63,12 @@ def decode_step(params: Params, cfg: ModelConfig, state: DecodeState,
                  state.limits.top_p)
     live = ~output.done
     output, _ = output.append(nxt[:, None], jnp.ones_like(nxt), state.limits)
-    # Finished rows keep their cache length; their writes land past it unseen.
-    return DecodeState(output=output, limits=state.limits,
-                       cache=dataclasses.replace(cache, lengths=cache.lengths + live),
-                       last=jnp.where(live, nxt, state.last))
+    # Finished rows keep their cache length; their writes land past it unseen. Under a
+    # mesh the carry keeps one layout from step to step (constrain_state).
+    return constrain_state(DecodeState(
+        output=output, limits=state.limits,
+        cache=dataclasses.replace(cache, lengths=cache.lengths + live),
+        last=jnp.where(live, nxt, state.last)))
 
 
 @partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("state",))

@@ -37,6 +37,7 @@ from jax import Array
 from specjax import pytree
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import tree_attention, window_visible
+from specjax.sharding import attend_by_heads, constrain_logits
 
 
 @pytree.dataclass
@@ -295,8 +296,10 @@ def attention(cfg: ModelConfig, lp: LayerParams | FusedLayerParams, x: Array,
     v_buf = _write_rows(v_buf, rows, v)
     if attention_impl != "dense":
         lengths, block_mask = block
-        out = tree_attention(q, k_buf, v_buf, lengths, block_mask, impl=attention_impl,
-                             scale=cfg.attn_scale, window=window, positions=positions)
+        # Under a mesh each device attends with its own rows and KV heads (shard_map).
+        out = attend_by_heads(partial(tree_attention, impl=attention_impl,
+                                      scale=cfg.attn_scale, window=window), q, k_buf, v_buf,
+                              lengths, block_mask, positions if window is not None else None)
         return out.reshape(b, t, cfg.num_heads * dh) @ lp.wo, k_buf, v_buf
 
     q = q.reshape(b, t, cfg.num_kv_heads, cfg.q_per_kv, dh)
@@ -412,8 +415,13 @@ def forward_hidden(params: Params, cfg: ModelConfig, tokens: Array, positions: A
 
 
 def lm_head(params: Params, hidden: Array) -> Array:
-    """Full-vocabulary logits in fp32. hidden: [..., d] -> [..., V]."""
-    return jnp.einsum("...d,vd->...v", hidden, params.head, preferred_element_type=jnp.float32)
+    """Full-vocabulary logits in fp32. hidden: [B, ..., d] -> [B, ..., V].
+
+    Under a mesh the logits stay split over the vocabulary like the head's rows
+    (:func:`specjax.sharding.constrain_logits`); without one this is the plain product.
+    """
+    return constrain_logits(jnp.einsum("...d,vd->...v", hidden, params.head,
+                                       preferred_element_type=jnp.float32))
 
 
 @partial(jax.jit, static_argnames=("cfg",))

@@ -49,6 +49,7 @@ from specjax.loop import (
 )
 from specjax.model import KVCache, Params, forward_hidden, lm_head
 from specjax.sampling import StaticSampling, target_probs
+from specjax.sharding import constrain_state
 from specjax.tree import DraftTree, TreeSpec
 from specjax.verify import committed_tokens, verify_greedy, verify_sampling
 from specjax.vocab.head import Feedback, VocabHead
@@ -189,10 +190,11 @@ def spec_prefill(params: Params, dparams: Any, prompt: Array, prompt_lens: Array
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     dcache = dm.init_cache(b, capacity, params.embed.dtype)
     _, dcache = dm.forward(dparams, params.embed, prompt, shifted, positions, dcache)
-    return SpecState(output=output, limits=limits, tcache=tcache,
-                     dcache=dataclasses.replace(dcache, lengths=tcache.lengths),
-                     root=output.tokens[:, 0], root_feat=last_valid(feats, prompt_lens),
-                     stats=SpecStats.zeros(b, out_len), vocab=vocab)
+    return constrain_state(SpecState(
+        output=output, limits=limits, tcache=tcache,
+        dcache=dataclasses.replace(dcache, lengths=tcache.lengths), root=output.tokens[:, 0],
+        root_feat=last_valid(feats, prompt_lens), stats=SpecStats.zeros(b, out_len),
+        vocab=vocab))
 
 
 def draft_phase(params: Params, dparams: Any, head: VocabHead, state: SpecState,
@@ -310,14 +312,15 @@ def verify_phase(params: Params, dparams: Any, head: VocabHead, state: SpecState
                 committed=committed, bonus=acc.bonus,
                 logits=_row_gather(logits, at)[:, 0].astype(jnp.float32),
                 hidden=_row_gather(hidden, at)[:, 0], live=live))
-    return SpecState(
+    # Under a mesh the carry keeps one layout from step to step (constrain_state).
+    return constrain_state(SpecState(
         output=output, limits=limits,
         tcache=dataclasses.replace(tcache, lengths=new_len),
         dcache=dataclasses.replace(dcache, lengths=new_len),
         root=jnp.where(live, acc.bonus, state.root),
         root_feat=jnp.where(live[:, None], _row_gather(feats, last[:, None])[:, 0],
                             state.root_feat),
-        stats=stats, vocab=vocab)
+        stats=stats, vocab=vocab))
 
 
 def spec_step(params: Params, dparams: Any, head: VocabHead, state: SpecState,

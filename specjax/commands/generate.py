@@ -27,6 +27,33 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                    help="cast parameters at load (default: as stored)")
 
 
+def add_mesh(p: argparse.ArgumentParser) -> None:
+    """``--mesh`` and the multi-host flags (see docs/sharding.md)."""
+    p.add_argument("--mesh", default=None,
+                   help="run SPMD over a device mesh, e.g. data=2,model=4 (batch rows over "
+                        "data; heads, MLP, vocabulary and KV cache over model); default: one "
+                        "device")
+    p.add_argument("--coordinator-address", default=None,
+                   help="multi-host: process 0's HOST:PORT (jax.distributed.initialize)")
+    p.add_argument("--num-processes", type=int, default=None, help="multi-host: hosts in all")
+    p.add_argument("--process-id", type=int, default=None, help="multi-host: this host's rank")
+
+
+def start_mesh(args: argparse.Namespace) -> Any:
+    """Join the multi-host run the flags name (if any) and build ``--mesh`` (or None).
+
+    Called before the model is loaded: ``jax.distributed.initialize`` must come before
+    any jax work, and the mesh is what the checkpoint is restored into.
+    """
+    from specjax import sharding as sh
+
+    if args.mesh is not None:
+        sh.parse_mesh(args.mesh)  # a malformed flag fails before the multi-host handshake
+    if (args.coordinator_address, args.num_processes, args.process_id) != (None,) * 3:
+        sh.init_distributed(args.coordinator_address, args.num_processes, args.process_id)
+    return sh.as_mesh(args.mesh)
+
+
 def _add_tree(p: argparse.ArgumentParser) -> None:
     from specjax.speculative import TreeSpec
 
@@ -51,6 +78,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     g.add_argument("--prompt", required=True, action="append",
                    help="prompt text; repeat for a batch")
     _add_sampling(g)
+    add_mesh(g)
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     g.add_argument("--system", default=None, help="system message for the chat template")
     g.add_argument("--mode", default="compiled", choices=["compiled", "eager"])
@@ -94,6 +122,8 @@ def check_generate_flags(args: argparse.Namespace) -> None:
     if args.stream and (len(args.prompt) > 1 or args.json):
         raise ValueError("--stream prints one prompt's text as it comes; pass one --prompt "
                          "and no --json")
+    if args.stream and args.mesh is not None:
+        raise ValueError("--stream runs on one device; drop --mesh or --stream")
     if args.drafter not in (None, "none") and not Path(args.drafter).is_dir():
         raise FileNotFoundError(f"--drafter {args.drafter}: no such folder; pass a drafter "
                                 "folder (`specjax convert` or `specjax train drafter` write "
@@ -145,7 +175,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     enable_compilation_cache()  # a second run of the same shapes compiles nothing
     check_generate_flags(args)
-    target = specjax.load(resolve_model(args.model), dtype=args.dtype)
+    mesh = start_mesh(args)
+    target = specjax.load(resolve_model(args.model), dtype=args.dtype, mesh=mesh)
     prompts = args.prompt if len(args.prompt) > 1 else args.prompt[0]
     drafter = _resolve_drafter(args, target)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -157,7 +188,7 @@ def run_generate(args: argparse.Namespace) -> int:
             print(chunk.text, end="", flush=True)
         print()
         return 0
-    res = specjax.generate(target, prompts, mode=args.mode, **kwargs)
+    res = specjax.generate(target, prompts, mode=args.mode, mesh=mesh, **kwargs)
     if args.json:
         single = isinstance(prompts, str)
         stats = dict(res.stats)

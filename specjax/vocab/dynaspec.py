@@ -27,6 +27,7 @@ from jax import Array
 
 from specjax import pytree
 from specjax.kernels.gathered_gemm import gathered_matmul
+from specjax.sharding import vocab_gather_matmul
 from specjax.vocab.clusters import Clusters
 from specjax.vocab.head import Candidates, masked
 from specjax.vocab.router import RouterParams, router_logits
@@ -119,7 +120,9 @@ class RoutedHead:
             shape = logits.shape
             return masked(jnp.broadcast_to(ids, shape), jnp.broadcast_to(valid, shape), logits)
         d = h.shape[-1]
-        logits = gathered_matmul(h.reshape(-1, d), w, ids.reshape(-1, ids.shape[-1]))
+        # Under a mesh W is split over the vocabulary: each device gathers its own rows.
+        logits = vocab_gather_matmul(gathered_matmul, h.reshape(-1, d), w,
+                                     ids.reshape(-1, ids.shape[-1]))
         return masked(ids, valid, logits.reshape(ids.shape))
 
 

@@ -13,6 +13,7 @@ the rest by decreasing frequency, so every prefix, however short, can end a sequ
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 import jax.numpy as jnp
@@ -78,6 +79,21 @@ class FrequencyHead:
         logits = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
         ids = jnp.broadcast_to(self.ids[:c], logits.shape)
         return Candidates(ids, jnp.ones(logits.shape, bool), logits)
+
+    def split_rows(self, multiple: int) -> FrequencyHead:
+        """The same head with its blocks re-cut at multiples of ``multiple`` rows, so that a
+        model axis of that size splits every block evenly (:func:`specjax.sharding.shard_head`;
+        PA-FR's budgets, e.g. 10,922 rows, divide by nothing).
+
+        Blocks are a storage layout only: every step scores the same rows in the same
+        order, so the candidates are unchanged; a budget that falls inside a block slices it.
+        """
+        n = self.ids.shape[0]
+        w = self.w_blocks[0] if len(self.w_blocks) == 1 else jnp.concatenate(self.w_blocks)
+        cuts = {e - e % multiple for e in _block_ends(self.k_max, n, self.position_aware)}
+        ends = sorted((cuts - {0}) | {n})
+        blocks = tuple(w[a:b] for a, b in zip((0, *ends[:-1]), ends, strict=True))
+        return dataclasses.replace(self, w_blocks=blocks)
 
 
 def frequency_order(ranked: np.ndarray, always: np.ndarray | list[int]) -> np.ndarray:
