@@ -37,8 +37,17 @@ def pallas_gpu_available() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def lower_for_cuda(fn: Callable, *args: Any) -> Any:
+# The GPU a CUDA lowering targets when this process has none: jax 0.11's Triton lowering
+# asks the device for its compute capability, so a CPU-only process names one through an
+# abstract mesh (jax 0.10 ignores it).
+ABSTRACT_GPU = "NVIDIA H100"
+
+
+def lower_for_cuda(fn: Callable, *args: Any, device_kind: str = ABSTRACT_GPU) -> Any:
     """``jax.jit(fn)`` lowered for CUDA from abstract ``args`` (``jax.ShapeDtypeStruct``s),
     on any jaxlib: a CPU-only install lowers Pallas/Triton kernels to their Triton IR
     without a GPU, which is where GPU-only errors (block shapes, dtypes) show up."""
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    gpu = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("_gpu",), abstract_device=gpu)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))

@@ -74,6 +74,8 @@ PARAM_AXES: Mapping[str, tuple[str | None, ...]] = {
     "final_norm": ("embed",),
     "attn_norm": ("embed",),
     "mlp_norm": ("embed",),
+    "post_attn_norm": ("embed",),  # Gemma 3's sandwich norms
+    "post_mlp_norm": ("embed",),
     "embed_norm": ("embed",),  # EAGLE-3
     "hidden_norm": ("embed",),
     "wq": ("embed", "heads"),

@@ -54,7 +54,9 @@ def _resolved_impl(impl: str) -> str:
     """The implementation ``gathered_matmul`` runs for ``impl`` on this backend."""
     if impl != "auto":
         return impl
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+    from specjax.compat import pallas_gpu_available
+
+    return "pallas" if pallas_gpu_available() else "xla"
 
 
 def run_gemm_bench(*, vocab_size: int = 49152, hidden_size: int = 576,
