@@ -18,6 +18,7 @@ from specjax.kernels.gathered_gemm import (
     gathered_matmul_ref,
     gathered_matmul_xla,
 )
+from tests.kernels.pallas_case import PallasCase
 
 
 def _problem(n: int, c: int, vocab: int, d: int, dtype, seed: int = 0):
@@ -68,19 +69,11 @@ PALLAS_CASES = [
 ]
 
 
-class TestGatheredGemm:
+class TestGatheredGemm(PallasCase):
     """The Pallas kernel against the reference, compiled (needs a GPU); the subclass below
     runs the same cases in interpret mode, as jax's own ``gpu_ops_test`` does."""
 
-    INTERPRET = False
-
-    @pytest.fixture(autouse=True)
-    def _backend(self):
-        if not self.INTERPRET and jax.default_backend() != "gpu":
-            pytest.skip("compiled Triton kernels need a GPU (run with JAX_PLATFORMS=cuda)")
-
-    def pallas(self, *args, **kwargs):
-        return gathered_matmul_pallas(*args, interpret=self.INTERPRET, **kwargs)
+    KERNEL = staticmethod(gathered_matmul_pallas)
 
     @pytest.mark.parametrize("n,c,vocab,d,block_c,block_d,dtype", PALLAS_CASES)
     def test_matches_reference(self, n, c, vocab, d, block_c, block_d, dtype):

@@ -28,6 +28,7 @@ from specjax.kernels.tree_attention import (
 )
 from specjax.model import LayerParams, attention, cache_mask
 from specjax.tree import ancestors_from_parent, pack_ancestors
+from tests.kernels.pallas_case import PallasCase
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -142,18 +143,10 @@ KERNEL_CASES = [
 KERNEL_IDS = [f"{c[7]}-T{c[1]}-Dh{c[4]}-g{c[3]}-{jnp.dtype(c[6]).name}" for c in KERNEL_CASES]
 
 
-class TestTreeAttention:
+class TestTreeAttention(PallasCase):
     """The Pallas kernel against the reference, compiled (needs a GPU)."""
 
-    INTERPRET = False
-
-    @pytest.fixture(autouse=True)
-    def _backend(self):
-        if not self.INTERPRET and jax.default_backend() != "gpu":
-            pytest.skip("compiled Triton kernels need a GPU (run with JAX_PLATFORMS=cuda)")
-
-    def pallas(self, *args, **kwargs):
-        return tree_attention_pallas(*args, interpret=self.INTERPRET, **kwargs)
+    KERNEL = staticmethod(tree_attention_pallas)
 
     @pytest.mark.parametrize("b,t,hkv,group,dh,s,dtype,tree,prefix,blocks", KERNEL_CASES,
                              ids=KERNEL_IDS)
