@@ -65,8 +65,10 @@ def gemma3_gguf_path() -> Path:
 
 
 # --model NAME -> the GGUF it is converted from (a function: the wheel is looked up, and the
-# file assembled, only when that model is used).
-NAMED_MODELS = {DEFAULT_MODEL_NAME: smollm2_gguf_path, GEMMA3_MODEL_NAME: gemma3_gguf_path}
+# file assembled, only when that model is used). The lambdas read the module's functions at
+# call time, so rebinding ``smollm2_gguf_path`` (as the reliability tests do) takes effect.
+NAMED_MODELS = {DEFAULT_MODEL_NAME: lambda: smollm2_gguf_path(),
+                GEMMA3_MODEL_NAME: lambda: gemma3_gguf_path()}
 
 
 def cache_dir() -> Path:
