@@ -32,7 +32,7 @@ test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q
 
 bench: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q -m bench -o addopts="" tests/bench
+	$(BIN)/python -m pytest -q -m bench -o addopts="" tests
 	$(BIN)/specjax bench decode --out results/bench_decode.json
 	$(BIN)/specjax bench spec --out results/bench_spec.json
 	$(BIN)/specjax bench trees --out results/bench_trees.json

@@ -27,6 +27,9 @@ import time
 # the meshes rather than crossed with them); 2x2 also runs the full head.
 MESH_HEADS = {"data=1,model=1": ["full"], "data=2": ["evospec"], "model=2": ["pafr"],
               "data=2,model=2": ["full", "dynaspec"], "model=8": ["fr"]}
+# The whole cross product (``... OUT.json cross``): every head on every mesh, 25 speculative
+# loops (about 15 minutes here), run by the benchmark suite, not by CI.
+ALL_HEADS = ["full", "fr", "pafr", "dynaspec", "evospec"]
 # Cases that also route the tree blocks through kernels/tree_attention.py (its XLA path,
 # under shard_map by rows and KV heads) instead of the inline dense softmax.
 TREE_ATTENTION = {("data=2,model=2", "dynaspec"), ("model=2", "pafr")}
@@ -67,7 +70,7 @@ def specs(tree) -> dict[str, list]:
     return {jax.tree_util.keystr(p): list(x.sharding.spec) for p, x in flat}
 
 
-def main(target_dir: str, drafter_dir: str, out: str) -> None:
+def main(target_dir: str, drafter_dir: str, out: str, cross: str = "") -> None:
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
@@ -93,7 +96,8 @@ def main(target_dir: str, drafter_dir: str, out: str) -> None:
         return r
 
     made = heads(single)
-    for mesh, names in MESH_HEADS.items():
+    plan = {m: ALL_HEADS for m in MESH_HEADS} if cross == "cross" else MESH_HEADS
+    for mesh, names in plan.items():
         # The widest mesh loads straight into its shardings (orbax); the others place a
         # single-device load on the mesh inside generate.
         target = specjax.load(target_dir, mesh=mesh) if mesh == "model=8" else single
@@ -139,4 +143,4 @@ if __name__ == "__main__":
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
     os.environ["JAX_PLATFORMS"] = "cpu"
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from specjax import sharding as sh
 from specjax.drafter import save_drafter
-from tests.spmd.mesh_cases import INSPECTED, MESH_HEADS
+from tests.spmd.mesh_cases import ALL_HEADS, INSPECTED, MESH_HEADS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,18 +35,32 @@ SPLIT = {"embed": ["model"], "lm_head": ["model"], "wq": [None, "model"],
          "fc": ["model"], "attn_norm": [], "mlp_norm": [], "final_norm": [], "fc_bias": []}
 
 
-@pytest.fixture(scope="module")
-def mesh_run(tiny_target, fitted_drafter, tmp_path_factory):
-    d = tmp_path_factory.mktemp("spmd")
-    save_drafter(d / "drafter", fitted_drafter.cfg, fitted_drafter.params)
+def _child(target, drafter, d: Path, *extra: str) -> dict:
+    """Run ``tests.spmd.mesh_cases`` in a child with 8 CPU devices; its JSON results."""
+    save_drafter(d / "drafter", drafter.cfg, drafter.params)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.spmd.mesh_cases", str(tiny_target.path),
-         str(d / "drafter"), str(d / "out.json")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+        [sys.executable, "-m", "tests.spmd.mesh_cases", str(target.path),
+         str(d / "drafter"), str(d / "out.json"), *extra],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((d / "out.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def mesh_run(tiny_target, fitted_drafter, tmp_path_factory):
+    return _child(tiny_target, fitted_drafter, tmp_path_factory.mktemp("spmd"))
+
+
+@pytest.mark.bench
+def test_every_head_on_every_mesh(tiny_target, fitted_drafter, tmp_path):
+    """The cross product CI samples: every vocabulary head with EAGLE-2 on every mesh."""
+    run = _child(tiny_target, fitted_drafter, tmp_path, "cross")
+    want = [f"eagle2 {m} {h}" for m in MESH_HEADS for h in ALL_HEADS]
+    assert sorted(c for c in run["cases"] if c.startswith("eagle2")) == sorted(want)
+    for case, tokens in run["cases"].items():
+        assert tokens == run["reference"], case
 
 
 def _field(path: str) -> str:
