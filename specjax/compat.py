@@ -9,8 +9,8 @@ here, so a jax upgrade that moves an API changes this file and nothing else:
 * lowering a function for CUDA on any jaxlib, which the CPU suite uses to catch GPU-only
   lowering errors without a GPU.
 
-Checked on jax 0.10.2 (CPU, this machine's lock) and 0.11.2 (CPU here under Python 3.12,
-and the GPU machines' CUDA 13 build).
+Checked on jax 0.10.2 (this machine's lock) and 0.11.2 (under Python 3.12), both on CPU:
+no GPU has run these paths yet.
 """
 
 from __future__ import annotations
@@ -19,17 +19,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.experimental.pallas import triton as pltriton  # noqa: F401  (re-exported)
-
-JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3]
-                                     if p.isdigit())
+from jax.experimental.pallas import triton as pltriton  # the kernels import it from here
 
 
 def triton_params(*, num_warps: int, num_stages: int) -> Any:
-    """Compiler params for a Pallas kernel lowered through Triton (both jax lines name the
-    class ``CompilerParams``; 0.4.x called it ``TritonCompilerParams``)."""
-    cls = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
-    return cls(num_warps=num_warps, num_stages=num_stages)
+    """Compiler params for a Pallas kernel lowered through Triton."""
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def pallas_gpu_available() -> bool:
@@ -39,7 +34,7 @@ def pallas_gpu_available() -> bool:
 
 # The GPU a CUDA lowering targets when this process has none: jax 0.11's Triton lowering
 # asks the device for its compute capability, so a CPU-only process names one through an
-# abstract mesh (jax 0.10 ignores it).
+# abstract mesh (jax 0.10.2's lowering does not ask, and lowers the same under it).
 ABSTRACT_GPU = "NVIDIA H100"
 
 

@@ -34,6 +34,7 @@ A mesh is active only inside :func:`use_mesh` (``jax.set_mesh``); outside it
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -303,8 +304,6 @@ def use_mesh(mesh: Mesh | None):
     Functions traced inside it see the mesh (jit keys its cache on it), so a run under a
     mesh never reuses a single-device program or the other way round.
     """
-    import contextlib
-
     return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 

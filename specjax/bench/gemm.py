@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from specjax.bench.common import as_command, int_list, machine_info, save_figure, write_json
 from specjax.bench.timing import time_calls
+from specjax.compat import pallas_gpu_available
 from specjax.kernels.gathered_gemm import gathered_matmul
 
 SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -54,8 +55,6 @@ def _resolved_impl(impl: str) -> str:
     """The implementation ``gathered_matmul`` runs for ``impl`` on this backend."""
     if impl != "auto":
         return impl
-    from specjax.compat import pallas_gpu_available
-
     return "pallas" if pallas_gpu_available() else "xla"
 
 

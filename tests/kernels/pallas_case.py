@@ -11,7 +11,7 @@ from specjax.compat import pallas_gpu_available
 
 
 class PallasCase:
-    """Set ``KERNEL`` (the ``interpret=``-taking Pallas entry point) in the subclass."""
+    """Set ``KERNEL = staticmethod(<the Pallas entry point taking interpret=>)``."""
 
     INTERPRET = False
     KERNEL = None
@@ -22,4 +22,4 @@ class PallasCase:
             pytest.skip("compiled Triton kernels need a GPU (run with JAX_PLATFORMS=cuda)")
 
     def pallas(self, *args, **kwargs):
-        return type(self).KERNEL(*args, interpret=self.INTERPRET, **kwargs)
+        return self.KERNEL(*args, interpret=self.INTERPRET, **kwargs)

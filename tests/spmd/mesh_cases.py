@@ -39,27 +39,18 @@ NEW = 16
 
 
 def heads(target) -> dict:
-    """One head of each kind, built as tests/vocab/test_heads.py builds them."""
+    """One head of each kind: tests/vocab/test_heads.py's, FR cut to 64 rows (8 per device
+    on model=8), and an EvoSpec head."""
     import numpy as np
 
-    from specjax.vocab.clusters import Clusters
-    from specjax.vocab.dynaspec import routed_head
     from specjax.vocab.evospec import evospec_head
-    from specjax.vocab.fr_head import frequency_head
-    from tests.vocab.test_heads import random_router
+    from tests.vocab.test_heads import example_heads
 
     w = target.params.head
-    v, d = w.shape
-    rs = np.random.RandomState(3)
-    ranked = rs.permutation(v)
-    clusters = Clusters.from_assign(rs.randint(0, 8, v), 8)
-    router = random_router(2 * d, 8)
-    return {
-        "fr": frequency_head(w, ranked, [0], k_max=v // 4),  # 64 rows: 8 per device
-        "pafr": frequency_head(w, ranked, [0], k_max=v // 2, position_aware=True),
-        "dynaspec": routed_head(router, clusters, [0], k0=4, k1=2, position_aware=True),
-        "evospec": evospec_head(w, np.arange(v), [0], v // 8, n_dyn=v // 8),
-    }
+    v = w.shape[0]
+    made = example_heads(w, fr_rows=v // 4)
+    return {"fr": made["fr"], "pafr": made["pafr"], "dynaspec": made["dynaspec-pa"],
+            "evospec": evospec_head(w, np.arange(v), [0], v // 8, n_dyn=v // 8)}
 
 
 def specs(tree) -> dict[str, list]:

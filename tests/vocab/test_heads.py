@@ -113,22 +113,29 @@ def test_full_head_matches_the_lm_head(arrays):
 # --- lossless decoding with every head (the target verifies over the full vocabulary) ---
 
 
-@pytest.fixture(scope="module")
-def heads(tiny_target):
-    w = tiny_target.params.head
+def example_heads(w, fr_rows: int) -> dict:
+    """One seeded head of each kind over the LM head ``w`` [V, d] (FR with ``fr_rows``
+    rows), random frequencies, clusters and router: what the lossless tests here and
+    tests/spmd decode with."""
     v, d = w.shape
     rs = np.random.RandomState(3)
     ranked = rs.permutation(v)
     clusters = Clusters.from_assign(rs.randint(0, 8, v), 8)
     router = random_router(2 * d, 8)
     return {
-        "fr": frequency_head(w, ranked, [0], k_max=v // 3),
+        "fr": frequency_head(w, ranked, [0], k_max=fr_rows),
         "pafr": frequency_head(w, ranked, [0], k_max=v // 2, position_aware=True),
         "dynaspec-f": routed_head(router, clusters, [0], k0=3),
         "dynaspec-pa": routed_head(router, clusters, [0], k0=4, k1=2, position_aware=True),
         "dynaspec-shared": routed_head(router, clusters, [0], k0=4, k1=2, position_aware=True,
                                        shared=True),
     }
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_target):
+    w = tiny_target.params.head
+    return example_heads(w, fr_rows=w.shape[0] // 3)
 
 
 @pytest.mark.parametrize("name", ["fr", "pafr", "dynaspec-f", "dynaspec-pa", "dynaspec-shared"])
