@@ -291,7 +291,6 @@ def read_gguf(
             w = _unpermute(w, n_kv)
         elif arch == "gemma3" and name.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp stores Gemma's 1 + w; HF (and this state) hold w
-
         state[hf_name] = w
     return config, state
 
