@@ -36,6 +36,7 @@ from jax import Array
 
 from specjax import pytree
 from specjax.config import ModelConfig
+from specjax.kernels.cpu_rowdot import head_product
 from specjax.kernels.tree_attention import tree_attention, window_visible
 from specjax.sharding import attend_by_heads, constrain_logits
 
@@ -418,10 +419,11 @@ def lm_head(params: Params, hidden: Array) -> Array:
     """Full-vocabulary logits in fp32. hidden: [B, ..., d] -> [B, ..., V].
 
     Under a mesh the logits stay split over the vocabulary like the head's rows
-    (:func:`specjax.sharding.constrain_logits`); without one this is the plain product.
+    (:func:`specjax.sharding.constrain_logits`); without one this is the plain product,
+    taken by the CPU rowdot kernel for 2..16 rows (a verify step's tree; see
+    :func:`specjax.kernels.cpu_rowdot.head_product`).
     """
-    return constrain_logits(jnp.einsum("...d,vd->...v", hidden, params.head,
-                                       preferred_element_type=jnp.float32))
+    return constrain_logits(head_product(hidden, params.head))
 
 
 @partial(jax.jit, static_argnames=("cfg",))

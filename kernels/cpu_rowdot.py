@@ -1,0 +1,165 @@
+"""A multi-row matrix-vector product for XLA:CPU (C++ through XLA FFI), and its reference.
+
+``rowdot(x, w_t)`` computes ``x @ w_t.T`` for a few rows of ``x`` (a verify step's T tree
+nodes) by streaming each row of ``w_t`` once for all of them: on this CPU, M = 2 rows cost
+what one does and M = 4 about 1.2-1.4x, where XLA's own small-M GEMM costs 1.5-2x and 2-3x
+(``examples/cpu_rowdot_cost.py``; docs/benchmarks.md, issue 10). The source,
+``cpu_rowdot.cc``, ships beside this file and is compiled on first use with the host's g++
+into ``$SPECJAX_HOME/kernels`` (keyed by the source, the flags and the jaxlib version), then
+registered as an FFI target. Hosts without g++ or AVX-512F get :func:`available` False and
+a reason, and callers keep the XLA dot.
+
+Where it runs: :func:`head_product` (the target's LM head, whose [V, d] table is already the
+[out, in] layout this kernel reads) sends 2..16 float32 rows on a single CPU device to it.
+The decoder layers' weights are stored [in, out] and still go through XLA's dot.
+``SPECJAX_CPU_ROWDOT=off`` turns the kernel off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+Array = jax.Array
+TARGET = "specjax_cpu_rowdot"
+_SOURCE = Path(__file__).with_name("cpu_rowdot.cc")
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+
+
+def rowdot_reference(x: Array, w_t: Array) -> Array:
+    """The same product in jnp: x [..., K], w_t [N, K] -> [..., N] (fp32, HIGHEST precision)."""
+    return jnp.einsum("...k,nk->...n", x, w_t, precision=jax.lax.Precision.HIGHEST)
+
+
+def _kernel_dir() -> Path:
+    home = os.environ.get("SPECJAX_HOME")
+    return (Path(home) if home else Path.home() / ".cache" / "specjax") / "kernels"
+
+
+def _cpu_has_avx512f() -> bool:
+    try:
+        return " avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@functools.cache
+def _build() -> tuple[Path | None, str]:
+    """The compiled library (built once per source, flags and jaxlib), or None and why."""
+    if not _cpu_has_avx512f():
+        return None, "the CPU has no AVX-512F"
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if cxx is None:
+        return None, "no C++ compiler (g++, or $CXX) on PATH"
+    src = _SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + jaxlib.__version__.encode())
+    out = _kernel_dir() / f"cpu_rowdot-{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out, ""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: a concurrent process never loads half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *_FLAGS, "-w", "-I", jax.ffi.include_dir(), str(_SOURCE), "-o", tmp]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        return None, f"compiling {_SOURCE.name} failed: {proc.stderr.strip()[-400:]}"
+    os.replace(tmp, out)
+    return out, ""
+
+
+@functools.cache
+def _register() -> str:
+    """Register the FFI target once per process; '' on success, else the reason."""
+    path, why = _build()
+    if path is None:
+        return why
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SpecjaxRowDot), platform="cpu")
+    return ""
+
+
+def available() -> tuple[bool, str]:
+    """Whether :func:`rowdot` can run here (builds the kernel on first call), and if not, why."""
+    why = _register()
+    return not why, why
+
+
+@jax.custom_vjp
+def _rowdot(x: Array, w_t: Array) -> Array:
+    out = jax.ShapeDtypeStruct(x.shape[:-1] + (w_t.shape[0],), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w_t)
+
+
+def _rowdot_fwd(x: Array, w_t: Array) -> tuple[Array, tuple[Array, Array]]:
+    return _rowdot(x, w_t), (x, w_t)
+
+
+def _rowdot_bwd(res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
+    # The gradient is a large-M product (or a rank-M update): XLA's own GEMMs do it well.
+    x, w_t = res
+    return g @ w_t, jnp.einsum("...n,...k->nk", g, x)
+
+
+_rowdot.defvjp(_rowdot_fwd, _rowdot_bwd)
+
+
+def rowdot(x: Array, w_t: Array) -> Array:
+    """``x @ w_t.T`` on XLA:CPU for a few rows of x.
+
+    Args:
+      x: [..., K] float32; the leading axes are flattened into M rows (M small: ~1-16).
+      w_t: [N, K] float32, one output feature per row; K a multiple of 16.
+
+    Returns:
+      [..., N] float32, equal to :func:`rowdot_reference` up to summation order.
+    """
+    if x.dtype != jnp.float32 or w_t.dtype != jnp.float32:
+        raise TypeError(f"rowdot takes float32, got x {x.dtype} and w_t {w_t.dtype}")
+    if w_t.ndim != 2 or x.shape[-1] != w_t.shape[1]:
+        raise ValueError(f"rowdot needs x [..., K] and w_t [N, K]; got {x.shape} and "
+                         f"{w_t.shape}")
+    if w_t.shape[1] % 16:
+        raise ValueError(f"rowdot needs K % 16 == 0 (AVX-512 lanes); K = {w_t.shape[1]}")
+    ok, why = available()
+    if not ok:
+        raise RuntimeError(f"the CPU rowdot kernel is not available here: {why}; use "
+                           "rowdot_reference (an XLA dot) instead")
+    return _rowdot(x, w_t)
+
+
+MAX_ROWS = 16  # above this the FMAs, not the weight stream, bound the kernel (it then loses)
+
+
+def use_rowdot(x: Array, w_t: Array) -> bool:
+    """Whether :func:`head_product` takes the kernel for these operands (decided at trace
+    time): float32, 2..MAX_ROWS rows, K % 16 == 0, a CPU backend with one device in use (no
+    active mesh), the kernel built, and ``SPECJAX_CPU_ROWDOT`` not ``off``."""
+    from specjax.sharding import active_mesh
+
+    rows = math.prod(x.shape[:-1])
+    return (os.environ.get("SPECJAX_CPU_ROWDOT", "auto").lower() not in ("off", "0", "false")
+            and x.dtype == jnp.float32 and w_t.dtype == jnp.float32 and 2 <= rows <= MAX_ROWS
+            and w_t.shape[1] % 16 == 0 and jax.default_backend() == "cpu"
+            and active_mesh() is None and available()[0])
+
+
+def head_product(x: Array, w_t: Array) -> Array:
+    """``x @ w_t.T`` in fp32 ([..., K] x [N, K] -> [..., N]) through the kernel where
+    :func:`use_rowdot` says it pays, else XLA's dot (one row: XLA's matrix-vector path is as
+    fast)."""
+    if use_rowdot(x, w_t):
+        return rowdot(x, w_t)
+    return jnp.einsum("...d,vd->...v", x, w_t, preferred_element_type=jnp.float32)

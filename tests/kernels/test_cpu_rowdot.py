@@ -1,0 +1,119 @@
+"""The CPU rowdot kernel (C++ through XLA FFI) against its jnp reference: every remainder of
+the 6-row and 4-column tiles, leading batch axes, many calls in one program (the pool
+deadlock this kernel's work sharing avoids), and the argument checks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.kernels.cpu_rowdot import available, rowdot, rowdot_reference
+
+OK, WHY = available()
+needs_kernel = pytest.mark.skipif(not OK, reason=f"CPU rowdot unavailable: {WHY}")
+
+
+def _xw(m: int, n: int, k: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k), np.float32)
+    w = rng.standard_normal((n, k), np.float32) / np.sqrt(k)
+    return jnp.asarray(x), jnp.asarray(w)
+
+
+def _close(got, want):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 11, 12, 17])
+@pytest.mark.parametrize("n,k", [(1, 16), (7, 32), (1030, 576), (4099, 64)])
+def test_matches_reference(m, n, k):
+    x, w = _xw(m, n, k, seed=m * 31 + n)
+    _close(jax.jit(rowdot)(x, w), rowdot_reference(x, w))
+
+
+@needs_kernel
+def test_leading_axes_and_eager():
+    x, w = _xw(6, 300, 576)
+    x = x.reshape(2, 3, 576)
+    got = rowdot(x, w)
+    assert got.shape == (2, 3, 300)
+    _close(got, rowdot_reference(x, w))
+
+
+@needs_kernel
+def test_many_calls_in_one_program_finish():
+    """40 independent products in one jit may all be scheduled on XLA's pool at once; a
+    caller that waited for its queued helpers would hang here (the first version did)."""
+    code = """
+import jax, jax.numpy as jnp, numpy as np
+from specjax.kernels.cpu_rowdot import rowdot, rowdot_reference
+ws = [jnp.asarray(np.random.default_rng(i).standard_normal((1536, 576), np.float32))
+      for i in range(40)]
+x = jnp.ones((4, 576), jnp.float32)
+got = jax.jit(lambda x, ws: [rowdot(x, w) for w in ws])(x, ws)
+want = [rowdot_reference(x, w) for w in ws]
+assert all(np.allclose(g, r, rtol=1e-5, atol=1e-4) for g, r in zip(got, want))
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+
+
+@needs_kernel
+def test_vmap_over_weights():
+    x, w = _xw(2, 40, 32)
+    ws = jnp.stack([w, 2 * w])
+    got = jax.vmap(rowdot, in_axes=(None, 0))(x, ws)
+    _close(got, jnp.stack([rowdot_reference(x, w), 2 * rowdot_reference(x, w)]))
+
+
+@pytest.mark.parametrize("x_shape,w_shape,dtype,err", [
+    ((2, 24), (8, 24), jnp.float32, "K % 16"),
+    ((2, 32), (8, 16), jnp.float32, r"x \[..., K\]"),
+    ((2, 32), (8, 32), jnp.bfloat16, "float32"),
+])
+def test_bad_arguments_are_refused(x_shape, w_shape, dtype, err):
+    with pytest.raises((ValueError, TypeError), match=err):
+        rowdot(jnp.ones(x_shape, dtype), jnp.ones(w_shape, dtype))
+
+
+def test_missing_compiler_is_a_reason_not_a_crash(monkeypatch):
+    from specjax.kernels import cpu_rowdot
+
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    monkeypatch.setattr(cpu_rowdot, "_cpu_has_avx512f", lambda: True)
+    path, why = cpu_rowdot._build.__wrapped__()
+    assert path is None and "no C++ compiler" in why
+
+
+@needs_kernel
+def test_gradient_matches_reference():
+    x, w = _xw(3, 50, 32)
+
+    def loss(f):
+        return lambda x, w: jnp.sum(jnp.sin(f(x, w)))
+
+    for a, b in zip(jax.grad(loss(rowdot), (0, 1))(x, w),
+                    jax.grad(loss(rowdot_reference), (0, 1))(x, w), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+def test_head_product_dispatch(monkeypatch):
+    from specjax.kernels.cpu_rowdot import head_product, use_rowdot
+
+    x, w = _xw(4, 100, 32)
+    assert use_rowdot(x, w)
+    assert not use_rowdot(x[:1], w)  # one row: XLA's matrix-vector path
+    assert not use_rowdot(jnp.ones((17, 32)), w)  # many rows: XLA's GEMM
+    assert not use_rowdot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+    monkeypatch.setenv("SPECJAX_CPU_ROWDOT", "off")
+    assert not use_rowdot(x, w)
+    _close(head_product(x, w), rowdot_reference(x, w))
