@@ -143,15 +143,15 @@ def rowdot(x: Array, w_t: Array) -> Array:
 MAX_ROWS = 16  # above this the FMAs, not the weight stream, bound the kernel (it then loses)
 
 
-def use_rowdot(x: Array, w_t: Array) -> bool:
-    """Whether :func:`head_product` takes the kernel for these operands (decided at trace
-    time): float32, 2..MAX_ROWS rows, K % 16 == 0, a CPU backend with one device in use (no
+def use_rowdot(x: Array, w_t: Array, min_rows: int = 2) -> bool:
+    """Whether the kernel takes these operands (decided at trace time): float32,
+    min_rows..MAX_ROWS rows, K % 16 == 0, a CPU backend with one device in use (no
     active mesh), the kernel built, and ``SPECJAX_CPU_ROWDOT`` not ``off``."""
     from specjax.sharding import active_mesh
 
     rows = math.prod(x.shape[:-1])
     return (os.environ.get("SPECJAX_CPU_ROWDOT", "auto").lower() not in ("off", "0", "false")
-            and x.dtype == jnp.float32 and w_t.dtype == jnp.float32 and 2 <= rows <= MAX_ROWS
+            and x.dtype == jnp.float32 and w_t.dtype == jnp.float32 and min_rows <= rows <= MAX_ROWS
             and w_t.shape[1] % 16 == 0 and jax.default_backend() == "cpu"
             and active_mesh() is None and available()[0])
 
@@ -163,3 +163,12 @@ def head_product(x: Array, w_t: Array) -> Array:
     if use_rowdot(x, w_t):
         return rowdot(x, w_t)
     return jnp.einsum("...d,vd->...v", x, w_t, preferred_element_type=jnp.float32)
+
+
+def out_major_product(x: Array, w_t: Array) -> Array:
+    """A decoder layer's product with its weight stored [out, in]
+    (:func:`specjax.model.to_out_major`): the kernel for 1..16 rows (one row too: XLA's dot
+    on this layout is slower than on [in, out]), XLA's dot for more (prefill)."""
+    if use_rowdot(x, w_t, min_rows=1):
+        return rowdot(x, w_t)
+    return jnp.einsum("...k,nk->...n", x, w_t)

@@ -20,7 +20,7 @@ from specjax.checkpoint import CheckpointError, load_target, read_manifest
 from specjax.compile_cache import CompileTimer
 from specjax.loaded import Drafter, Target
 from specjax.loop import PAD
-from specjax.model import fuse_params
+from specjax.model import fuse_params, to_out_major
 from specjax.runner import Request, SpecRunner, VanillaRunner, all_done
 from specjax.sampling import SamplingConfig
 from specjax.speculative import TreeSpec
@@ -78,9 +78,25 @@ def load(path: str | Path, dtype: str | None = None,
         # Q/K/V and gate/up as one product each (the inference layout); a model axis keeps
         # them apart so they split on head and MLP boundaries (specjax.sharding.RULES).
         params = fuse_params(params)
+    if mesh is None and _rowdot_pays(params):
+        # Each layer's products stored [out, in] for the CPU rowdot kernel: a verify step's
+        # rows then cost little more than one (docs/benchmarks.md, issue 10).
+        params = to_out_major(params)
     if mesh is not None:
         params = sh.shard_params(params, mesh)  # a no-op but for the fused layers' placement
     return Target(cfg=cfg, params=params, tokenizer=tokenizer, path=path)
+
+
+def _rowdot_pays(params: Any) -> bool:
+    """float32 weights whose widths the kernel takes, on a CPU backend with the kernel built
+    (and ``SPECJAX_CPU_ROWDOT`` not off)."""
+    from specjax.kernels.cpu_rowdot import use_rowdot
+
+    lp = params.layers[0]
+    probe = jnp.zeros((1, lp.wqkv.shape[0]), params.embed.dtype)
+    return all(w.shape[0] % 16 == 0 and w.dtype == jnp.float32
+               for p in params.layers for w in (p.wqkv, p.wo, p.w_gate_up, p.w_down)) and \
+        use_rowdot(probe, lp.wqkv.T, min_rows=1)
 
 
 def _is_id(x: Any) -> bool:

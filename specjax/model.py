@@ -36,7 +36,7 @@ from jax import Array
 
 from specjax import pytree
 from specjax.config import ModelConfig
-from specjax.kernels.cpu_rowdot import head_product
+from specjax.kernels.cpu_rowdot import head_product, out_major_product
 from specjax.kernels.tree_attention import tree_attention, window_visible
 from specjax.sharding import attend_by_heads, constrain_logits
 
@@ -85,6 +85,13 @@ class FusedLayerParams:
     post_mlp_norm: Array | None = None  # [d], Gemma 3
     q_dim: int = pytree.static_field(default=0)  # Hq * Dh
     kv_dim: int = pytree.static_field(default=0)  # Hkv * Dh
+    # True: wqkv, wo, w_gate_up and w_down are stored transposed, [out, in], the layout the
+    # CPU rowdot kernel streams (:func:`to_out_major`); the properties below still read
+    # [in, out].
+    out_major: bool = pytree.static_field(default=False)
+
+    def _in_out(self, w: Array) -> Array:
+        return w.T if self.out_major else w
 
     def _qkv(self, x: Array | None, i: int) -> Array | None:
         if x is None:
@@ -92,14 +99,20 @@ class FusedLayerParams:
         cuts = (0, self.q_dim, self.q_dim + self.kv_dim, self.q_dim + 2 * self.kv_dim)
         return x[..., cuts[i]:cuts[i + 1]]
 
-    wq = property(lambda self: self._qkv(self.wqkv, 0))
-    wk = property(lambda self: self._qkv(self.wqkv, 1))
-    wv = property(lambda self: self._qkv(self.wqkv, 2))
+    wq = property(lambda self: self._qkv(self._in_out(self.wqkv), 0))
+    wk = property(lambda self: self._qkv(self._in_out(self.wqkv), 1))
+    wv = property(lambda self: self._qkv(self._in_out(self.wqkv), 2))
     bq = property(lambda self: self._qkv(self.bqkv, 0))
     bk = property(lambda self: self._qkv(self.bqkv, 1))
     bv = property(lambda self: self._qkv(self.bqkv, 2))
-    w_gate = property(lambda self: self.w_gate_up[:, : self.w_gate_up.shape[1] // 2])
-    w_up = property(lambda self: self.w_gate_up[:, self.w_gate_up.shape[1] // 2:])
+    w_gate = property(lambda self: jnp.split(self._in_out(self.w_gate_up), 2, axis=1)[0])
+    w_up = property(lambda self: jnp.split(self._in_out(self.w_gate_up), 2, axis=1)[1])
+
+    def project(self, name: str, x: Array) -> Array:
+        """``x @ w`` for the stored product ``name`` ([..., in] -> [..., out]), through the
+        CPU rowdot kernel when the layer is out-major."""
+        w = getattr(self, name)
+        return out_major_product(x, w) if self.out_major else x @ w
 
 
 def fuse_layer(lp: LayerParams | FusedLayerParams) -> FusedLayerParams:
@@ -119,9 +132,10 @@ def unfuse_layer(lp: LayerParams | FusedLayerParams) -> LayerParams:
     """The stored (training) form of a layer (unchanged if not fused)."""
     if isinstance(lp, LayerParams):
         return lp
-    return LayerParams(attn_norm=lp.attn_norm, wq=lp.wq, wk=lp.wk, wv=lp.wv, wo=lp.wo,
-                       mlp_norm=lp.mlp_norm, w_gate=lp.w_gate, w_up=lp.w_up,
-                       w_down=lp.w_down, bq=lp.bq, bk=lp.bk, bv=lp.bv, q_norm=lp.q_norm,
+    return LayerParams(attn_norm=lp.attn_norm, wq=lp.wq, wk=lp.wk, wv=lp.wv,
+                       wo=lp._in_out(lp.wo), mlp_norm=lp.mlp_norm, w_gate=lp.w_gate,
+                       w_up=lp.w_up, w_down=lp._in_out(lp.w_down), bq=lp.bq, bk=lp.bk,
+                       bv=lp.bv, q_norm=lp.q_norm,
                        k_norm=lp.k_norm, post_attn_norm=lp.post_attn_norm,
                        post_mlp_norm=lp.post_mlp_norm)
 
@@ -147,6 +161,19 @@ def fuse_params(params: Params) -> Params:
     (:func:`specjax.load`) fuses. Idempotent.
     """
     return dataclasses.replace(params, layers=tuple(fuse_layer(lp) for lp in params.layers))
+
+
+def to_out_major(params: Params) -> Params:
+    """``params`` fused, with the four products of every layer stored [out, in] for the CPU
+    rowdot kernel (:mod:`specjax.kernels.cpu_rowdot`): a verify step's 2..16 rows then cost
+    little more than one. The same numbers; :func:`unfuse_params` undoes it. Idempotent."""
+    def flip(lp: FusedLayerParams) -> FusedLayerParams:
+        if lp.out_major:
+            return lp
+        return dataclasses.replace(lp, wqkv=lp.wqkv.T, wo=lp.wo.T, w_gate_up=lp.w_gate_up.T,
+                                   w_down=lp.w_down.T, out_major=True)
+    return dataclasses.replace(params, layers=tuple(flip(fuse_layer(lp))
+                                                    for lp in params.layers))
 
 
 def unfuse_params(params: Params) -> Params:
@@ -275,7 +302,7 @@ def attention(cfg: ModelConfig, lp: LayerParams | FusedLayerParams, x: Array,
     b, t, _ = x.shape
     dh = cfg.head_dim
     if isinstance(lp, FusedLayerParams):
-        qkv = x @ lp.wqkv
+        qkv = lp.project("wqkv", x)
         if lp.bqkv is not None:
             qkv = qkv + lp.bqkv
         q, k, v = jnp.split(qkv, [lp.q_dim, lp.q_dim + lp.kv_dim], axis=-1)
@@ -301,7 +328,7 @@ def attention(cfg: ModelConfig, lp: LayerParams | FusedLayerParams, x: Array,
         out = attend_by_heads(partial(tree_attention, impl=attention_impl,
                                       scale=cfg.attn_scale, window=window), q, k_buf, v_buf,
                               lengths, block_mask, positions if window is not None else None)
-        return out.reshape(b, t, cfg.num_heads * dh) @ lp.wo, k_buf, v_buf
+        return _out_proj(lp, out.reshape(b, t, cfg.num_heads * dh)), k_buf, v_buf
 
     q = q.reshape(b, t, cfg.num_kv_heads, cfg.q_per_kv, dh)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k_buf, preferred_element_type=jnp.float32)
@@ -310,7 +337,13 @@ def attention(cfg: ModelConfig, lp: LayerParams | FusedLayerParams, x: Array,
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_buf.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v_buf).reshape(b, t, cfg.num_heads * dh)
-    return out @ lp.wo, k_buf, v_buf
+    return _out_proj(lp, out), k_buf, v_buf
+
+
+def _out_proj(lp: LayerParams | FusedLayerParams, x: Array, name: str = "wo") -> Array:
+    if isinstance(lp, FusedLayerParams):
+        return lp.project(name, x)
+    return x @ getattr(lp, name)
 
 
 def decoder_layer(cfg: ModelConfig, lp: LayerParams | FusedLayerParams, x: Array, positions: Array,
@@ -336,14 +369,14 @@ def decoder_layer(cfg: ModelConfig, lp: LayerParams | FusedLayerParams, x: Array
     x = x + attn
     h = _norm(cfg, x, lp.mlp_norm)
     if isinstance(lp, FusedLayerParams):
-        gate, up = jnp.split(h @ lp.w_gate_up, 2, axis=-1)
+        gate, up = jnp.split(lp.project("w_gate_up", h), 2, axis=-1)
     else:
         gate, up = h @ lp.w_gate, h @ lp.w_up
     if cfg.hidden_act == "gelu_pytorch_tanh":
         act = jax.nn.gelu(gate, approximate=True)  # GeGLU, tanh-approximated as in PyTorch
     else:
         act = jax.nn.silu(gate)
-    mlp = (act * up) @ lp.w_down
+    mlp = _out_proj(lp, act * up, "w_down")
     if lp.post_mlp_norm is not None:
         mlp = _norm(cfg, mlp, lp.post_mlp_norm)
     return x + mlp, k_buf, v_buf

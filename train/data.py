@@ -38,7 +38,7 @@ from jax import Array
 
 from specjax.checkpoint import write_json_atomic
 from specjax.config import ModelConfig
-from specjax.model import Params, forward_hidden, init_cache
+from specjax.model import Params, forward_hidden, init_cache, unfuse_layer
 
 CACHE_FORMAT = "specjax-hidden-cache"
 CACHE_VERSION = 1
@@ -381,7 +381,7 @@ def target_hidden(params: Params, cfg: ModelConfig, tokens: Array,
 def target_fingerprint(cfg: ModelConfig, params: Params) -> str:
     """Short hash of the target config and a few parameter values (cheap, content-based)."""
     h = hashlib.sha256(json.dumps(cfg.to_json(), sort_keys=True).encode())
-    for a in (params.embed[:4], params.final_norm, params.layers[-1].w_down[:2],
+    for a in (params.embed[:4], params.final_norm, unfuse_layer(params.layers[-1]).w_down[:2],
               params.head[-4:]):
         h.update(np.asarray(a, np.float32).tobytes())
     return h.hexdigest()[:16]

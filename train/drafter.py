@@ -40,7 +40,7 @@ from specjax.drafter import (
     read_drafter,
     save_drafter,
 )
-from specjax.model import Params
+from specjax.model import Params, unfuse_layer
 from specjax.train.data import HiddenSplit, plan_batches, row_loss_mask, rows_for
 
 LOG_FILE = "training_log.json"
@@ -121,7 +121,7 @@ def init_drafter(target_cfg: ModelConfig, target_params: Params,
     cfg = DrafterConfig(target=target_cfg, input_norm=False, fc_bias=True)
     init_layer = None
     if tc.init != "random":
-        init_layer = target_params.layers[-1]
+        init_layer = unfuse_layer(target_params.layers[-1])  # [in, out], whatever the load
         if tc.init == "last-layer":
             init_layer = dataclasses.replace(init_layer, wo=jnp.zeros_like(init_layer.wo),
                                              w_down=jnp.zeros_like(init_layer.w_down))
