@@ -10,9 +10,11 @@ registered as an FFI target. Hosts without g++ or AVX-512F get :func:`available`
 a reason, and callers keep the XLA dot.
 
 Where it runs: :func:`head_product` (the target's LM head, whose [V, d] table is already the
-[out, in] layout this kernel reads) sends 2..16 float32 rows on a single CPU device to it.
-The decoder layers' weights are stored [in, out] and still go through XLA's dot.
-``SPECJAX_CPU_ROWDOT=off`` turns the kernel off.
+[out, in] layout this kernel reads) sends 2..16 float32 rows to it, and
+:func:`out_major_product` sends 1..16 rows of every decoder-layer product of a target that
+:func:`specjax.model.to_out_major` stored [out, in] (``specjax.load`` does so on a CPU
+backend for float32 weights without a mesh). Prefill's many rows stay on XLA's dot.
+``SPECJAX_CPU_ROWDOT=off`` turns the kernel off (and ``load`` keeps [in, out]).
 """
 
 from __future__ import annotations

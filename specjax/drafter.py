@@ -26,12 +26,14 @@ from specjax import checkpoint as ckpt
 from specjax import pytree
 from specjax.config import ModelConfig
 from specjax.model import (
+    FusedLayerParams,
     KVCache,
     LayerParams,
     cache_mask,
     decoder_layer,
     init_cache,
     rope_inv_freq,
+    unfuse_layer,
 )
 
 FORMAT = "specjax-drafter"
@@ -158,7 +160,7 @@ class EagleDrafter(nnx.Module):
     """Trainable drafter. ``params()`` gives the pytree the pure functions take."""
 
     def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs,
-                 init_layer: LayerParams | None = None):
+                 init_layer: LayerParams | FusedLayerParams | None = None):
         t = cfg.target
         d, f = t.hidden_size, t.intermediate_size
         q, kv = t.num_heads * t.head_dim, t.num_kv_heads * t.head_dim
@@ -178,7 +180,9 @@ class EagleDrafter(nnx.Module):
             if t.sandwich_norms:
                 norms |= {"post_attn_norm": jnp.ones((d,)), "post_mlp_norm": jnp.ones((d,))}
             init_layer = LayerParams(**weights, **norms)
-        # One nnx.Param per LayerParams field; a None field stays None.
+        # One nnx.Param per LayerParams field; a None field stays None. A target's fused (or
+        # out-major) layer is read back as the stored [in, out] matrices first.
+        init_layer = unfuse_layer(init_layer)
         fields = {f.name: getattr(init_layer, f.name) for f in dataclasses.fields(LayerParams)}
         if not cfg.input_norm:
             fields["attn_norm"] = None
