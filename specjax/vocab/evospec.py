@@ -33,6 +33,7 @@ import numpy as np
 from jax import Array
 
 from specjax import pytree
+from specjax.kernels.cpu_rowdot import head_product
 from specjax.vocab.arc import EMPTY, ArcConfig, ArcState, observe_event, touch
 from specjax.vocab.fr_head import frequency_head
 from specjax.vocab.head import Candidates, Feedback, masked
@@ -85,7 +86,7 @@ class EvoSpecHead:
         # h [B, K, d]; every node of a row shares the row's buffer.
         dyn = state.arc.ids  # [B, D]
         w_dyn = jnp.take(w, jnp.maximum(dyn, 0), axis=0)  # [B, D, d]
-        core = jnp.einsum("bkd,nd->bkn", h, self.core_w, preferred_element_type=jnp.float32)
+        core = head_product(h, self.core_w)
         extra = jnp.einsum("bkd,bnd->bkn", h, w_dyn, preferred_element_type=jnp.float32)
         shape = core.shape[:2]
         ids = jnp.concatenate([jnp.broadcast_to(self.core_ids, shape + self.core_ids.shape),

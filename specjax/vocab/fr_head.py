@@ -21,6 +21,7 @@ import numpy as np
 from jax import Array
 
 from specjax import pytree
+from specjax.kernels.cpu_rowdot import head_product
 from specjax.vocab.head import Candidates
 
 
@@ -74,7 +75,7 @@ class FrequencyHead:
             if start >= c:
                 break
             take = block if start + block.shape[0] <= c else block[: c - start]
-            parts.append(jnp.einsum("...d,cd->...c", h, take, preferred_element_type=jnp.float32))
+            parts.append(head_product(h, take))
             start += block.shape[0]
         logits = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
         ids = jnp.broadcast_to(self.ids[:c], logits.shape)
