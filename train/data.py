@@ -379,12 +379,25 @@ def target_hidden(params: Params, cfg: ModelConfig, tokens: Array,
 
 
 def target_fingerprint(cfg: ModelConfig, params: Params) -> str:
-    """Short hash of the target config and a few parameter values (cheap, content-based)."""
-    h = hashlib.sha256(json.dumps(cfg.to_json(), sort_keys=True).encode())
+    """Short hash of the target config and a few parameter values (cheap, content-based).
+
+    Config fields at their defaults are left out, so a field added to :class:`ModelConfig`
+    later (a default that keeps the old behaviour) does not invalidate existing caches.
+    """
+    h = hashlib.sha256(json.dumps(_non_default_fields(cfg), sort_keys=True).encode())
     for a in (params.embed[:4], params.final_norm, unfuse_layer(params.layers[-1]).w_down[:2],
               params.head[-4:]):
         h.update(np.asarray(a, np.float32).tobytes())
     return h.hexdigest()[:16]
+
+
+def _non_default_fields(cfg: ModelConfig) -> dict[str, Any]:
+    d = cfg.to_json()
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)
+                if f.default is not dataclasses.MISSING}
+    # to_json writes tuples as lists; compare the defaults in that form.
+    return {k: v for k, v in d.items() if k not in defaults
+            or v != (list(defaults[k]) if isinstance(defaults[k], tuple) else defaults[k])}
 
 
 def examples_fingerprint(examples: Sequence[Example]) -> str:

@@ -24,6 +24,7 @@ from specjax.train.data import (
     load_split,
     normalize_messages,
     row_loss_mask,
+    target_fingerprint,
 )
 from specjax.train.drafter import (
     TrainConfig,
@@ -348,6 +349,21 @@ def test_cli_adds_extra_caches_and_refuses_another_targets(target, cache, tmp_pa
     assert train_main(base + ["--out", str(tmp_path / "three"), "--ckpt-dir",
                               str(tmp_path / "k3"), "--extra-cache", str(cache)]) == 2
     assert "another target" in capsys.readouterr().err
+
+
+def test_target_fingerprint_ignores_fields_at_their_defaults(target):
+    """A config field added later with a behaviour-keeping default must not invalidate caches
+    made before it existed; any field set away from its default must change the hash."""
+    import specjax.train.data as data
+
+    fp = target_fingerprint(target.cfg, target.params)
+    fields = data._non_default_fields(target.cfg)
+    assert "sliding_window" not in fields and "layer_types" not in fields  # at defaults
+    assert "hidden_size" in fields
+    windowed = dataclasses.replace(target.cfg, sliding_window=16)
+    assert target_fingerprint(windowed, target.params) != fp
+    scaled = dataclasses.replace(target.params, embed=target.params.embed * 2)
+    assert target_fingerprint(target.cfg, scaled) != fp
 
 
 def test_scored_rows_pack_the_masked_rows_and_caps_cover_them():
