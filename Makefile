@@ -31,7 +31,12 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q
 
-bench: $(VENV)/.installed-test
+# The benchmarks calibrate their tree choice on ShareGPT prompts (never on Spec-Bench).
+$(VENV)/.installed-bench: $(VENV)/.installed-test
+	$(BIN)/pip install -q -c $(LOCK) -e ".[test,train]"
+	touch $@
+
+bench: $(VENV)/.installed-bench
 	$(BIN)/python -m pytest -q -m bench -o addopts="" tests
 	$(BIN)/specjax bench decode --out results/bench_decode.json
 	$(BIN)/specjax bench spec --out results/bench_spec.json

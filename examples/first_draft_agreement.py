@@ -64,9 +64,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     args = ap.parse_args()
     target = specjax.load(resolve_model(None, progress=False))
-    evals, _, _, qpath = spec_bench_prompts(target, questions=None, tasks=TASKS,
-                                            per_task=args.per_task, calib_tasks=(),
-                                            calib_per_task=0)
+    evals, qpath = spec_bench_prompts(target, questions=None, tasks=TASKS,
+                                      per_task=args.per_task)
     answers = [specjax.generate(target, [e["ids"]], max_new_tokens=args.max_new_tokens).tokens[0]
                for e in evals]
     seqs = [(e["ids"], a) for e, a in zip(evals, answers, strict=True)]

@@ -29,8 +29,7 @@ def run_mips_bench(model: str | None, *, max_new_tokens: int = 64, k: int = 10,
     from specjax.vocab.mips import compare
 
     target = specjax.load(resolve_model(model))
-    evals, _, _, qpath = spec_bench_prompts(target, questions=None, tasks=TASKS, per_task=1,
-                                            calib_tasks=(), calib_per_task=0)
+    evals, qpath = spec_bench_prompts(target, questions=None, tasks=TASKS, per_task=1)
     queries = []
     for e in evals:
         ans = specjax.generate(target, [e["ids"]], max_new_tokens=max_new_tokens).tokens[0]

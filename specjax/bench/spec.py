@@ -8,7 +8,8 @@ One command, one run, one JSON + one PNG:
    So the run measures the target's forward latency (jitted ``forward_hidden`` +
    ``lm_head`` + argmax, B=1, a cache as long as the evaluation's) for T = 1..32 tokens,
    measures the drafter's whole draft phase for each candidate tree of a small grid, takes
-   each tree's MAL from a short calibration run on questions outside the evaluation set,
+   each tree's MAL from a short calibration run on ShareGPT prompts (never Spec-Bench's:
+   :func:`specjax.bench.questions.calibration_prompts`),
    and picks the tree maximising ``MAL / (verify_latency(T) + draft_time)``.
 2. **Evaluation** on a deterministic Spec-Bench subset (the first ``per_task`` questions of
    each task, first turn, chat template, greedy, batch 1): vanilla decoding, speculative
@@ -61,8 +62,10 @@ from specjax.bench.common import (
 from specjax.bench.partial import append_record, drafter_stamp, resume_from
 from specjax.bench.phases import draft_latency, load_models
 from specjax.bench.questions import (
+    CALIB_PROMPTS,
     QUESTIONS_ENV,
     TASKS,
+    calibration_prompts,
     spec_bench_prompts,
 )
 from specjax.bench.timing import (
@@ -82,7 +85,6 @@ from specjax.vocab.resolve import resolve_head
 
 # Calibration uses short-prompt tasks only: each config compiles once per prompt bucket,
 # and summarization / rag prompts (~700-1600 tokens) would add a 1024-2048 bucket per config.
-CALIB_TASKS = ("mt_bench", "translation", "qa", "math_reasoning")
 LATENCY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32)
 # Trees with T = num_nodes <= 32 (T + 1 <= 32 draft tokens + root): on a 2-core CPU a larger
 # verify costs several decode steps, so bigger trees cannot pay off.
@@ -248,8 +250,8 @@ class SpecBenchConfig:
       tasks: which tasks to evaluate (default all six: mt_bench + Spec-Bench's five).
       eager_per_task: prompts per task also run in eager mode (slow).
       grid: the candidate trees when ``tree`` is None.
-      calib_tasks, calib_per_task, calib_max_new_tokens: the calibration prompts (the last
-        ``calib_per_task`` questions of each calibration task, never evaluated) and budget.
+      calib_num_prompts, calib_max_new_tokens: how many calibration prompts (ShareGPT, see
+        :func:`specjax.bench.questions.calibration_prompts`) and their budget.
       latency_sizes: T values of the latency curve (every tree's node count is added).
       runs: timed repeats of each micro-benchmark (after one untimed compile call).
       stop_on_eos: whether EOS ends a prompt's generation before ``max_new_tokens``.
@@ -270,8 +272,7 @@ class SpecBenchConfig:
     tasks: Sequence[str] = TASKS
     eager_per_task: int = 1
     grid: Sequence[TreeSpec] = DEFAULT_GRID
-    calib_tasks: Sequence[str] = CALIB_TASKS
-    calib_per_task: int = 1
+    calib_num_prompts: int = CALIB_PROMPTS
     calib_max_new_tokens: int = 48
     latency_sizes: Sequence[int] = LATENCY_SIZES
     runs: int = 7
@@ -324,10 +325,10 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
                                                 cfg.drafter_dir)
     head = resolve_head(cfg.vocab, target, drafter)
 
-    evals, calib_qids, calib_ids, qpath = spec_bench_prompts(
-        target, questions=cfg.questions, tasks=cfg.tasks, per_task=cfg.per_task,
-        calib_tasks=cfg.calib_tasks, calib_per_task=cfg.calib_per_task,
-        prompts=prompts, calib_prompts=calib_prompts)
+    evals, qpath = spec_bench_prompts(target, questions=cfg.questions, tasks=cfg.tasks,
+                                      per_task=cfg.per_task, prompts=prompts)
+    calib_ids, calib_info = calibration_prompts(target, num=cfg.calib_num_prompts,
+                                                questions=cfg.questions, given=calib_prompts)
     task_order = [t for t in dict.fromkeys(p["task"] for p in evals)]
     eager_qids = {p["question_id"] for t in task_order
                   for p in [q for q in evals if q["task"] == t][:cfg.eager_per_task]}
@@ -344,8 +345,7 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
         "batch_size": 1, "stop_on_eos": stop_on_eos, "turns": "first turn only",
         "questions": None if qpath is None else str(qpath),
         "tree_mode": "given" if cfg.tree is not None else "auto",
-        "grid": [tree_dict(t) for t in grid], "calib_tasks": list(cfg.calib_tasks),
-        "calib_per_task": cfg.calib_per_task, "calib_question_ids": calib_qids,
+        "grid": [tree_dict(t) for t in grid], "calibration": calib_info,
         "calib_max_new_tokens": cfg.calib_max_new_tokens, "latency_sizes": sizes, "runs": runs,
         "latency_context": context, "latency_capacity": capacity,
         "vocab": cfg.vocab if isinstance(cfg.vocab, str) else repr(head),

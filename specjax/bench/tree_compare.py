@@ -85,11 +85,12 @@ from specjax.bench.common import (
 from specjax.bench.partial import append_record, drafter_stamp, resume_from
 from specjax.bench.phases import load_models
 from specjax.bench.questions import (
+    CALIB_PROMPTS,
     QUESTIONS_ENV,
     TASKS,
+    calibration_prompts,
     spec_bench_prompts,
 )
-from specjax.bench.spec import CALIB_TASKS
 from specjax.bench.timing import count_compiles, warmup_tokens
 from specjax.bench.trees import tree_label
 from specjax.defaults import resolve_model
@@ -308,9 +309,9 @@ class TreeBenchConfig:
       out: JSON path; plots ``<stem>_mal.png`` and ``<stem>_blocks.png`` beside it,
         partial results in ``<stem>.partial.jsonl`` (removed once the JSON is written).
       tasks: which tasks to evaluate (default all six).
-      calib_tasks, calib_per_task, calib_max_new_tokens: the calibration prompts (the last
-        ``calib_per_task`` questions of each calibration task, never evaluated: ``bench
-        spec``'s choice) and their budget.
+      calib_num_prompts, calib_max_new_tokens: how many calibration prompts (ShareGPT, as
+        ``bench spec`` takes them: :func:`specjax.bench.questions.calibration_prompts`)
+        and their budget.
       thresholds: the dyspec-threshold grid (see :func:`choose_threshold`).
       block_prompts: the first N evaluation prompts whose drafted trees' mask blocks are
         counted, for every configuration (0: none).
@@ -331,8 +332,7 @@ class TreeBenchConfig:
     questions: str | Path | None = None
     out: str | Path = "results/bench_trees.json"
     tasks: Sequence[str] = TASKS
-    calib_tasks: Sequence[str] = CALIB_TASKS
-    calib_per_task: int = 1
+    calib_num_prompts: int = CALIB_PROMPTS
     calib_max_new_tokens: int = 48
     thresholds: Sequence[float] = THRESHOLD_GRID
     block_prompts: int = 2
@@ -344,8 +344,7 @@ class TreeBenchConfig:
 
     def __post_init__(self) -> None:
         # Tuples: the config stays hashable and its JSON stable.
-        for name in ("budgets", "temperatures", "kinds", "tasks", "calib_tasks", "thresholds",
-                     "blocks"):
+        for name in ("budgets", "temperatures", "kinds", "tasks", "thresholds", "blocks"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.per_task < 1 or self.max_new_tokens < 1 or self.block_prompts < 0:
             raise ValueError("need per_task >= 1, max_new_tokens >= 1 and block_prompts >= 0")
@@ -507,10 +506,10 @@ def run_tree_bench(cfg: TreeBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
     target, drafter, drafter_name = load_models(cfg.model_dir, cfg.dtype, drafter,
                                                 cfg.drafter_dir)
     head = resolve_head("full", target, drafter)
-    evals, calib_qids, calib_ids, qpath = spec_bench_prompts(
-        target, questions=cfg.questions, tasks=cfg.tasks, per_task=cfg.per_task,
-        calib_tasks=cfg.calib_tasks, calib_per_task=cfg.calib_per_task,
-        prompts=prompts, calib_prompts=calib_prompts)
+    evals, qpath = spec_bench_prompts(target, questions=cfg.questions, tasks=cfg.tasks,
+                                      per_task=cfg.per_task, prompts=prompts)
+    calib_ids, calib_info = calibration_prompts(target, num=cfg.calib_num_prompts,
+                                                questions=cfg.questions, given=calib_prompts)
     block_qids = [p["question_id"] for p in evals[:cfg.block_prompts]]
 
     config = {
@@ -523,8 +522,7 @@ def run_tree_bench(cfg: TreeBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
         "question_ids": [p["question_id"] for p in evals],
         "chat_template": prompts is None, "batch_size": 1, "stop_on_eos": cfg.stop_on_eos,
         "turns": "first turn only", "questions": None if qpath is None else str(qpath),
-        "calib_tasks": list(cfg.calib_tasks), "calib_per_task": cfg.calib_per_task,
-        "calib_question_ids": calib_qids, "calib_max_new_tokens": cfg.calib_max_new_tokens,
+        "calibration": calib_info, "calib_max_new_tokens": cfg.calib_max_new_tokens,
         "thresholds": list(cfg.thresholds), "block_prompts": cfg.block_prompts,
         "block_question_ids": block_qids, "blocks": list(cfg.blocks),
         "static_rank_accept": list(RANK_ACCEPT), "vocab": "full",

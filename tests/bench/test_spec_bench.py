@@ -21,7 +21,13 @@ from specjax.bench.breakdown import (
 from specjax.bench.common import first_mismatch
 from specjax.bench.partial import partial_path
 from specjax.bench.phases import random_drafter
-from specjax.bench.questions import TASKS, load_questions, resolve_questions, select_questions
+from specjax.bench.questions import (
+    TASKS,
+    calibration_prompts,
+    load_questions,
+    resolve_questions,
+    select_questions,
+)
 from specjax.bench.spec import SpecBenchConfig, add_spec_args, run_spec_bench
 from specjax.bench.timing import monotone_fit, warmup_tokens
 from specjax.bench.trees import tree_dict, tree_from_args
@@ -74,8 +80,6 @@ def test_helpers(tmp_path, monkeypatch):
     assert [q.task for q in qs[:2]] == ["mt_bench", "mt_bench"] and qs[0].text == "q1"
     chosen = select_questions(qs, ["mt_bench", "qa"], 2)
     assert [q.question_id for q in chosen] == [1, 2, 3, 4]
-    calib = select_questions(qs, ["qa"], 1, last=True, exclude=frozenset({3, 4}))
-    assert [q.question_id for q in calib] == [5]
     with pytest.raises(ValueError, match="no questions for task 'nope'"):
         select_questions(qs, ["nope"], 1)
 
@@ -90,6 +94,37 @@ def test_helpers(tmp_path, monkeypatch):
     b = argparse.ArgumentParser()
     add_breakdown_args(b)
     assert tree_from_args(b.parse_args([])) == TreeSpec()
+
+
+def test_calibration_prompts_come_from_sharegpt_never_from_spec_bench(tmp_path, monkeypatch):
+    """Tree choice is tuning: its prompts are ShareGPT records past ``skip``, and any that
+    shares an 8-word shingle with a Spec-Bench question is dropped."""
+    import specjax.train.prompts as prompts_mod
+
+    question = "please explain how the heart pumps blood through the body in simple words"
+    (tmp_path / "question.jsonl").write_text(json.dumps(
+        {"question_id": 1, "category": "qa", "turns": [question]}) + "\n")
+    chat = lambda u: {"conversations": [{"from": "human", "value": u},  # noqa: E731
+                                        {"from": "gpt", "value": "An answer."}]}
+    records = [chat("an early record the drafters may have trained on")] + [
+        chat(question), chat("Write a haiku about the sea."), chat("What is 17 times 3?")]
+    (tmp_path / "sg.json").write_text(json.dumps(records))
+    monkeypatch.setattr(prompts_mod, "sharegpt_path", lambda: tmp_path / "sg.json")
+
+    class Tok:
+        def apply_chat_template(self, msgs, **kw):
+            return [1] + [ord(c) % 200 + 2 for c in msgs[-1]["content"]]
+
+    target = type("T", (), {"tokenizer": Tok()})()
+    ids, info = calibration_prompts(target, num=2, skip=1,
+                                    questions=tmp_path / "question.jsonl",
+                                    weights={"chat": 1.0})
+    texts = sorted("".join(chr(t - 2) for t in p[1:]) for p in ids)
+    assert texts == sorted(["Write a haiku about the sea.", "What is 17 times 3?"])
+    assert info["source"] == "sharegpt" and info["skip"] == 1
+    assert info["stats"]["excluded"] == 1
+    given, info = calibration_prompts(target, given=[[1, 2, 3]])
+    assert given == [[1, 2, 3]] and info == {"source": "given"}
 
 
 def test_spec_bench_pipeline_on_a_tiny_model(tiny_model, tmp_path, monkeypatch, capsys):
@@ -230,7 +265,7 @@ def test_spec_bench_smollm2(tmp_path):
     res = run_spec_bench(SpecBenchConfig(
         model, drafter, per_task=1, max_new_tokens=32, out=out,
         grid=(TreeSpec("chain", depth=3), TreeSpec("eagle2", depth=4, top_k=4, total_tokens=8)),
-        calib_per_task=1, calib_max_new_tokens=24, runs=3))
+        calib_num_prompts=2, calib_max_new_tokens=24, runs=3))
     assert out.exists() and out.with_suffix(".png").stat().st_size > 0
     assert list(res["per_task"]) == list(TASKS)
     assert res["greedy_equality"]["prompts"] == 6
