@@ -26,7 +26,7 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	touch $@
 
 demo: $(VENV)/.installed
-	$(BIN)/specjax generate --prompt "$(PROMPT)" --max-new-tokens 96
+	$(BIN)/specjax generate --prompt "$(PROMPT)" --max-new-tokens 96 --vs-vanilla
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q

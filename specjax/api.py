@@ -25,6 +25,7 @@ from specjax.runner import Request, SpecRunner, VanillaRunner, all_done
 from specjax.sampling import SamplingConfig
 from specjax.speculative import TreeSpec
 from specjax.tokenizer import load_tokenizer, render_chat
+from specjax.tree.default import read_default_tree
 from specjax.vocab import VocabHead, resolve_head
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -195,7 +196,8 @@ def load_drafter(path: str | Path, target: Target, dtype: str | None = None) -> 
             "drafter with `specjax convert EAGLE_FOLDER OUT` or train one with "
             "`specjax train drafter`")
     cfg, params, meta = read(Path(path), target.cfg, dtype)
-    return Drafter(cfg=cfg, params=params, path=Path(path), meta=meta)
+    return Drafter(cfg=cfg, params=params, path=Path(path), meta=meta,
+                   default_tree=read_default_tree(path))
 
 
 def check_generate_args(target: Any, *, max_new_tokens: Any, temperature: Any, top_k: Any,
@@ -268,7 +270,8 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
         the same functions from Python (for comparison, debugging and per-phase
         timing).
       drafter: from :func:`load_drafter`; None for vanilla decoding.
-      tree: the draft tree (default ``TreeSpec()``, a small EAGLE-2 tree).
+      tree: the draft tree; default the drafter's measured one (``drafter.default_tree``,
+        from its folder's ``default_tree.json``), else ``TreeSpec()`` (a small EAGLE-2 tree).
       assume_q_one: EAGLE's verification shortcut for sampled drafts (see
         :class:`specjax.speculative.SpecConfig`); off by default.
       vocab: the drafter's vocabulary head: "full", "fr:N", "pafr:N", "dynaspec",
@@ -444,7 +447,7 @@ def _plan(target: Target, ids: list[list[int]], *, max_new_tokens: int, temperat
     runner: VanillaRunner | SpecRunner = VanillaRunner(target, sampling)
     if drafter is not None:
         drafter.cfg.check_target(target.cfg)
-        tree = tree or TreeSpec()
+        tree = tree or drafter.default_tree or TreeSpec()
         runner = SpecRunner.of(target, drafter, resolve_head(vocab, target, drafter), tree,
                                sampling, assume_q_one, attention)
     req = Request.build(target, ids, max_new_tokens=max_new_tokens, sampling=sampling,

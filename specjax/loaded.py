@@ -13,6 +13,7 @@ from typing import Any
 from specjax.config import ModelConfig
 from specjax.draft_model import DraftModel
 from specjax.model import Params
+from specjax.tree.spec import TreeSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,3 +42,6 @@ class Drafter:
     params: Any  # DrafterParams or Eagle3Params, as cfg says
     path: Path | None = None
     meta: dict | None = None
+    # The tree measured fastest for this drafter on some machine (its folder's
+    # default_tree.json; see specjax.tree.default); generate uses it when given no tree.
+    default_tree: TreeSpec | None = None

@@ -40,6 +40,7 @@ def test_convert_refusals_are_one_line_errors(tmp_path, tiny_llama, capsys):
     (["--max-new-tokens", "9000"], "exceeds the model's context"),
     (["--stream", "--json"], "--stream prints one prompt's text"),
     (["--stream", "--prompt", "two"], "--stream prints one prompt's text"),
+    (["--stream", "--vs-vanilla"], "--vs-vanilla times two full runs"),
 ])
 def test_generate_bad_input(smollm2_dir, capsys, args, message):
     assert main(["generate", "--model", str(smollm2_dir), "--prompt", "hi", *args]) == 2
@@ -62,6 +63,11 @@ def test_generate_stream_prints_what_generate_returns(smollm2_dir, capsys):
     want = json.loads(capsys.readouterr().out)["text"]
     assert main([*args, "--stream"]) == 0
     assert capsys.readouterr().out == want + "\n"
+    # --vs-vanilla: the same prompt without the drafter, its speed and the same text.
+    assert main([*args, "--vs-vanilla"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == want.strip()
+    assert "vanilla" in out.err and "x, same text]" in out.err
 
 
 def test_env_reports_backend_versions_and_caches(capsys, monkeypatch, tmp_path):

@@ -609,6 +609,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="drafter vocabulary head: full (default), fr:N, pafr:N, dynaspec, ...")
     p.add_argument("--no-resume", action="store_true",
                    help="ignore and remove the partial results of an interrupted run")
+    p.add_argument("--save-default-tree", action="store_true",
+                   help="store the chosen tree in the drafter's folder (default_tree.json): "
+                        "generate then uses it when given no tree")
     p.add_argument("--out", default="results/bench_spec.json")
 
 
@@ -622,9 +625,54 @@ def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
                            resume=not args.no_resume, vocab=args.vocab)
 
 
+def save_default_tree(result: dict[str, Any], drafter_dir: str | Path,
+                      results_path: str | Path | None = None) -> Path:
+    """Store the tree an automatic ``bench spec`` run chose as the drafter's default
+    (``<drafter_dir>/default_tree.json``, see :mod:`specjax.tree.default`), with what was
+    measured: each candidate's estimate, the chosen tree's realised speed, the machine.
+
+    Raises:
+      ValueError: the run did not choose its tree, used another vocabulary head than the
+        default full one, or found a greedy mismatch (a default must be lossless).
+    """
+    from specjax.tree.default import write_default_tree
+
+    conf = result["config"]
+    if conf.get("tree_mode") != "auto":
+        raise ValueError("this run was given its tree; a default must be chosen by "
+                         "measurement: run `specjax bench spec` without --tree")
+    if conf.get("vocab") != "full":
+        raise ValueError(f"this run drafted with the {conf.get('vocab')!r} head; the default "
+                         "tree is measured with the default (full) head")
+    if not result["greedy_equality"]["all_match"]:
+        raise ValueError("greedy output differed from vanilla in this run; not saving a "
+                         "default from it")
+    sel = result["tree_selection"]
+    measured = {
+        "how": "bench spec: calibration MAL / (verify(T) + draft time), highest wins",
+        "chosen": result["tree_label"], "est_speedup": sel["chosen"]["est_speedup"],
+        "candidates": {c["label"]: round(c["est_speedup"], 4) for c in sel["grid"]},
+        "realized_speedup": result["overall"]["speedup"], "mal": result["overall"]["mal"],
+        "prompts": result["overall"]["prompts"], "model": conf["model"],
+        "machine": {k: result["machine"].get(k) for k in ("cpu_model", "nproc", "jax_backend",
+                                                          "versions")},
+        "results": None if results_path is None else str(results_path),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
+    return write_default_tree(drafter_dir, TreeSpec.from_json(result["tree"]), measured)
+
+
 def run_spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Run :func:`run_spec_bench` from :func:`add_spec_args`'s flags."""
-    return run_spec_bench(config_from_args(args))
+    res = run_spec_bench(config_from_args(args))
+    if args.save_default_tree:
+        from specjax.defaults import default_drafter_dir
+
+        if args.drafter == "random":
+            raise ValueError("--save-default-tree needs a trained drafter, not 'random'")
+        where = save_default_tree(res, args.drafter or default_drafter_dir(), args.out)
+        print(f"default tree {res['tree_label']} saved to {where}")
+    return res
 
 
 def add_parser(bench: argparse._SubParsersAction) -> argparse.ArgumentParser:

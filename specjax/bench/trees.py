@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import Any
 
 from specjax.speculative import TreeSpec
@@ -44,13 +43,7 @@ def tree_from_args(args: argparse.Namespace) -> TreeSpec | None:
 
 def tree_dict(tree: TreeSpec) -> dict[str, Any]:
     """A tree's fields plus its node count T (root included), for JSON."""
-    d = dataclasses.asdict(tree)
-    d["num_nodes"] = tree.num_nodes
-    if tree.kind != "eagle2":
-        d.pop("top_k"), d.pop("total_tokens")
-    if tree.kind != "static":
-        d.pop("paths")
-    return d
+    return tree.to_json()
 
 
 def tree_label(tree: TreeSpec) -> str:

@@ -57,16 +57,21 @@ def start_mesh(args: argparse.Namespace) -> Any:
 def _add_tree(p: argparse.ArgumentParser) -> None:
     from specjax.speculative import TreeSpec
 
+    # No default here: with no tree flag the drafter's measured tree applies (its folder's
+    # default_tree.json), else TreeSpec()'s; a flag given alone fills the rest from TreeSpec.
     d = TreeSpec()
-    p.add_argument("--tree", default=d.kind,
+    p.add_argument("--tree", default=None,
                    choices=["eagle2", "chain", "dyspec", "dyspec-threshold"],
-                   help=f"draft tree (default {d.kind}); dyspec grows the tree greedily by "
-                        "estimated acceptance, dyspec-threshold layer by layer")
-    p.add_argument("--tree-depth", type=int, default=d.depth, help="draft levels")
-    p.add_argument("--tree-top-k", type=int, default=d.top_k, help="EAGLE-2 beam width")
-    p.add_argument("--tree-tokens", type=int, default=d.total_tokens,
+                   help="draft tree (default: the drafter's measured default_tree.json, else "
+                        f"{d.kind}); dyspec grows the tree greedily by estimated acceptance, "
+                        "dyspec-threshold layer by layer")
+    p.add_argument("--tree-depth", type=int, default=None,
+                   help=f"draft levels (default {d.depth})")
+    p.add_argument("--tree-top-k", type=int, default=None,
+                   help=f"EAGLE-2 beam width (default {d.top_k})")
+    p.add_argument("--tree-tokens", type=int, default=None,
                    help="EAGLE-2 / DySpec draft tokens per step (the tree budget; root "
-                        "excluded)")
+                        f"excluded; default {d.total_tokens})")
     p.add_argument("--tree-threshold", type=float, default=0.05,
                    help="dyspec-threshold: the least estimated acceptance worth drafting")
 
@@ -93,6 +98,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "co-occurrence graph are the default artifacts)")
     g.add_argument("--json", action="store_true",
                    help='print one JSON object {"text", "tokens", "stats"}')
+    g.add_argument("--vs-vanilla", action="store_true",
+                   help="also decode without the drafter (same prompt and settings) and "
+                        "report the speed ratio; greedy output is checked to match")
     g.add_argument("--stream", action="store_true",
                    help="print the text as it is committed (one prompt; the same tokens as "
                         "without --stream)")
@@ -114,7 +122,8 @@ def check_generate_flags(args: argparse.Namespace) -> None:
     check_real("--top-p", args.top_p, minimum=0.0, maximum=1.0, open_min=True, hint="1 = off")
     check_seed("--seed", args.seed)
     for name in ("tree_depth", "tree_top_k", "tree_tokens"):
-        check_int(f"--{name.replace('_', '-')}", getattr(args, name), minimum=1)
+        if getattr(args, name) is not None:
+            check_int(f"--{name.replace('_', '-')}", getattr(args, name), minimum=1)
     for i, p in enumerate(args.prompt):
         check_text(f"--prompt {i + 1}" if len(args.prompt) > 1 else "--prompt", p)
     if args.system is not None:
@@ -122,6 +131,8 @@ def check_generate_flags(args: argparse.Namespace) -> None:
     if args.stream and (len(args.prompt) > 1 or args.json):
         raise ValueError("--stream prints one prompt's text as it comes; pass one --prompt "
                          "and no --json")
+    if args.stream and args.vs_vanilla:
+        raise ValueError("--vs-vanilla times two full runs; drop --stream")
     if args.stream and args.mesh is not None:
         raise ValueError("--stream runs on one device; drop --mesh or --stream")
     if args.drafter not in (None, "none") and not Path(args.drafter).is_dir():
@@ -152,9 +163,14 @@ def _resolve_drafter(args: argparse.Namespace, target: Any) -> Any:
 def _tree(args: argparse.Namespace) -> Any:
     from specjax.speculative import TreeSpec
 
-    return TreeSpec(kind=args.tree, depth=args.tree_depth, top_k=args.tree_top_k,
-                    total_tokens=args.tree_tokens,
-                    threshold=args.tree_threshold if args.tree == "dyspec-threshold" else 0.0)
+    given = {"kind": args.tree, "depth": args.tree_depth, "top_k": args.tree_top_k,
+             "total_tokens": args.tree_tokens}
+    if all(v is None for v in given.values()):
+        return None  # the drafter's measured tree, else TreeSpec()
+    fields = {k: v for k, v in given.items() if v is not None}
+    if args.tree == "dyspec-threshold":
+        fields["threshold"] = args.tree_threshold
+    return TreeSpec(**fields)
 
 
 def stats_line(stats: dict) -> str:
@@ -164,7 +180,20 @@ def stats_line(stats: dict) -> str:
     if "mean_accepted_length" in stats:
         line += (f", {stats['mean_accepted_length']:.2f} tokens per target forward "
                  f"({stats['target_forwards']} forwards)")
+    if v := stats.get("vanilla"):
+        same = {True: ", same text", False: ", TEXT DIFFERS", None: ""}[v["same_tokens"]]
+        line += (f"; vanilla {v['decode_tokens_per_s']:.1f} tok/s: {v['speedup']:.2f}x"
+                 f"{same}")
     return line + "]"
+
+
+def vanilla_comparison(spec: Any, vanilla: Any, greedy: bool) -> dict[str, Any]:
+    """Decode speed of ``vanilla`` against ``spec`` (two :class:`specjax.GenerateResult`), and,
+    when greedy, whether their tokens agree (they must: the target verifies every token)."""
+    rate = vanilla.stats["decode_tokens_per_s"]
+    return {"decode_tokens_per_s": rate,
+            "speedup": spec.stats["decode_tokens_per_s"] / rate if rate > 0 else float("nan"),
+            "same_tokens": (spec.tokens == vanilla.tokens) if greedy else None}
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -189,6 +218,10 @@ def run_generate(args: argparse.Namespace) -> int:
         print()
         return 0
     res = specjax.generate(target, prompts, mode=args.mode, mesh=mesh, **kwargs)
+    if args.vs_vanilla and drafter is not None:
+        base = specjax.generate(target, prompts, mode=args.mode, mesh=mesh,
+                                **{**kwargs, "drafter": None, "tree": None, "vocab": "full"})
+        res.stats["vanilla"] = vanilla_comparison(res, base, greedy=args.temperature == 0)
     if args.json:
         single = isinstance(prompts, str)
         stats = dict(res.stats)

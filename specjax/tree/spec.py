@@ -113,3 +113,37 @@ class TreeSpec:
     def build(self, expand: ExpandFn, carry: Carry, root: Array, key: Array | None,
               temperature: float | Array, vocab_size: int) -> tuple[DraftTree, Carry]:
         return self.builder.build(self, expand, carry, root, key, temperature, vocab_size)
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields that shape this kind of tree, plus its node count T (root included)."""
+        d = dataclasses.asdict(self)
+        d["num_nodes"] = self.num_nodes
+        if self.kind != "eagle2":
+            d.pop("top_k")
+        if self.kind in ("chain", "static"):  # DySpec's budget is total_tokens too
+            d.pop("total_tokens")
+        if self.kind != "static":
+            d.pop("paths")
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any) -> TreeSpec:
+        """A tree from its fields as JSON (``num_nodes``, if present, must agree).
+
+        Raises:
+          ValueError: not an object, an unknown field, or a field the builder refuses.
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"a tree must be a JSON object, got {type(d).__name__}")
+        d = dict(d)
+        nodes = d.pop("num_nodes", None)
+        known = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(d) - known):
+            raise ValueError(f"unknown tree field(s) {unknown}; known: {sorted(known)}")
+        if "paths" in d:
+            d["paths"] = tuple(tuple(p) for p in d["paths"])
+        tree = cls(**d)
+        if nodes is not None and nodes != tree.num_nodes:
+            raise ValueError(f"the tree says num_nodes {nodes} but its fields give "
+                             f"{tree.num_nodes}")
+        return tree

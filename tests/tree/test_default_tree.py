@@ -1,0 +1,98 @@
+"""A drafter's measured default tree: TreeSpec's JSON form, ``default_tree.json``, and the
+API and CLI falling back to it when no tree is given."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from flax import nnx
+
+import specjax
+from specjax.bench.spec import save_default_tree
+from specjax.commands.generate import _add_tree, _tree
+from specjax.drafter import DrafterConfig, EagleDrafter, save_drafter
+from specjax.speculative import TreeSpec
+from specjax.tree.default import FILE, read_default_tree, write_default_tree
+
+TREES = [TreeSpec(), TreeSpec("chain", depth=2), TreeSpec("dyspec", total_tokens=6),
+         TreeSpec("dyspec-threshold", depth=3, total_tokens=6, threshold=0.3),
+         TreeSpec("static", paths=((0,), (1,), (0, 0)))]
+
+
+@pytest.mark.parametrize("tree", TREES, ids=lambda t: t.kind)
+def test_tree_json_round_trip(tree):
+    d = json.loads(json.dumps(tree.to_json()))
+    assert d["num_nodes"] == tree.num_nodes
+    assert TreeSpec.from_json(d) == tree
+
+
+def test_tree_json_refuses_what_it_cannot_build():
+    with pytest.raises(ValueError, match="unknown tree field"):
+        TreeSpec.from_json({"kind": "chain", "depth": 2, "width": 3})
+    with pytest.raises(ValueError, match="num_nodes 5 but its fields give 3"):
+        TreeSpec.from_json({"kind": "chain", "depth": 2, "num_nodes": 5})
+    with pytest.raises(ValueError, match="tree kind must be one of"):
+        TreeSpec.from_json({"kind": "bush"})
+    with pytest.raises(ValueError, match="JSON object"):
+        TreeSpec.from_json([1, 2])
+
+
+def test_default_tree_file(tmp_path):
+    assert read_default_tree(tmp_path) is None
+    write_default_tree(tmp_path, TreeSpec("chain", depth=2), {"chosen": "chain d2"})
+    assert read_default_tree(tmp_path) == TreeSpec("chain", depth=2)
+    (tmp_path / FILE).write_text('{"format": "specjax-default-tree", "tree": {"kind": 3}}')
+    with pytest.raises(ValueError, match=f"{FILE} is not a valid default tree.*delete it"):
+        read_default_tree(tmp_path)
+    (tmp_path / FILE).write_text("{not json")
+    with pytest.raises(ValueError, match="not a valid default tree"):
+        read_default_tree(tmp_path)
+
+
+def _cli_tree(*flags: str):
+    p = argparse.ArgumentParser()
+    _add_tree(p)
+    return _tree(p.parse_args(list(flags)))
+
+
+def test_generate_uses_the_drafters_default_tree(tiny_target, tmp_path):
+    drafter = EagleDrafter(DrafterConfig(tiny_target.cfg), rngs=nnx.Rngs(0))
+    folder = save_drafter(tmp_path / "d", drafter.cfg, drafter.params())
+    assert specjax.load_drafter(folder, tiny_target).default_tree is None
+    write_default_tree(folder, TreeSpec("chain", depth=2), {})
+    d = specjax.load_drafter(folder, tiny_target)
+    assert d.default_tree == TreeSpec("chain", depth=2)
+    prompt = [[1, 17, 42, 99]]
+    stats = specjax.generate(tiny_target, prompt, drafter=d, max_new_tokens=4).stats
+    assert stats["tree"]["kind"] == "chain" and stats["tree"]["depth"] == 2
+    given = specjax.generate(tiny_target, prompt, drafter=d, max_new_tokens=4,
+                             tree=TreeSpec("eagle2", depth=2, top_k=2, total_tokens=3)).stats
+    assert given["tree"]["kind"] == "eagle2"
+    # The CLI passes no tree unless a tree flag is given; one flag fills the rest from
+    # TreeSpec's defaults.
+    assert _cli_tree() is None
+    assert _cli_tree("--tree-depth", "3") == TreeSpec(depth=3)
+    assert _cli_tree("--tree", "chain") == TreeSpec("chain")
+    assert _cli_tree("--tree", "dyspec-threshold", "--tree-threshold", "0.2") == TreeSpec(
+        "dyspec-threshold", threshold=0.2)
+
+
+def test_save_default_tree_only_from_a_lossless_automatic_run(tmp_path):
+    grid = [{"label": "chain d2", "est_speedup": 0.9}, {"label": "chain d3", "est_speedup": 0.8}]
+    result = {"config": {"tree_mode": "auto", "vocab": "full", "model": "m"},
+              "greedy_equality": {"all_match": True}, "tree_label": "chain d2",
+              "tree": TreeSpec("chain", depth=2).to_json(),
+              "tree_selection": {"chosen": grid[0], "grid": grid},
+              "overall": {"speedup": 0.93, "mal": 1.4, "prompts": 24},
+              "machine": {"cpu_model": "x", "nproc": 2}}
+    path = save_default_tree(result, tmp_path, "r.json")
+    saved = json.loads(path.read_text())
+    assert saved["measured"]["candidates"] == {"chain d2": 0.9, "chain d3": 0.8}
+    assert read_default_tree(tmp_path) == TreeSpec("chain", depth=2)
+    for change, msg in [({"config": {**result["config"], "tree_mode": "given"}}, "given its tree"),
+                        ({"config": {**result["config"], "vocab": "fr:8192"}}, "full"),
+                        ({"greedy_equality": {"all_match": False}}, "differed")]:
+        with pytest.raises(ValueError, match=msg):
+            save_default_tree({**result, **change}, tmp_path)
