@@ -9,24 +9,14 @@ weight products. Best of --runs, one jitted call over all layers.
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 
+from specjax.bench.timing import time_calls
 from specjax.model import cache_mask
 
 LAYERS, CAPACITY, KV_HEADS, GROUP, HEAD_DIM, CONTEXT = 30, 320, 3, 3, 64, 200
-
-
-def _best(f, *args, runs: int) -> float:
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    return min(ts) * 1e3
 
 
 def _attend(layout: str):
@@ -56,8 +46,9 @@ def main() -> None:
     for t in (int(r) for r in args.rows.split(",")):
         q = jax.random.normal(keys[2], (LAYERS, 1, t, KV_HEADS, GROUP, HEAD_DIM))
         mask = cache_mask(jnp.array([CONTEXT]), jnp.tril(jnp.ones((1, t, t), bool)), CAPACITY)
-        cache = _best(_attend("cache"), q, k_buf, v_buf, mask, runs=args.runs)
-        heads = _best(_attend("head-major"), q, *head_major, mask, runs=args.runs)
+        f, g = _attend("cache"), _attend("head-major")
+        cache = time_calls(lambda: f(q, k_buf, v_buf, mask), args.runs)["best_ms"]  # noqa: B023
+        heads = time_calls(lambda: g(q, *head_major, mask), args.runs)["best_ms"]  # noqa: B023
         print(f"T={t:2d}  cache layout {cache:6.2f} ms  head-major {heads:6.2f} ms", flush=True)
 
 
