@@ -233,4 +233,5 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         print("\n\n".join(res.texts))
         print(stats_line(res.stats), file=sys.stderr)
-    return 0
+    # Greedy speculative output differing from vanilla is a bug, never a result: fail.
+    return 1 if res.stats.get("vanilla", {}).get("same_tokens") is False else 0
