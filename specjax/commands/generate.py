@@ -73,7 +73,9 @@ def _add_tree(p: argparse.ArgumentParser) -> None:
                    help="EAGLE-2 / DySpec draft tokens per step (the tree budget; root "
                         f"excluded; default {d.total_tokens})")
     p.add_argument("--tree-threshold", type=float, default=0.05,
-                   help="dyspec-threshold: the least estimated acceptance worth drafting")
+                   help="dyspec-threshold: the least slot value worth drafting (greedy: the "
+                        "product of q along the new node's path; sampled: the chance "
+                        "verification reaches the slot)")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -22,9 +22,17 @@ multi-draft rejection sampling verifies them exactly.
   layer, draft every child whose slot value is at least ``threshold`` (at most
   ``total_tokens`` in all, the highest values first): one drafter call per layer.
 
-In deterministic mode (temperature 0) children come in top-k order of q; in sampled mode
-in Gumbel-top-k order (sampling without replacement). Slot values use the true q of the
-drafted tokens, so both modes use the same arithmetic.
+In sampled mode children come in Gumbel-top-k order (sampling without replacement) and a
+slot is keyed by the paper's value above, the chance that verification *reaches* it
+(``value="reach"``). In deterministic mode (temperature 0) children come in top-k order of
+q, so the token a slot would draft and its q are known before the slot is chosen, and
+verification is greedy: any tree is lossless. There a slot is keyed by the chance that the
+node it would draft is *accepted*, ``value(u) * q_u(x)`` = the product of q along the new
+node's path (``value="accept"``). The sum of those over the tree is the estimated accepted
+length itself, which the greedy heap then maximises exactly (a child's path product never
+exceeds its parent's). Keying greedy trees by "reach" overrates later siblings: after a
+first child with q = 0.3 the second slot is worth 0.7 of its parent although its own
+child holds perhaps 0.1, and the tree grows too wide (docs/benchmarks.md, issue 13).
 """
 
 from __future__ import annotations
@@ -58,6 +66,29 @@ def _log_rest(logq: Array) -> Array:
     return jnp.log(jnp.maximum(1.0 - before, 0.0))
 
 
+def _slot_values(logv: Array, kids_logq: Array, value: str) -> Array:
+    """log value of each child slot [..., m] of nodes with log path value ``logv`` [...].
+
+    ``"accept"``: the path product of the child the slot would draft; ``"reach"``: the
+    chance that verification gets to the slot (every earlier sibling rejected).
+    """
+    rest = kids_logq if value == "accept" else _log_rest(kids_logq)
+    return logv[..., None] + rest
+
+
+def _value_kind(value: str | None, sampled: bool) -> str:
+    """The slot key: "reach" when sampling (it must not look at the drawn token), else
+    "accept" unless asked otherwise."""
+    if value is None:
+        return "reach" if sampled else "accept"
+    if value not in ("accept", "reach"):
+        raise ValueError(f"value must be 'accept' or 'reach', got {value!r}")
+    if sampled and value == "accept":
+        raise ValueError("sampled trees must key slots by 'reach': choosing a slot by the "
+                         "token it would draw biases the draws verification assumes")
+    return value
+
+
 def _child_table(ids: Array, logits: Array, m: int, mode, key: Array | None):
     """The first ``m`` children of each expanded node in drafted order, and q (sampled)."""
     ch = draft_children(ids, logits, m, mode, key)
@@ -83,7 +114,8 @@ def _expand_root(expand: ExpandFn, carry: Carry, root: Array, total_tokens: int,
 
 def build_dyspec(expand: ExpandFn, carry: Carry, root: Array, total_tokens: int, *,
                  key: Array | None = None, temperature: float | Array = 0.0,
-                 vocab_size: int | None = None) -> tuple[DraftTree, Carry]:
+                 vocab_size: int | None = None,
+                 value: str | None = None) -> tuple[DraftTree, Carry]:
     """DySpec's greedy tree (algorithm 1) with ``total_tokens`` drafted nodes.
 
     Node i (1..T-1) is drafted at iteration i from the open slot of the highest value; node
@@ -96,11 +128,15 @@ def build_dyspec(expand: ExpandFn, carry: Carry, root: Array, total_tokens: int,
     dependent here, so a position-aware vocabulary head gives every expansion its
     step-0 budget.
 
+    ``value`` keys the slots (see the module docstring): None picks "accept" for
+    deterministic trees and "reach" for sampled ones.
+
     Returns the tree in breadth-first layout (see :func:`specjax.tree.order.bfs_order`).
     """
     if total_tokens < 1:
         raise ValueError(f"total_tokens must be >= 1, got {total_tokens}")
     mode = draft_mode(key, temperature)
+    value = _value_kind(value, mode.sampled)
     root = root.astype(jnp.int32)
     b, t = root.shape[0], total_tokens + 1
     bi = jnp.arange(b)
@@ -124,9 +160,9 @@ def build_dyspec(expand: ExpandFn, carry: Carry, root: Array, total_tokens: int,
     for i in range(1, t):  # unrolled: one drafter call per node
         nxt = jnp.minimum(used, m - 1)[..., None]
         lq_next = jnp.take_along_axis(kids_logq, nxt, axis=2)[..., 0]
-        rest = jnp.take_along_axis(_log_rest(kids_logq), nxt, axis=2)[..., 0]
+        slot_v = jnp.take_along_axis(_slot_values(logv, kids_logq, value), nxt, axis=2)[..., 0]
         open_ = valid & (used < m) & jnp.isfinite(lq_next)
-        slot = jnp.where(open_, logv + rest, -jnp.inf)
+        slot = jnp.where(open_, slot_v, -jnp.inf)
         u = jnp.argmax(slot, axis=1)  # the lowest index on ties
         has = jnp.isfinite(jnp.max(slot, axis=1))
         k = used[bi, u]
@@ -157,7 +193,8 @@ def build_dyspec(expand: ExpandFn, carry: Carry, root: Array, total_tokens: int,
 def build_dyspec_threshold(expand: ExpandFn, carry: Carry, root: Array, total_tokens: int,
                            depth: int, threshold: float, *, key: Array | None = None,
                            temperature: float | Array = 0.0,
-                           vocab_size: int | None = None) -> tuple[DraftTree, Carry]:
+                           vocab_size: int | None = None,
+                           value: str | None = None) -> tuple[DraftTree, Carry]:
     """DySpec's layer-by-layer tree (algorithm 2): every slot worth at least ``threshold``.
 
     Layer d (1..``depth``) drafts, for every node of layer d-1, the children whose slot
@@ -167,12 +204,14 @@ def build_dyspec_threshold(expand: ExpandFn, carry: Carry, root: Array, total_to
     ``total_tokens``, frontier padding repeating a real node). Nodes are numbered as they
     are drafted, which is breadth first. With ``threshold`` equal to the value of the
     greedy tree's last node, both builders keep the same nodes (the paper's remark).
+    ``value`` keys the slots as in :func:`build_dyspec`.
     """
     if total_tokens < 1 or depth < 1:
         raise ValueError(f"total_tokens and depth must be >= 1, got {total_tokens}, {depth}")
     if not 0.0 < threshold < 1.0:
         raise ValueError(f"threshold must lie in (0, 1), got {threshold}")
     mode = draft_mode(key, temperature)
+    value_kind = _value_kind(value, mode.sampled)
     root = root.astype(jnp.int32)
     b, t, kf = root.shape[0], total_tokens + 1, total_tokens
     bi = jnp.arange(b)[:, None]
@@ -201,7 +240,7 @@ def build_dyspec_threshold(expand: ExpandFn, carry: Carry, root: Array, total_to
     count = jnp.ones((b,), jnp.int32)  # nodes so far
 
     for d in range(1, depth + 1):  # unrolled: one drafter call per layer
-        value = f_logv[..., None] + _log_rest(f_kids_logq)  # [B, kf, m] slot values
+        value = _slot_values(f_logv, f_kids_logq, value_kind)  # [B, kf, m]
         ok = f_valid[..., None] & jnp.isfinite(f_kids_logq) & (value >= log_thr)
         flat_val = jnp.where(ok, value, -jnp.inf).reshape(b, kf * m)
         # Rank among this layer's candidates by value (lower flat index first on ties);

@@ -214,7 +214,7 @@ def test_tree_bench_pipeline_on_a_tiny_model(tiny_target, fitted_drafter, tmp_pa
     out = tmp_path / "res" / "bench_trees.json"
     cfg = TreeBenchConfig(tiny_target.path, per_task=1, max_new_tokens=12, budgets=(2,),
                           temperatures=temps, kinds=kinds, out=out, calib_max_new_tokens=12,
-                          thresholds=(0.3, 0.05), block_prompts=2, blocks=(32, 4),
+                          thresholds=(0.3, 1e-3), block_prompts=2, blocks=(32, 4),
                           stop_on_eos=False)
     kw = dict(prompts=EVAL, calib_prompts=CALIB, drafter=fitted_drafter)
 
@@ -284,7 +284,7 @@ def test_tree_bench_pipeline_on_a_tiny_model(tiny_target, fitted_drafter, tmp_pa
     sel = res["threshold_selection"]["per_budget"]
     assert [(s["budget"], s["temperature"]) for s in sel] == [(2, t) for t in temps]
     for s in sel:
-        assert [g["threshold"] for g in s["grid"]] == [0.3, 0.05]
+        assert [g["threshold"] for g in s["grid"]] == [0.3, 1e-3]
         assert all(1 <= g["mean_tree_size"] <= 3 and g["mal"] >= 1 for g in s["grid"])
         assert s["chosen_threshold"] == choose_threshold(s["grid"])
         row = next(r for r in rows if r["kind"] == "dyspec-threshold"

@@ -14,7 +14,7 @@ TREES = {
     "static": TreeSpec("static", paths=((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),
     "eagle2": TreeSpec("eagle2", depth=4, top_k=3, total_tokens=10),
     "dyspec": TreeSpec("dyspec", total_tokens=10),
-    "dyspec-threshold": TreeSpec("dyspec-threshold", total_tokens=10, depth=4, threshold=0.02),
+    "dyspec-threshold": TreeSpec("dyspec-threshold", total_tokens=10, depth=4, threshold=1e-3),
 }
 
 

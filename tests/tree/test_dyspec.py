@@ -90,9 +90,12 @@ def path_prob(table, ids, path: tuple[int, ...]) -> float:
     return float(np.exp(logp))
 
 
-def slot_value(table, ids, path, k: int) -> float:
-    """Value of the k-th child slot of the node at token ``path``: P(path) * (1 - prior q)."""
+def slot_value(table, ids, path, k: int, value: str = "accept") -> float:
+    """Value of the k-th child slot of the node at token ``path``: P(path) * q(k-th child)
+    ("accept"), or P(path) * (1 - prior q) ("reach", the paper's)."""
     kids = children(table, ids, path)
+    if value == "accept":
+        return path_prob(table, ids, path) * float(np.exp(kids[k][1]))
     return path_prob(table, ids, path) * (1.0 - sum(np.exp(lq) for _, lq in kids[:k]))
 
 
@@ -105,40 +108,42 @@ def open_slots(table, ids, nodes: frozenset[tuple[int, ...]]):
             yield path, k, path + (kids[k][0],)
 
 
-def objective(table, ids, nodes: frozenset) -> float:
-    """The estimated accepted length: the sum of the slot values the tree's nodes filled."""
+def objective(table, ids, nodes: frozenset, value: str = "accept") -> float:
+    """The sum of the slot values the tree's nodes filled ("accept": the estimated accepted
+    length)."""
     total = 0.0
     for node in nodes:
         if len(node) > 1:
             parent = node[:-1]
             k = [tok for tok, _ in children(table, ids, parent)].index(node[-1])
-            total += slot_value(table, ids, parent, k)
+            total += slot_value(table, ids, parent, k, value)
     return total
 
 
-def best_tree_value(table, ids, root: int, n: int) -> float:
+def best_tree_value(table, ids, root: int, n: int, value: str = "accept") -> float:
     """Max objective over every tree of n drafted nodes (siblings a prefix of top-k order)."""
     trees = {frozenset({(root,)})}
     for _ in range(n):
         trees = {t | {child} for t in trees for _, _, child in open_slots(table, ids, t)} or trees
-    return max(objective(table, ids, t) for t in trees)
+    return max(objective(table, ids, t, value) for t in trees)
 
 
-@pytest.mark.parametrize("seed,inf_frac,n", list(itertools.product([0, 1, 2], [0.0, 0.5],
-                                                                    [3, 5])))
-def test_greedy_is_optimal(seed, inf_frac, n):
-    """Algorithm 1 maximises the estimated accepted length (appendix D), checked against
-    every tree of the same size."""
+@pytest.mark.parametrize("seed,inf_frac,n,value", list(itertools.product(
+    [0, 1, 2], [0.0, 0.5], [3, 5], ["accept", "reach"])))
+def test_greedy_is_optimal(seed, inf_frac, n, value):
+    """Algorithm 1 maximises the sum of its slot values (appendix D), checked against every
+    tree of the same size: the estimated accepted length ("accept", the deterministic
+    default) and the paper's reach values."""
     table, ids = random_table(seed, inf_frac), shortlist_ids(seed, False)
     roots = random_roots(seed, B)
-    tree, calls = run("dyspec", table, ids, roots, total_tokens=n)
+    tree, calls = run("dyspec", table, ids, roots, total_tokens=n, value=value)
     assert int(calls) == n  # the root and every drafted node but the last
     tree = head(tree)
     check_invariants(tree)
     for r in range(B):
         nodes = frozenset(token_paths(tree, r))
-        got = objective(table, ids, nodes)
-        np.testing.assert_allclose(got, best_tree_value(table, ids, int(roots[r]), n),
+        got = objective(table, ids, nodes, value)
+        np.testing.assert_allclose(got, best_tree_value(table, ids, int(roots[r]), n, value),
                                    rtol=1e-5, atol=1e-6)
 
 
@@ -158,34 +163,37 @@ def test_layouts(seed, inf_frac, shortlist, sampled):
         check_invariants(head(tree))
 
 
-def ref_threshold(table, ids, root: int, thr: float, depth: int, budget: int) -> frozenset:
+def ref_threshold(table, ids, root: int, thr: float, depth: int, budget: int,
+                  value: str = "accept") -> frozenset:
     """Algorithm 2 in plain Python: per layer, the slots worth >= thr, best first."""
     nodes, frontier = {(root,)}, [(root,)]
     for _ in range(depth):
         cands = []
         for path in frontier:
             for k, (tok, _) in enumerate(children(table, ids, path)):
-                value = slot_value(table, ids, path, k)
-                if value < thr:
+                v = slot_value(table, ids, path, k, value)
+                if v < thr:
                     break  # values only fall along the drafted order
-                cands.append((-value, len(cands), path + (tok,)))
+                cands.append((-v, len(cands), path + (tok,)))
         kept = [c[2] for c in sorted(cands)[: budget + 1 - len(nodes)]]
         nodes |= set(kept)
         frontier = sorted(kept, key=lambda p: [c[2] for c in cands].index(p))
     return frozenset(nodes)
 
 
-@pytest.mark.parametrize("seed,budget", [(0, 24), (3, 24), (4, 5)])
-def test_threshold_keeps_the_slots_above_it(seed, budget):
+@pytest.mark.parametrize("seed,budget,value", [(0, 24, "accept"), (3, 24, "accept"),
+                                               (4, 5, "accept"), (0, 24, "reach"),
+                                               (4, 5, "reach")])
+def test_threshold_keeps_the_slots_above_it(seed, budget, value):
     table, ids = random_table(seed), shortlist_ids(seed, False)
     roots = random_roots(seed, B)
     thr, depth = 0.03, 3
     tree, calls = run("dyspec-threshold", table, ids, roots, total_tokens=budget, depth=depth,
-                      threshold=thr)
+                      threshold=thr, value=value)
     assert int(calls) == depth  # one drafter call per layer
     for r in range(B):
         assert frozenset(token_paths(tree, r)) == ref_threshold(table, ids, int(roots[r]), thr,
-                                                                depth, budget)
+                                                                depth, budget, value)
 
 
 def test_threshold_matches_greedy_at_its_last_value():
@@ -226,6 +234,13 @@ def test_bad_specs():
     assert TreeSpec("dyspec", total_tokens=8).num_nodes == 9
     assert TreeSpec("dyspec", total_tokens=8).max_depth == 8
     assert TreeSpec("dyspec-threshold", total_tokens=8, depth=3, threshold=0.1).max_depth == 3
+    table, ids = random_table(0), shortlist_ids(0, False)
+    roots = random_roots(0, B)
+    with pytest.raises(ValueError, match="must key slots by 'reach'"):
+        run("dyspec", table, ids, roots, seed=0, temperature=0.8, total_tokens=3,
+            value="accept")
+    with pytest.raises(ValueError, match="'accept' or 'reach'"):
+        run("dyspec", table, ids, roots, total_tokens=3, value="best")
 
 
 # --------------------------------------------------------------------------------------
