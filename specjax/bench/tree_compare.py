@@ -115,7 +115,10 @@ from specjax.vocab.resolve import resolve_head
 KINDS = ("chain", "static", "eagle2", "dyspec", "dyspec-threshold")
 BUDGETS = (4, 8, 16, 32)
 TEMPERATURES = (0.0, 0.6)
-THRESHOLD_GRID = (0.3, 0.1, 0.03, 0.01)
+# Sampled trees key slots by the chance of reaching them (chosen 0.1-0.3 here); greedy trees
+# by the path product of the drafted node, smaller numbers (0.01 chosen at T <= 8, lower for
+# larger T): one grid serves both.
+THRESHOLD_GRID = (0.3, 0.1, 0.03, 0.01, 0.003)
 BLOCKS = (32, 16)
 # Assumed P(rank-r child accepted | parent accepted) for the static trees: rank 0 near the
 # shipped SmolLM2 drafter's measured first-draft acceptance (0.29 over Spec-Bench, 0.38 on
