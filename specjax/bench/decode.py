@@ -26,6 +26,7 @@ from specjax.bench.common import (
     measure_bandwidth,
     write_json,
 )
+from specjax.bench.questions import uses_chat
 from specjax.defaults import resolve_model
 from specjax.loaded import Target
 from specjax.transformers_model import load_hf_model, resolve_hf_source
@@ -143,7 +144,8 @@ def run_decode_bench(model_dir: Path, *, max_new_tokens: int, repeats: int, with
 
     bar.set_description("loading")
     target = specjax.load(model_dir, dtype)
-    ids = encode_prompts(target, [prompt] if isinstance(prompt, list) else prompt, chat=True)[0]
+    ids = encode_prompts(target, [prompt] if isinstance(prompt, list) else prompt,
+                         chat=uses_chat(target))[0]
     param_dtype = str(target.params.embed.dtype)
     # Measured right before the runs, in this process, under the same load as they see.
     bar.set_description("bandwidth")

@@ -37,6 +37,7 @@ import specjax
 from specjax import pytree
 from specjax.api import encode_prompts
 from specjax.bench.common import as_command, int_list, machine_info, save_figure, write_json
+from specjax.bench.questions import uses_chat
 from specjax.defaults import resolve_model
 from specjax.drafter import DrafterConfig, DrafterParams
 from specjax.loaded import Drafter, Target
@@ -137,7 +138,7 @@ def run_oracle_bench(model_dir: Path, *, prompts: tuple[str, ...] = PROMPTS,
     model_dir, out = Path(model_dir), Path(out)
     target = specjax.load(model_dir, dtype)
     drafter = oracle_drafter(target)
-    ids = [encode_prompts(target, p, chat=True)[0] for p in prompts]
+    ids = [encode_prompts(target, p, chat=uses_chat(target))[0] for p in prompts]
     trees = {dep: TreeSpec("chain", depth=dep) for dep in depths}
     kw = dict(max_new_tokens=max_new_tokens, stop_on_eos=False)
     bar = tqdm(total=len(ids) * (2 + len(depths) * 3) + 1, unit="step")

@@ -84,14 +84,25 @@ def select_questions(questions: Sequence[Question], tasks: Sequence[str],
     return out
 
 
+def question_ids(target: Any, text: str) -> list[int]:
+    """A question as prompt ids: through the target's chat template where it has one; a base
+    model (no template, e.g. Gemma 3 270M) reads the plain text, as ``--no-chat`` gives it."""
+    from specjax.api import encode_prompts
+
+    return encode_prompts(target, text, chat=uses_chat(target))[0]
+
+
+def uses_chat(target: Any) -> bool:
+    """Whether the benchmarks render prompts with ``target``'s chat template."""
+    return getattr(target.tokenizer, "chat_template", None) is not None
+
+
 def spec_bench_prompts(target: Any, *, questions: str | Path | None, tasks: Sequence[str],
                        per_task: int, prompts: Sequence[dict[str, Any]] | None = None
                        ) -> tuple[list[dict[str, Any]], Path | None]:
     """(evaluation prompts, questions file): the first ``per_task`` questions of each task
-    through the chat template; or, for tests, the given pre-tokenised ``prompts``
+    as :func:`question_ids` reads them; or, for tests, the given pre-tokenised ``prompts``
     (``{"question_id", "task", "ids"}``), returned with no file."""
-    from specjax.api import encode_prompts
-
     if prompts is not None:
         return [{"question_id": int(p["question_id"]), "task": p["task"],
                  "category": p.get("category", p["task"]), "ids": list(map(int, p["ids"]))}
@@ -99,7 +110,7 @@ def spec_bench_prompts(target: Any, *, questions: str | Path | None, tasks: Sequ
     qpath = resolve_questions(questions)
     chosen = select_questions(load_questions(qpath), tasks, per_task)
     return [{"question_id": q.question_id, "task": q.task, "category": q.category,
-             "ids": encode_prompts(target, q.text, chat=True)[0]} for q in chosen], qpath
+             "ids": question_ids(target, q.text)} for q in chosen], qpath
 
 
 # Calibration (choosing a tree, a threshold) must not tune on Spec-Bench, which is the

@@ -2,7 +2,7 @@
 
 For each head (full, FR-Spec at several sizes, PA-FR, DynaSpec fixed top-k and
 position-aware), on the same prompts as ``specjax bench spec`` (greedy, batch 1, chat
-template, the same draft tree for every head):
+template where the target has one, the same draft tree for every head):
 
 EvoSpec's head (``evospec:8192+256``) is stateful: each prompt starts from an empty
 buffer, which then evolves within the request.
@@ -38,7 +38,6 @@ import numpy as np
 from tqdm import tqdm
 
 import specjax
-from specjax.api import encode_prompts
 from specjax.bench.common import (
     as_command,
     first_mismatch,
@@ -48,7 +47,14 @@ from specjax.bench.common import (
 )
 from specjax.bench.partial import append_record, partial_path, read_partial
 from specjax.bench.phases import draft_latency, random_features, resolve_drafter
-from specjax.bench.questions import TASKS, load_questions, resolve_questions, select_questions
+from specjax.bench.questions import (
+    TASKS,
+    load_questions,
+    question_ids,
+    resolve_questions,
+    select_questions,
+    uses_chat,
+)
 from specjax.bench.timing import count_compiles, warmup_tokens
 from specjax.defaults import resolve_model
 from specjax.drafter import drafter_hidden, init_drafter_cache
@@ -141,7 +147,7 @@ def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
     qs = select_questions(load_questions(resolve_questions(questions)), tasks, per_task)
     config = {"heads": list(heads), "tasks": list(tasks), "per_task": per_task,
               "max_new_tokens": max_new_tokens, "tree": dataclasses.asdict(tree),
-              "drafter": drafter_label}
+              "drafter": drafter_label, "chat_template": uses_chat(target)}
     config = json.loads(json.dumps(config))  # as the partial file holds it (tuples -> lists)
     part = partial_path(out)
     done = {r["question_id"]: r for r in read_partial(part) if r.get("config") == config}
@@ -153,7 +159,7 @@ def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
             records.append(done[q.question_id])
             bar.update(len(heads) + 1)
             continue
-        ids = encode_prompts(target, q.text, chat=True)[0]
+        ids = question_ids(target, q.text)
         rec: dict[str, Any] = {"config": config, "question_id": q.question_id, "task": q.task}
         for spec in ("vanilla", *heads):
             dr, head = (None, None) if spec == "vanilla" else (drafter, built[spec])

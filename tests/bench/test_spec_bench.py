@@ -276,3 +276,27 @@ def test_spec_bench_smollm2(tmp_path):
     bd = run_breakdown(model, drafter, tree=tree_from_spec_json(out),
                        out=tmp_path / "bd.json", runs=5)
     assert bd["vocab_size"] == 49152 and _finite_positive(bd["draft_step"]["measured_ms"])
+
+
+
+def test_questions_of_a_base_model_are_plain_text(tiny_target):
+    """A target without a chat template (a base model such as Gemma 3 270M) gets Spec-Bench's
+    questions as plain text, as ``--no-chat`` gives them; one with a template gets them
+    through it."""
+    import dataclasses
+
+    from specjax.api import encode_prompts
+    from specjax.bench.questions import question_ids, uses_chat
+    from tests.vocab.conftest import toy_tokenizer
+
+    text = "the cat sat on a mat"
+    chat = dataclasses.replace(tiny_target, tokenizer=toy_tokenizer())
+    assert uses_chat(chat)
+    assert question_ids(chat, text) == encode_prompts(chat, text, chat=True)[0]
+    tok = toy_tokenizer()
+    tok.chat_template = None
+    base = dataclasses.replace(tiny_target, tokenizer=tok)
+    assert not uses_chat(base)
+    ids = question_ids(base, text)
+    assert ids == tok.encode(text) and len(ids) == 6
+    assert ids != question_ids(chat, text)
