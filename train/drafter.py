@@ -110,7 +110,13 @@ def init_drafter(target_cfg: ModelConfig, target_params: Params,
       writes values ~20x larger than the final-norm features it must match
       (smooth-L1 ~22 and CE ~300 nats on SmolLM2, against ~1 and ~16 for a
       random layer). Zeroing the branch outputs keeps the pretrained q/k/v and
-      gate/up projections while starting from a sane output.
+      gate/up projections while starting from a sane output. A layer with sandwich
+      norms (Gemma 3) normalises each branch's output after its projection, and an
+      RMS norm of a zero vector has a gradient of 1/sqrt(eps): the first update of
+      ``wo`` would jump the branch from 0 to full scale (measured on Gemma 3 270M:
+      the training loss went from 2 to over 100 in a few steps at lr 1e-4). There
+      the post-norm scales are zeroed instead, which starts from the same identity
+      with a smooth gradient (the scale's is the normalised branch output).
     * ``"random"``: normal(0.02), EAGLE's own from-scratch layer.
 
     The EAGLE-1 layer has no input norm, so the target's is dropped. The fc over
@@ -122,7 +128,11 @@ def init_drafter(target_cfg: ModelConfig, target_params: Params,
     init_layer = None
     if tc.init != "random":
         init_layer = unfuse_layer(target_params.layers[-1])  # [in, out], whatever the load
-        if tc.init == "last-layer":
+        if tc.init == "last-layer" and init_layer.post_attn_norm is not None:
+            init_layer = dataclasses.replace(
+                init_layer, post_attn_norm=jnp.zeros_like(init_layer.post_attn_norm),
+                post_mlp_norm=jnp.zeros_like(init_layer.post_mlp_norm))
+        elif tc.init == "last-layer":
             init_layer = dataclasses.replace(init_layer, wo=jnp.zeros_like(init_layer.wo),
                                              w_down=jnp.zeros_like(init_layer.w_down))
     return EagleDrafter(cfg, rngs=nnx.Rngs(tc.seed), init_layer=init_layer)

@@ -465,3 +465,39 @@ def test_training_time_test_trains_every_step(target, cache, tmp_path):
     with pytest.raises(ValueError, match="ttt_steps"):
         train_drafter(target.cfg, target.params, train, held, _tc(ttt_steps=0),
                       tmp_path / "bad", progress=False)
+
+
+def test_last_layer_init_of_a_sandwich_norm_target_is_the_identity_with_a_smooth_gradient(
+        tmp_path):
+    """Gemma 3 normalises each branch's output (sandwich norms), so zeroing ``wo`` / ``w_down``
+    would put the untrained layer on RMSNorm(0), whose gradient is 1/sqrt(eps): the post-norm
+    scales are zeroed instead. The layer starts as the identity either way; here its
+    gradient stays of the order of the inputs'."""
+    from specjax.drafter import drafter_hidden, init_drafter_cache
+
+    src = make_hf_checkpoint(tmp_path / "hf", "gemma3")
+    t = specjax.load(specjax.convert(src, tmp_path / "sj", progress=False))
+    model = init_drafter(t.cfg, t.params, _tc())
+    layer = model.params().layer
+    assert not np.any(np.asarray(layer.post_attn_norm))
+    assert not np.any(np.asarray(layer.post_mlp_norm))
+    assert np.any(np.asarray(layer.wo)) and np.any(np.asarray(layer.w_down))  # pretrained
+    cfg, n = model.cfg, 12
+    rs = np.random.RandomState(0)
+    tokens = jnp.asarray(rs.randint(0, t.cfg.vocab_size, (1, n)), jnp.int32)
+    feats = jnp.asarray(rs.normal(size=(1, n, t.cfg.hidden_size)), jnp.float32)
+    pos = jnp.arange(n)[None]
+
+    def out(dp):
+        h, _ = drafter_hidden(dp, cfg, t.params.embed, tokens, feats, pos,
+                              init_drafter_cache(cfg, 1, n))
+        return h
+
+    dp = model.params()
+    x = jnp.concatenate([t.params.embed[tokens], feats], axis=-1) @ dp.fc + dp.fc_bias
+    np.testing.assert_allclose(out(dp), x, rtol=1e-6, atol=1e-6)  # the identity
+    g = jax.grad(lambda d: jnp.mean(out(d) ** 2))(dp)
+    scale = float(jnp.sqrt(jnp.mean(x ** 2)))
+    for name in ("wo", "w_down", "post_attn_norm", "post_mlp_norm"):
+        gn = float(jnp.linalg.norm(getattr(g.layer, name)))
+        assert np.isfinite(gn) and gn < 100 * scale, (name, gn, scale)
