@@ -240,9 +240,9 @@ def build_dyspec_threshold(expand: ExpandFn, carry: Carry, root: Array, total_to
     count = jnp.ones((b,), jnp.int32)  # nodes so far
 
     for d in range(1, depth + 1):  # unrolled: one drafter call per layer
-        value = _slot_values(f_logv, f_kids_logq, value_kind)  # [B, kf, m]
-        ok = f_valid[..., None] & jnp.isfinite(f_kids_logq) & (value >= log_thr)
-        flat_val = jnp.where(ok, value, -jnp.inf).reshape(b, kf * m)
+        slot_v = _slot_values(f_logv, f_kids_logq, value_kind)  # [B, kf, m]
+        ok = f_valid[..., None] & jnp.isfinite(f_kids_logq) & (slot_v >= log_thr)
+        flat_val = jnp.where(ok, slot_v, -jnp.inf).reshape(b, kf * m)
         # Rank among this layer's candidates by value (lower flat index first on ties);
         # keep those within the remaining budget.
         order = jnp.argsort(-flat_val, axis=1, stable=True)
