@@ -35,7 +35,7 @@ def main() -> None:
     from specjax.defaults import resolve_model
     from specjax.tokenizer import load_tokenizer
     from specjax.train.data import iter_records, normalize_messages, sharegpt_path
-    from specjax.train.prompts import _shingles, load_exclusions
+    from specjax.train.prompts import load_exclusions, shares_shingle
 
     tok = load_tokenizer(resolve_model(args.model))
     exclude = load_exclusions([resolve_questions(None)])
@@ -50,7 +50,7 @@ def main() -> None:
             if not msgs:
                 continue
             text = "\n\n".join(m["content"].strip() for m in msgs if m["content"].strip())
-            if _shingles(text) & exclude:
+            if shares_shingle(text, exclude):
                 n_excl += 1
                 continue
             ids = tok.encode(text)[: args.max_len]

@@ -128,13 +128,11 @@ def init_drafter(target_cfg: ModelConfig, target_params: Params,
     init_layer = None
     if tc.init != "random":
         init_layer = unfuse_layer(target_params.layers[-1])  # [in, out], whatever the load
-        if tc.init == "last-layer" and init_layer.post_attn_norm is not None:
+        if tc.init == "last-layer":
+            zeroed = (("post_attn_norm", "post_mlp_norm") if init_layer.post_attn_norm
+                      is not None else ("wo", "w_down"))
             init_layer = dataclasses.replace(
-                init_layer, post_attn_norm=jnp.zeros_like(init_layer.post_attn_norm),
-                post_mlp_norm=jnp.zeros_like(init_layer.post_mlp_norm))
-        elif tc.init == "last-layer":
-            init_layer = dataclasses.replace(init_layer, wo=jnp.zeros_like(init_layer.wo),
-                                             w_down=jnp.zeros_like(init_layer.w_down))
+                init_layer, **{k: jnp.zeros_like(getattr(init_layer, k)) for k in zeroed})
     return EagleDrafter(cfg, rngs=nnx.Rngs(tc.seed), init_layer=init_layer)
 
 

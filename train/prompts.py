@@ -84,6 +84,12 @@ def _shingles(text: str, n: int = 8) -> set[tuple[str, ...]]:
     return {tuple(words[i:i + n]) for i in range(max(0, len(words) - n + 1))}
 
 
+def shares_shingle(text: str, exclude: set[tuple[str, ...]]) -> bool:
+    """Whether ``text`` shares an 8-word shingle with ``exclude`` (:func:`load_exclusions`):
+    how Spec-Bench's questions are kept out of training data and calibration prompts."""
+    return bool(exclude) and not _shingles(text).isdisjoint(exclude)
+
+
 def load_exclusions(paths: Iterable[str | Path]) -> set[tuple[str, ...]]:
     """8-word shingles of every turn of the given Spec-Bench-style ``question.jsonl`` files."""
     out: set[tuple[str, ...]] = set()
@@ -161,7 +167,7 @@ def prompt_mix(tokenizer: Any, *, num: int, skip: int = 2000, max_prompt_tokens:
         for kind, text in candidates(msgs).items():
             if kind not in pools or len(pools[kind]) >= quota[kind]:
                 continue
-            if exclude and _shingles(text) & exclude:
+            if shares_shingle(text, exclude):
                 stats["excluded"] += 1
                 continue
             ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],

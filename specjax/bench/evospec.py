@@ -49,7 +49,7 @@ def domain_prompts(tokenizer: Any, domain: str, n: int, *, skip: int, max_tokens
                    exclude: set) -> list[str]:
     """The first ``n`` ShareGPT first user turns (from record ``skip``) matching a domain."""
     from specjax.train.data import iter_records, normalize_messages, sharegpt_path
-    from specjax.train.prompts import _shingles
+    from specjax.train.prompts import shares_shingle
 
     pattern = re.compile(DOMAINS[domain], re.IGNORECASE)
     others = [re.compile(p, re.IGNORECASE) for d, p in DOMAINS.items() if d != domain]
@@ -63,7 +63,7 @@ def domain_prompts(tokenizer: Any, domain: str, n: int, *, skip: int, max_tokens
         text = msgs[0]["content"]
         # Two or more hits and none of the other domains': a clear topic.
         if (len(pattern.findall(text)) < 2 or any(o.search(text) for o in others)
-                or _shingles(text) & exclude):
+                or shares_shingle(text, exclude)):
             continue
         if len(tokenizer.encode(text)) > max_tokens:
             continue

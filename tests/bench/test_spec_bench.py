@@ -278,7 +278,6 @@ def test_spec_bench_smollm2(tmp_path):
     assert bd["vocab_size"] == 49152 and _finite_positive(bd["draft_step"]["measured_ms"])
 
 
-
 def test_questions_of_a_base_model_are_plain_text(tiny_target):
     """A target without a chat template (a base model such as Gemma 3 270M) gets Spec-Bench's
     questions as plain text, as ``--no-chat`` gives them; one with a template gets them
