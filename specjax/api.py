@@ -25,7 +25,7 @@ from specjax.runner import Request, SpecRunner, VanillaRunner, all_done
 from specjax.sampling import SamplingConfig
 from specjax.speculative import TreeSpec
 from specjax.tokenizer import load_tokenizer, render_chat
-from specjax.tree.default import read_default_tree
+from specjax.tree.default import read_default_tree, read_default_vocab
 from specjax.vocab import VocabHead, resolve_head
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -197,7 +197,8 @@ def load_drafter(path: str | Path, target: Target, dtype: str | None = None) -> 
             "`specjax train drafter`")
     cfg, params, meta = read(Path(path), target.cfg, dtype)
     return Drafter(cfg=cfg, params=params, path=Path(path), meta=meta,
-                   default_tree=read_default_tree(path))
+                   default_tree=read_default_tree(path),
+                   default_vocab=read_default_vocab(path))
 
 
 def check_generate_args(target: Any, *, max_new_tokens: Any, temperature: Any, top_k: Any,
@@ -240,7 +241,8 @@ def check_generate_args(target: Any, *, max_new_tokens: Any, temperature: Any, t
                         f"None, got {type(drafter).__name__}")
     if tree is not None and not isinstance(tree, TreeSpec):
         raise TypeError(f"tree must be a specjax.TreeSpec or None, got {type(tree).__name__}")
-    if not (isinstance(vocab, str) or (callable(vocab) and hasattr(vocab, "capacity"))):
+    if not (vocab is None or isinstance(vocab, str)
+            or (callable(vocab) and hasattr(vocab, "capacity"))):
         raise TypeError("vocab must be a spec string ('full', 'fr:N', 'dynaspec', ...) or a "
                         f"VocabHead, got {type(vocab).__name__}")
     return max_new_tokens, seed
@@ -252,7 +254,7 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
              system: str | None = None, stop_on_eos: bool = True,
              mode: Literal["compiled", "eager"] = "compiled", drafter: Drafter | None = None,
              tree: TreeSpec | None = None, assume_q_one: bool = False,
-             vocab: str | VocabHead = "full", attention: str = "dense",
+             vocab: str | VocabHead | None = None, attention: str = "dense",
              vocab_state: Any = None, mesh: sh.Mesh | str | None = None) -> GenerationResult:
     """Generate continuations of one or more prompts.
 
@@ -276,10 +278,12 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
         :class:`specjax.speculative.SpecConfig`); off by default.
       vocab: the drafter's vocabulary head: "full", "fr:N", "pafr:N", "dynaspec",
         "dynaspec-f", ... (see :func:`specjax.vocab.resolve_head`) or a
-        :class:`specjax.vocab.VocabHead`. Verification is always over the full
-        vocabulary, so this changes speed and acceptance, never correctness. A spec
-        string is resolved on every call (its counts or router read from disk, the
-        head's rows gathered); in a loop, build the head once with ``resolve_head``.
+        :class:`specjax.vocab.VocabHead`; default the drafter's measured one
+        (``drafter.default_vocab``, stored with its default tree), else "full".
+        Verification is always over the full vocabulary, so this changes speed and
+        acceptance, never correctness. A spec string is resolved on every call (its
+        counts or router read from disk, the head's rows gathered); in a loop, build the
+        head once with ``resolve_head``.
       attention: how the tree blocks of a speculative step attend: "dense" (default), or
         :func:`specjax.kernels.tree_attention.tree_attention`'s "xla", "pallas" or "auto"
         (the Pallas kernel on a GPU, XLA elsewhere). Same outputs, other kernels.
@@ -435,19 +439,21 @@ def _check_vocab_state(runner: Any, vocab_state: Any, batch: int) -> None:
 def _plan(target: Target, ids: list[list[int]], *, max_new_tokens: int, temperature: float,
           top_k: int, top_p: float, seed: int, key: jax.Array | None, stop_on_eos: bool,
           drafter: Drafter | None, tree: TreeSpec | None, assume_q_one: bool,
-          vocab: str | VocabHead,
+          vocab: str | VocabHead | None,
           attention: str = "dense") -> tuple[VanillaRunner | SpecRunner, Request]:
     """The runner and the laid-out request for checked arguments and encoded prompts."""
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
-    if drafter is None and (tree is not None or vocab != "full" or attention != "dense"):
+    if drafter is None and (tree is not None or vocab not in (None, "full")
+                            or attention != "dense"):
         raise ValueError("a draft tree, vocabulary head or tree attention needs a drafter; "
                          "pass drafter=load_drafter(...) (--drafter PATH on the command line)")
     runner: VanillaRunner | SpecRunner = VanillaRunner(target, sampling)
     if drafter is not None:
         drafter.cfg.check_target(target.cfg)
         tree = tree or drafter.default_tree or TreeSpec()
+        vocab = vocab or drafter.default_vocab or "full"
         runner = SpecRunner.of(target, drafter, resolve_head(vocab, target, drafter), tree,
                                sampling, assume_q_one, attention)
     req = Request.build(target, ids, max_new_tokens=max_new_tokens, sampling=sampling,
@@ -472,7 +478,7 @@ def stream(target: Target, prompt: str | list[int], *, max_new_tokens: int = 128
            key: jax.Array | None = None, chat: bool = True, system: str | None = None,
            stop_on_eos: bool = True, drafter: Drafter | None = None,
            tree: TreeSpec | None = None, assume_q_one: bool = False,
-           vocab: str | VocabHead = "full", attention: str = "dense") -> Iterator[Chunk]:
+           vocab: str | VocabHead | None = None, attention: str = "dense") -> Iterator[Chunk]:
     """Generate from one prompt, yielding text as it is committed.
 
     The arguments are :func:`generate`'s (for one prompt). It runs the same prefill and

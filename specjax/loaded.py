@@ -42,6 +42,8 @@ class Drafter:
     params: Any  # DrafterParams or Eagle3Params, as cfg says
     path: Path | None = None
     meta: dict | None = None
-    # The tree measured fastest for this drafter on some machine (its folder's
-    # default_tree.json; see specjax.tree.default); generate uses it when given no tree.
+    # The tree and vocabulary head measured fastest for this drafter on some machine (its
+    # folder's default_tree.json; see specjax.tree.default); generate uses them when given
+    # none. default_vocab is a head spec that reads only the folder's own artifacts.
     default_tree: TreeSpec | None = None
+    default_vocab: str | None = None

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 
 import pytest
 
+import specjax
 from specjax.checkpoint import MANIFEST
-from specjax.defaults import GEMMA3_MODEL_NAME, NAMED_MODELS, is_named, resolve_model
+from specjax.defaults import (
+    GEMMA3_MODEL_NAME,
+    SHIPPED_DRAFTERS,
+    resolve_model,
+    shipped_drafter_for,
+)
 
 
 def test_a_name_selects_the_cached_conversion(tmp_path, monkeypatch):
@@ -17,11 +25,8 @@ def test_a_name_selects_the_cached_conversion(tmp_path, monkeypatch):
     (cached / MANIFEST).write_text("{}")  # already converted: nothing is read or converted
     monkeypatch.chdir(tmp_path)
     assert resolve_model(GEMMA3_MODEL_NAME) == cached
-    assert is_named(GEMMA3_MODEL_NAME, GEMMA3_MODEL_NAME) and is_named(None, next(iter(
-        NAMED_MODELS)))
     (tmp_path / GEMMA3_MODEL_NAME).mkdir()  # a folder of that name is what the user means
     assert resolve_model(GEMMA3_MODEL_NAME) == Path(GEMMA3_MODEL_NAME)
-    assert not is_named(GEMMA3_MODEL_NAME, GEMMA3_MODEL_NAME)
 
 
 def test_an_unknown_name_is_a_path(tmp_path):
@@ -30,3 +35,30 @@ def test_an_unknown_name_is_a_path(tmp_path):
 
     with pytest.raises(ValueError, match="unknown model name 'gemma3-1b'; named models: "):
         ensure_default_target(name="gemma3-1b")
+
+
+def test_each_shipped_drafter_is_found_for_its_target_and_no_other(tiny_target):
+    from specjax.drafter import DrafterConfig
+    from specjax.tree.default import read_default_tree, read_default_vocab
+
+    folders = sorted(p.parent for p in SHIPPED_DRAFTERS.glob("*/specjax.json"))
+    assert {f.name for f in folders} >= {"SmolLM2-135M-Instruct", GEMMA3_MODEL_NAME}
+    for folder in folders:
+        cfg = DrafterConfig.from_json(json.loads((folder / "specjax.json").read_text())["config"])
+        assert shipped_drafter_for(cfg.target) == folder
+        # Its measured defaults parse, and its head's artifacts are in the folder.
+        assert read_default_tree(folder) is not None
+        if read_default_vocab(folder).startswith(("fr", "pafr")):
+            assert (folder / "freq_counts.npy").is_file()
+    assert shipped_drafter_for(tiny_target.cfg) is None
+
+
+def test_generate_decodes_vanilla_for_a_target_without_a_shipped_drafter(tiny_target,
+                                                                         capsys):
+    from specjax.commands.generate import _resolve_drafter
+
+    args = argparse.Namespace(drafter=None, model=str(tiny_target.path))
+    assert _resolve_drafter(args, tiny_target) is None
+    assert "no drafter is shipped for the target" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="needs a drafter"):
+        specjax.generate(tiny_target, [[1, 2]], max_new_tokens=2, vocab="fr:8")

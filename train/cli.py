@@ -122,8 +122,8 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None,
                    help="converted target folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", default=None,
-                   help="the drafter the data was collected with (default: the shipped drafter "
-                        "of the default target)")
+                   help="the drafter the data was collected with (default: the drafter "
+                        "shipped for the target)")
     p.add_argument("--data", required=True,
                    help="router data directory (meta.json + shard_*.npz of router inputs and "
                         "the full-vocabulary drafter's top-L tokens)")
@@ -143,6 +143,9 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                         "is complete)")
     p.add_argument("--collect-top-l", type=int, default=8,
                    help="full-head top-L tokens recorded per expansion (default 8)")
+    p.add_argument("--collect-skip", type=int, default=2000, metavar="R",
+                   help="collect on ShareGPT records after the first R, the drafter's own "
+                        "training data (default 2000)")
     p.add_argument("--budget", default="64,32,32", metavar="K0,K1,KF",
                    help="cluster budgets stored with the router: k0 and k1 of the "
                         "position-aware k_c(t) (--vocab dynaspec), and the fixed top-k "
@@ -431,9 +434,9 @@ def run_train_router(args: argparse.Namespace) -> int:
             from e
     target_dir, target = _load_target(args, progress)
     if args.drafter is None:
-        from specjax.defaults import default_drafter_dir
+        from specjax.defaults import default_drafter_dir, shipped_drafter_for
 
-        drafter_dir = default_drafter_dir()
+        drafter_dir = shipped_drafter_for(target.cfg) or default_drafter_dir()
     else:
         drafter_dir = Path(args.drafter)
     # Refuses (DrafterMismatchError) a drafter built for another target, e.g. the shipped
@@ -449,7 +452,8 @@ def run_train_router(args: argparse.Namespace) -> int:
         from specjax.train.router_data import collect_router_data
 
         collect_router_data(target, drafter, args.data, num_records=args.collect,
-                            top_l=args.collect_top_l, progress=progress)
+                            top_l=args.collect_top_l, skip=args.collect_skip,
+                            progress=progress)
     # Refuse data for another drafter or target now, not after the k-means.
     check_router_data(read_router_meta(Path(args.data)), drafter_fingerprint=drafter_fp,
                       target_fields=target_fields_of(target.cfg))

@@ -42,7 +42,8 @@ from specjax.vocab.router import fingerprint
 
 def first_user_prompts(source: str | Path, tokenizer: Any, *, skip: int,
                        max_prompt_tokens: int) -> Iterator[list[int]]:
-    """Chat-templated first user turns of a ShareGPT-style file, after ``skip`` records."""
+    """First user turns of a ShareGPT-style file, after ``skip`` records: chat-templated,
+    or as plain text (BOS first) for a base model's tokenizer, which has no template."""
     path = sharegpt_path() if str(source) == "sharegpt" else Path(source)
     for i, rec in enumerate(iter_records(path)):
         if i < skip:
@@ -50,8 +51,11 @@ def first_user_prompts(source: str | Path, tokenizer: Any, *, skip: int,
         msgs = normalize_messages(rec)
         if not msgs or msgs[0]["role"] != "user":
             continue
-        ids = tokenizer.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)
+        if getattr(tokenizer, "chat_template", None) is None:
+            ids = tokenizer.encode(msgs[0]["content"])
+        else:
+            ids = tokenizer.apply_chat_template(msgs[:1], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)
         if len(ids) <= max_prompt_tokens:
             yield list(ids)
 

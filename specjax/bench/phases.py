@@ -107,13 +107,17 @@ def load_models(model_dir: str | Path, dtype: str | None, drafter: Drafter | Non
 
 
 def resolve_drafter(drafter_dir: str | Path | None, target: Target) -> tuple[Drafter, str]:
-    """(drafter, name) for ``drafter_dir``: a folder, None for the shipped one, "random"."""
+    """(drafter, name) for ``drafter_dir``: a folder, None for the one shipped for the
+    target (:func:`specjax.defaults.shipped_drafter_for`), "random"."""
     if drafter_dir is not None and str(drafter_dir) == "none":
         raise ValueError("this benchmark compares speculative with vanilla decoding and needs "
                          "a drafter: pass --drafter PATH (or 'random' to check the pipeline)")
     if drafter_dir is not None and str(drafter_dir) == "random":
         return random_drafter(target), "random"
-    from specjax.defaults import default_drafter_dir
+    from specjax.defaults import shipped_drafter_for
 
-    path = Path(drafter_dir) if drafter_dir is not None else default_drafter_dir()
+    path = Path(drafter_dir) if drafter_dir is not None else shipped_drafter_for(target.cfg)
+    if path is None:
+        raise ValueError("no drafter is shipped for this target; pass --drafter PATH (train "
+                         "one with `specjax train drafter`) or --drafter random")
     return specjax.load_drafter(path, target), str(path)

@@ -88,9 +88,11 @@ from specjax.vocab.resolve import resolve_head
 LATENCY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32)
 # Trees with T = num_nodes <= 32 (T + 1 <= 32 draft tokens + root): on a 2-core CPU a larger
 # verify costs several decode steps, so bigger trees cannot pay off.
+# A chain of 1 is where a weak drafter on a cheap-to-widen target (Gemma 3: T=2 costs
+# 1.14x T=1) pays; deeper chains and trees where acceptance is higher.
 DEFAULT_GRID = (
-    TreeSpec("chain", depth=2), TreeSpec("chain", depth=3), TreeSpec("chain", depth=4),
-    TreeSpec("chain", depth=5),
+    TreeSpec("chain", depth=1), TreeSpec("chain", depth=2), TreeSpec("chain", depth=3),
+    TreeSpec("chain", depth=4), TreeSpec("chain", depth=5),
     TreeSpec("eagle2", depth=3, top_k=3, total_tokens=6),
     TreeSpec("eagle2", depth=4, top_k=4, total_tokens=8),
     TreeSpec("eagle2", depth=4, top_k=4, total_tokens=12),
@@ -259,7 +261,8 @@ class SpecBenchConfig:
       resume: reuse matching records of an interrupted run's partial file.
       vocab: the drafter's vocabulary head spec ("full", "fr:8192", "dynaspec", ...; see
         :func:`specjax.vocab.resolve_head`) or a built head, used for calibration, draft
-        timing and evaluation. Verification is always over the full vocabulary.
+        timing and evaluation; None: the drafter's measured default head, else full.
+        Verification is always over the full vocabulary.
     """
 
     model_dir: str | Path
@@ -279,7 +282,7 @@ class SpecBenchConfig:
     stop_on_eos: bool = True
     dtype: str | None = None
     resume: bool = True
-    vocab: str | VocabHead = "full"
+    vocab: str | VocabHead | None = None
 
     def __post_init__(self) -> None:
         if self.per_task < 1 or self.max_new_tokens < 1 or self.eager_per_task < 0:
@@ -323,7 +326,8 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
 
     target, drafter, drafter_name = load_models(cfg.model_dir, cfg.dtype, drafter,
                                                 cfg.drafter_dir)
-    head = resolve_head(cfg.vocab, target, drafter)
+    vocab = cfg.vocab or drafter.default_vocab or "full"
+    head = resolve_head(vocab, target, drafter)
 
     evals, qpath = spec_bench_prompts(target, questions=cfg.questions, tasks=cfg.tasks,
                                       per_task=cfg.per_task, prompts=prompts)
@@ -348,7 +352,7 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
         "grid": [tree_dict(t) for t in grid], "calibration": calib_info,
         "calib_max_new_tokens": cfg.calib_max_new_tokens, "latency_sizes": sizes, "runs": runs,
         "latency_context": context, "latency_capacity": capacity,
-        "vocab": cfg.vocab if isinstance(cfg.vocab, str) else repr(head),
+        "vocab": vocab if isinstance(vocab, str) else repr(head),
     }
 
     # Resume: a selection and prompt records written under the same configuration.
@@ -605,13 +609,14 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="prompts per task also run in eager mode (default 1)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="cast parameters at load (default: as stored)")
-    p.add_argument("--vocab", default="full",
-                   help="drafter vocabulary head: full (default), fr:N, pafr:N, dynaspec, ...")
+    p.add_argument("--vocab", default=None,
+                   help="drafter vocabulary head: full, fr:N, pafr:N, dynaspec, ... (default: "
+                        "the drafter's measured head, else full)")
     p.add_argument("--no-resume", action="store_true",
                    help="ignore and remove the partial results of an interrupted run")
     p.add_argument("--save-default-tree", action="store_true",
-                   help="store the chosen tree in the drafter's folder (default_tree.json): "
-                        "generate then uses it when given no tree")
+                   help="store the chosen tree and this run's head in the drafter's folder "
+                        "(default_tree.json): generate then uses them when given none")
     p.add_argument("--out", default="results/bench_spec.json")
 
 
@@ -627,23 +632,23 @@ def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
 
 def save_default_tree(result: dict[str, Any], drafter_dir: str | Path,
                       results_path: str | Path | None = None) -> Path:
-    """Store the tree an automatic ``bench spec`` run chose as the drafter's default
-    (``<drafter_dir>/default_tree.json``, see :mod:`specjax.tree.default`), with what was
-    measured: each candidate's estimate, the chosen tree's realised speed, the machine.
+    """Store the tree an automatic ``bench spec`` run chose, and the head it drafted with,
+    as the drafter's defaults (``<drafter_dir>/default_tree.json``, see
+    :mod:`specjax.tree.default`), with what was measured: each candidate's estimate, the
+    chosen tree's realised speed, the machine.
 
     Raises:
-      ValueError: the run did not choose its tree, used another vocabulary head than the
-        default full one, or found a greedy mismatch (a default must be lossless).
+      ValueError: the run did not choose its tree, drafted with a head that names an
+        artifact outside the drafter folder, or found a greedy mismatch (a default must be
+        lossless).
     """
-    from specjax.tree.default import write_default_tree
+    from specjax.tree.default import check_portable_vocab, write_default_tree
 
     conf = result["config"]
     if conf.get("tree_mode") != "auto":
         raise ValueError("this run was given its tree; a default must be chosen by "
                          "measurement: run `specjax bench spec` without --tree")
-    if conf.get("vocab") != "full":
-        raise ValueError(f"this run drafted with the {conf.get('vocab')!r} head; the default "
-                         "tree is measured with the default (full) head")
+    check_portable_vocab(conf.get("vocab", "full"))
     if not result["greedy_equality"]["all_match"]:
         raise ValueError("greedy output differed from vanilla in this run; not saving a "
                          "default from it")
@@ -659,19 +664,23 @@ def save_default_tree(result: dict[str, Any], drafter_dir: str | Path,
         "results": None if results_path is None else str(results_path),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
     }
-    return write_default_tree(drafter_dir, TreeSpec.from_json(result["tree"]), measured)
+    return write_default_tree(drafter_dir, TreeSpec.from_json(result["tree"]), measured,
+                              vocab=conf.get("vocab", "full"))
 
 
 def run_spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Run :func:`run_spec_bench` from :func:`add_spec_args`'s flags."""
+    if args.save_default_tree and args.vocab is not None:
+        from specjax.tree.default import check_portable_vocab
+
+        check_portable_vocab(args.vocab)  # refused before the run, not after it
     res = run_spec_bench(config_from_args(args))
     if args.save_default_tree:
-        from specjax.defaults import default_drafter_dir
-
         if args.drafter == "random":
             raise ValueError("--save-default-tree needs a trained drafter, not 'random'")
-        where = save_default_tree(res, args.drafter or default_drafter_dir(), args.out)
-        print(f"default tree {res['tree_label']} saved to {where}")
+        where = save_default_tree(res, res["config"]["drafter"], args.out)
+        print(f"default tree {res['tree_label']} and head {res['config']['vocab']} saved to "
+              f"{where}")
     return res
 
 

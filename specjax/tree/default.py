@@ -1,10 +1,16 @@
-"""A drafter's measured default tree: ``<drafter>/default_tree.json``.
+"""A drafter's measured defaults: ``<drafter>/default_tree.json``.
 
 The fastest lossless tree depends on the drafter's acceptance and on the hardware's target
 latency curve, so it is measured (``specjax bench spec --save-default-tree``, Sequoia's
 way: calibration MAL / (verify(T) + draft time)) and stored beside the drafter with how it
-was measured. ``specjax.generate`` and ``specjax generate`` use it when no tree is given;
-a drafter without the file gets :class:`TreeSpec`'s defaults.
+was measured. The same run's vocabulary head is stored with it when it was not the full
+one: on a large vocabulary (Gemma 3's 262k) only a shortlist head makes drafting pay, so
+the head is part of the default. ``specjax.generate`` and ``specjax generate`` use both
+when given none; a drafter without the file gets :class:`TreeSpec`'s defaults and the
+full head.
+
+A stored head names only artifacts inside the drafter's folder (``fr:8192``, never
+``fr:8192:/some/path``), so the folder can be copied or shipped whole.
 """
 
 from __future__ import annotations
@@ -20,13 +26,24 @@ FILE = "default_tree.json"
 FORMAT = "specjax-default-tree"
 
 
-def read_default_tree(folder: str | Path) -> TreeSpec | None:
-    """The tree stored in ``folder`` (None when it has none).
+def check_portable_vocab(spec: str) -> str:
+    """``spec`` if it is a head spec that reads only the drafter folder's own artifacts.
 
     Raises:
-      ValueError: the file exists but is not a valid default tree (names the file and how
-        to fix it).
+      ValueError: it names a file or folder (``fr:N:PATH``, ``dynaspec:ROUTER``,
+        ``evospec:NS+ND:GRAPH``), which would not travel with the drafter.
     """
+    name, _, arg = spec.partition(":")
+    # The part that names a file: after the size for fr/pafr/evospec, all of a dynaspec's.
+    where = arg.partition(":")[2] if name in ("fr", "pafr", "evospec") else arg
+    if where and not (name == "evospec" and where == "none"):
+        raise ValueError(f"the head {spec!r} names an artifact outside the drafter folder; "
+                         "a default head must use the folder's own (copy the counts, router "
+                         "or graph into the drafter folder and drop the path)")
+    return spec
+
+
+def _read(folder: str | Path) -> dict[str, Any] | None:
     path = Path(folder) / FILE
     if not path.is_file():
         return None
@@ -34,15 +51,41 @@ def read_default_tree(folder: str | Path) -> TreeSpec | None:
         d = json.loads(path.read_text())
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise ValueError(f"not a {FORMAT!r} file")
-        return TreeSpec.from_json(d["tree"])
+        d["tree"] = TreeSpec.from_json(d["tree"])
+        vocab = d.get("vocab", "full")
+        if not isinstance(vocab, str):
+            raise ValueError(f"vocab must be a head spec string, got {vocab!r}")
+        d["vocab"] = check_portable_vocab(vocab)
+        return d
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path} is not a valid default tree ({e}); delete it to use "
-                         "TreeSpec's defaults, or measure one again with `specjax bench spec "
-                         "--save-default-tree`") from None
+                         "TreeSpec's defaults and the full head, or measure one again with "
+                         "`specjax bench spec --save-default-tree`") from None
 
 
-def write_default_tree(folder: str | Path, tree: TreeSpec, measured: dict[str, Any]) -> Path:
-    """Store ``tree`` as ``folder``'s default, with ``measured`` (how it was chosen)."""
+def read_default_tree(folder: str | Path) -> TreeSpec | None:
+    """The tree stored in ``folder`` (None when it has none).
+
+    Raises:
+      ValueError: the file exists but is not a valid default (names the file and how to
+        fix it).
+    """
+    d = _read(folder)
+    return None if d is None else d["tree"]
+
+
+def read_default_vocab(folder: str | Path) -> str | None:
+    """The vocabulary head spec stored in ``folder`` ("full" when the file names none; None
+    when there is no file). Raises ValueError as :func:`read_default_tree`."""
+    d = _read(folder)
+    return None if d is None else d["vocab"]
+
+
+def write_default_tree(folder: str | Path, tree: TreeSpec, measured: dict[str, Any],
+                       vocab: str = "full") -> Path:
+    """Store ``tree`` and the head ``vocab`` as ``folder``'s defaults, with ``measured``
+    (how they were chosen). Raises ValueError for a head that names an outside path."""
     path = Path(folder) / FILE
-    write_json_atomic(path, {"format": FORMAT, "tree": tree.to_json(), "measured": measured})
+    write_json_atomic(path, {"format": FORMAT, "tree": tree.to_json(),
+                             "vocab": check_portable_vocab(vocab), "measured": measured})
     return path

@@ -77,14 +77,16 @@ def test_tokenizer_and_chat_template(gemma, gguf_path):
         specjax.generate(gemma, "Hi", max_new_tokens=2)
 
 
-def test_cli_decodes_vanilla_and_refuses_the_smollm2_drafter(gemma, capsys):
+def test_cli_drafts_with_the_shipped_drafter_and_refuses_the_smollm2_one(gemma, capsys):
     from specjax.cli import main
     from specjax.defaults import default_drafter_dir
 
     args = ["generate", "--model", "gemma3-270m", "--no-chat", "--prompt", PROMPT,
-            "--max-new-tokens", "6"]
-    assert main(args) == 0
-    out = capsys.readouterr()
-    assert "no drafter is shipped" in out.err and out.out.strip()
+            "--max-new-tokens", "16"]
+    # No flags: the shipped Gemma drafter with its measured tree and shortlist head; greedy
+    # text equal to vanilla's (--vs-vanilla exits 1 otherwise).
+    assert main([*args, "--vs-vanilla"]) == 0
+    err = capsys.readouterr().err
+    assert "tokens per target forward" in err and "same text" in err
     assert main([*args, "--drafter", str(default_drafter_dir())]) == 2
     assert "built for a different target" in capsys.readouterr().err

@@ -57,3 +57,31 @@ def test_refuses_another_drafters_folder(tiny_target, fitted_drafter, tmp_path):
                                                    fc=fitted_drafter.params.fc * 2))
     with pytest.raises(ValueError, match="another drafter"):
         collect(tiny_target, other, tmp_path, 40)
+
+
+class _Tokenizer:
+    """A chat tokenizer, or a base model's (no template: plain text, BOS first)."""
+
+    def __init__(self, chat_template):
+        self.chat_template = chat_template
+
+    def encode(self, text):
+        return [2, *map(ord, text)]
+
+    def apply_chat_template(self, msgs, **kw):
+        return [9, *map(ord, msgs[0]["content"]), 9]
+
+
+def test_prompts_are_plain_text_for_a_base_model(tmp_path):
+    import json
+
+    from specjax.train.router_data import first_user_prompts
+
+    data = tmp_path / "sg.jsonl"
+    data.write_text("\n".join(json.dumps({"conversations": [
+        {"from": "human", "value": q}, {"from": "gpt", "value": "ok"}]})
+        for q in ("skipped", "hi", "a question that is far too long")) + "\n")
+    base = list(first_user_prompts(data, _Tokenizer(None), skip=1, max_prompt_tokens=8))
+    assert base == [[2, ord("h"), ord("i")]]
+    chat = list(first_user_prompts(data, _Tokenizer("{{ x }}"), skip=1, max_prompt_tokens=8))
+    assert chat == [[9, ord("h"), ord("i"), 9]]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -14,7 +15,12 @@ from specjax.bench.spec import save_default_tree
 from specjax.commands.generate import _add_tree, _tree
 from specjax.drafter import DrafterConfig, EagleDrafter, save_drafter
 from specjax.speculative import TreeSpec
-from specjax.tree.default import FILE, read_default_tree, write_default_tree
+from specjax.tree.default import (
+    FILE,
+    read_default_tree,
+    read_default_vocab,
+    write_default_tree,
+)
 
 TREES = [TreeSpec(), TreeSpec("chain", depth=2), TreeSpec("dyspec", total_tokens=6),
          TreeSpec("dyspec-threshold", depth=3, total_tokens=6, threshold=0.3),
@@ -51,6 +57,24 @@ def test_default_tree_file(tmp_path):
         read_default_tree(tmp_path)
 
 
+def test_default_head_is_stored_only_when_it_travels_with_the_folder(tmp_path):
+    assert read_default_vocab(tmp_path) is None
+    write_default_tree(tmp_path, TreeSpec("chain", depth=1), {})
+    assert read_default_vocab(tmp_path) == "full"  # a file without a head: the full one
+    for spec in ("fr:8192", "pafr:4096", "dynaspec", "dynaspec-f-shared", "evospec:8192+256",
+                 "evospec:8192+256:none"):
+        write_default_tree(tmp_path, TreeSpec("chain", depth=1), {}, vocab=spec)
+        assert read_default_vocab(tmp_path) == spec
+    for spec in ("fr:8192:/data/counts.npy", "dynaspec:/routers/r1",
+                 "evospec:8192+256:/g.npy"):
+        with pytest.raises(ValueError, match="outside the drafter folder"):
+            write_default_tree(tmp_path, TreeSpec("chain", depth=1), {}, vocab=spec)
+    text = json.loads((tmp_path / FILE).read_text())
+    (tmp_path / FILE).write_text(json.dumps({**text, "vocab": "fr:8192:/elsewhere"}))
+    with pytest.raises(ValueError, match="not a valid default tree.*outside the drafter"):
+        read_default_vocab(tmp_path)
+
+
 def _cli_tree(*flags: str):
     p = argparse.ArgumentParser()
     _add_tree(p)
@@ -67,6 +91,7 @@ def test_generate_uses_the_drafters_default_tree(tiny_target, tmp_path):
     prompt = [[1, 17, 42, 99]]
     stats = specjax.generate(tiny_target, prompt, drafter=d, max_new_tokens=4).stats
     assert stats["tree"]["kind"] == "chain" and stats["tree"]["depth"] == 2
+    assert stats["vocab"] == "full" and d.default_vocab == "full"
     given = specjax.generate(tiny_target, prompt, drafter=d, max_new_tokens=4,
                              tree=TreeSpec("eagle2", depth=2, top_k=2, total_tokens=3)).stats
     assert given["tree"]["kind"] == "eagle2"
@@ -77,6 +102,23 @@ def test_generate_uses_the_drafters_default_tree(tiny_target, tmp_path):
     assert _cli_tree("--tree", "chain") == TreeSpec("chain")
     assert _cli_tree("--tree", "dyspec-threshold", "--tree-threshold", "0.2") == TreeSpec(
         "dyspec-threshold", threshold=0.2)
+
+
+def test_generate_uses_the_drafters_default_head(tiny_target, tmp_path):
+    from specjax.vocab.corpus_counts import TokenCounts, save_counts
+
+    drafter = EagleDrafter(DrafterConfig(tiny_target.cfg), rngs=nnx.Rngs(0))
+    folder = save_drafter(tmp_path / "d", drafter.cfg, drafter.params())
+    v = tiny_target.cfg.vocab_size
+    save_counts(folder / "freq_counts.npy", TokenCounts(np.arange(v)[::-1].copy(), None, "t"))
+    write_default_tree(folder, TreeSpec("chain", depth=1), {}, vocab="fr:16")
+    d = specjax.load_drafter(folder, tiny_target)
+    prompt = [[1, 17, 42, 99]]
+    greedy = specjax.generate(tiny_target, prompt, max_new_tokens=6).tokens
+    res = specjax.generate(tiny_target, prompt, drafter=d, max_new_tokens=6)
+    assert res.stats["vocab"].startswith("fr") and res.tokens == greedy
+    assert specjax.generate(tiny_target, prompt, drafter=d, max_new_tokens=6,
+                            vocab="full").stats["vocab"] == "full"
 
 
 def test_save_default_tree_only_from_a_lossless_automatic_run(tmp_path):
@@ -91,8 +133,12 @@ def test_save_default_tree_only_from_a_lossless_automatic_run(tmp_path):
     saved = json.loads(path.read_text())
     assert saved["measured"]["candidates"] == {"chain d2": 0.9, "chain d3": 0.8}
     assert read_default_tree(tmp_path) == TreeSpec("chain", depth=2)
+    assert read_default_vocab(tmp_path) == "full"
+    save_default_tree({**result, "config": {**result["config"], "vocab": "fr:8192"}}, tmp_path)
+    assert read_default_vocab(tmp_path) == "fr:8192"
     for change, msg in [({"config": {**result["config"], "tree_mode": "given"}}, "given its tree"),
-                        ({"config": {**result["config"], "vocab": "fr:8192"}}, "full"),
+                        ({"config": {**result["config"], "vocab": "fr:8192:/x.npy"}},
+                         "outside the drafter folder"),
                         ({"greedy_equality": {"all_match": False}}, "differed")]:
         with pytest.raises(ValueError, match=msg):
             save_default_tree({**result, **change}, tmp_path)
