@@ -134,6 +134,16 @@ def candidates(messages: list[dict[str, str]]) -> dict[str, str]:
     return out
 
 
+def encode_user_turn(tokenizer: Any, text: str) -> list[int]:
+    """One user turn as a prompt: chat-templated with the generation prompt, or plain text
+    (the tokenizer's BOS first) for a base model, whose tokenizer has no template."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return list(tokenizer.encode(text))
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                              add_generation_prompt=True, tokenize=True,
+                                              return_dict=False))
+
+
 def prompt_mix(tokenizer: Any, *, num: int, skip: int = 2000, max_prompt_tokens: int = 320,
                weights: Mapping[str, float] | None = None, source: str | Path = "sharegpt",
                exclude: set[tuple[str, ...]] | None = None, block: int = 192,
@@ -170,9 +180,7 @@ def prompt_mix(tokenizer: Any, *, num: int, skip: int = 2000, max_prompt_tokens:
             if shares_shingle(text, exclude):
                 stats["excluded"] += 1
                 continue
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                add_generation_prompt=True, tokenize=True,
-                                                return_dict=False)
+            ids = encode_user_turn(tokenizer, text)
             if len(ids) > max_prompt_tokens:
                 stats["too_long"] += 1
                 continue

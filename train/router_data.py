@@ -35,6 +35,7 @@ from specjax.speculative import (
     verify_phase_jit,
 )
 from specjax.train.data import iter_records, normalize_messages, sharegpt_path
+from specjax.train.prompts import encode_user_turn
 from specjax.train.router import write_router_meta, write_router_shard
 from specjax.vocab.head import full_head
 from specjax.vocab.router import fingerprint
@@ -51,11 +52,7 @@ def first_user_prompts(source: str | Path, tokenizer: Any, *, skip: int,
         msgs = normalize_messages(rec)
         if not msgs or msgs[0]["role"] != "user":
             continue
-        if getattr(tokenizer, "chat_template", None) is None:
-            ids = tokenizer.encode(msgs[0]["content"])
-        else:
-            ids = tokenizer.apply_chat_template(msgs[:1], add_generation_prompt=True,
-                                                tokenize=True, return_dict=False)
+        ids = encode_user_turn(tokenizer, msgs[0]["content"])
         if len(ids) <= max_prompt_tokens:
             yield list(ids)
 

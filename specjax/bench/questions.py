@@ -127,8 +127,9 @@ def calibration_prompts(target: Any, *, num: int = CALIB_PROMPTS, skip: int = CA
                         weights: dict[str, float] | None = None,
                         given: Sequence[Sequence[int]] | None = None
                         ) -> tuple[list[list[int]], dict[str, Any]]:
-    """``num`` chat-templated calibration prompts (token ids) of the self-distillation mix's
-    kinds (chat, summarize, passage QA, translate; :func:`specjax.train.prompts.prompt_mix`)
+    """``num`` calibration prompts (token ids; chat-templated where the target has a
+    template, plain text for a base model) of the self-distillation mix's kinds (chat,
+    summarize, passage QA, translate; :func:`specjax.train.prompts.prompt_mix`)
     from ShareGPT records ``skip`` on (``weights``: the kinds' shares, default the mix's),
     and a JSON-able description of where they came from; or, for tests, the ``given``
     pre-tokenised prompts.

@@ -21,6 +21,8 @@ GERMAN = ("Die Krise ist in der Mittelschicht angekommen, und viele Familien mü
 class WordTokenizer:
     """Stands in for a chat tokenizer: one id per whitespace word, plus a 2-token header."""
 
+    chat_template = "{{ words }}"
+
     def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
         assert add_generation_prompt and tokenize and len(messages) == 1
         return [1] + [10 + zlib.crc32(w.encode()) % 1000

@@ -69,6 +69,7 @@ class _Tokenizer:
         return [2, *map(ord, text)]
 
     def apply_chat_template(self, msgs, **kw):
+        assert msgs[0]["role"] == "user" and kw["add_generation_prompt"]
         return [9, *map(ord, msgs[0]["content"]), 9]
 
 
