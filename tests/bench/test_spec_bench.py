@@ -112,6 +112,8 @@ def test_calibration_prompts_come_from_sharegpt_never_from_spec_bench(tmp_path, 
     monkeypatch.setattr(prompts_mod, "sharegpt_path", lambda: tmp_path / "sg.json")
 
     class Tok:
+        chat_template = "{{ messages }}"  # a chat tokenizer (a base model's has none)
+
         def apply_chat_template(self, msgs, **kw):
             return [1] + [ord(c) % 200 + 2 for c in msgs[-1]["content"]]
 
