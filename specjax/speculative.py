@@ -97,6 +97,12 @@ class SpecConfig:
     # "pallas" or "auto" (the Pallas kernel on a GPU, XLA elsewhere).
     attention: str = "dense"
 
+    def __post_init__(self):
+        if self.record_top_l and self.tree.skips_expansions:
+            raise ValueError(f"router data (record_top_l) is recorded from every expansion; a "
+                             f"{self.tree.kind} tree skips some at run time: collect with an "
+                             f"eagle2, chain, static or dyspec tree")
+
 
 @pytree.dataclass
 class SpecStats:
@@ -109,6 +115,8 @@ class SpecStats:
       (the vocabulary head's coverage).
     tree_nodes: [B] int32 sum over steps of the valid tree nodes, root included (dynamic
       trees realise fewer than their budget).
+    drafter_calls: [B] int32 sum over steps of the drafter calls made (a dyspec-threshold
+      tree skips the layers with nothing worth expanding).
     """
 
     accept_lens: Array
@@ -116,6 +124,7 @@ class SpecStats:
     shortlist_size: Array
     shortlist_hits: Array
     tree_nodes: Array
+    drafter_calls: Array
 
     @classmethod
     def zeros(cls, batch: int, out_len: int) -> SpecStats:
@@ -123,7 +132,8 @@ class SpecStats:
                    steps=jnp.zeros((batch,), jnp.int32),
                    shortlist_size=jnp.zeros((batch,), jnp.float32),
                    shortlist_hits=jnp.zeros((batch,), jnp.int32),
-                   tree_nodes=jnp.zeros((batch,), jnp.int32))
+                   tree_nodes=jnp.zeros((batch,), jnp.int32),
+                   drafter_calls=jnp.zeros((batch,), jnp.int32))
 
 
 @pytree.dataclass
@@ -148,6 +158,7 @@ class Shortlists:
     root_ids: Array  # [B, C0] int32 the root expansion's candidates
     root_valid: Array  # [B, C0] bool
     mean_size: Array  # [B] float32 valid candidates per expanded node, averaged
+    calls: Array  # [] int32 drafter calls (head evaluations) this step
     # Only when SpecConfig.record_top_l > 0, one entry per expansion (step t = list index
     # for unrolled builders): (context [B, K, 2d], top-L candidate ids [B, K, L], step).
     records: tuple | None = None
@@ -208,10 +219,14 @@ def draft_phase(params: Params, dparams: Any, head: VocabHead, state: SpecState,
     n_ws = spec.tree.workspace
     lengths = state.dcache.lengths
     node_hidden = jnp.zeros((b, n_ws, dm.width), state.root_feat.dtype)
-    offered, records = [], []  # per expansion; trace-time lists (the builders are unrolled)
+    # The root's candidates and every expansion's router records leave through trace-time
+    # lists. Only the root's call is certain to be traced outside a builder's lax.cond
+    # (records are refused with trees that skip expansions, SpecConfig); the mean shortlist
+    # size travels in the carry, so a skipped expansion adds nothing to it.
+    root_offer, records = [], []
 
     def expand(carry, tokens, depth, slot, ancestors, step):
-        dcache, node_hidden = carry
+        dcache, node_hidden, size_sum, calls = carry
         # A node's input feature is its parent's drafter output; the root's is the
         # target's. The parent is the deepest strict ancestor: the largest such slot.
         strict = ancestors & (jnp.arange(n_ws) != slot[..., None])
@@ -225,23 +240,24 @@ def draft_phase(params: Params, dparams: Any, head: VocabHead, state: SpecState,
         context = (dm.router_context(params.embed, tokens, feats)
                    if head.uses_context or spec.record_top_l else None)
         cand = head(params.head, h, step, context, state.vocab)
-        offered.append(cand)
+        if not root_offer:
+            root_offer.append(cand)
         if spec.record_top_l:
             top = jnp.take_along_axis(cand.ids, jax.lax.top_k(cand.logits, spec.record_top_l)[1],
                                       axis=-1)
             records.append((context, top, step))
-        return (dcache, node_hidden), cand.ids, cand.logits
+        size = jnp.mean(jnp.sum(cand.valid, axis=-1), axis=-1).astype(jnp.float32)
+        return (dcache, node_hidden, size_sum + size, calls + 1), cand.ids, cand.logits
 
     with jax.named_scope("draft"):
         output, sub = state.output.split_key()
         sampled = not spec.sampling.greedy
-        tree, (dcache, _) = spec.tree.build(expand, (state.dcache, node_hidden), state.root,
-                                            sub if sampled else None,
-                                            state.limits.temperature if sampled else 0.0,
-                                            spec.cfg.vocab_size)
-        sizes = [jnp.mean(jnp.sum(c.valid, axis=-1), axis=-1) for c in offered]
-        shortlists = Shortlists(offered[0].ids[:, 0], offered[0].valid[:, 0],
-                                jnp.mean(jnp.stack(sizes, axis=-1), axis=-1).astype(jnp.float32),
+        carry = (state.dcache, node_hidden, jnp.zeros((b,), jnp.float32), jnp.zeros((), jnp.int32))
+        tree, (dcache, _, size_sum, calls) = spec.tree.build(
+            expand, carry, state.root, sub if sampled else None,
+            state.limits.temperature if sampled else 0.0, spec.cfg.vocab_size)
+        shortlists = Shortlists(root_offer[0].ids[:, 0], root_offer[0].valid[:, 0],
+                                size_sum / calls.astype(jnp.float32), calls,
                                 tuple(records) if spec.record_top_l else None)
     return (Draft(tree=tree, dcache=dcache, shortlists=shortlists),
             dataclasses.replace(state, output=output))
@@ -302,7 +318,8 @@ def verify_phase(params: Params, dparams: Any, head: VocabHead, state: SpecState
             steps=st.steps + live,
             shortlist_size=st.shortlist_size + jnp.where(live, sl.mean_size, 0.0),
             shortlist_hits=st.shortlist_hits + (live & hit),
-            tree_nodes=st.tree_nodes + jnp.where(live, jnp.sum(tree.valid, axis=1), 0))
+            tree_nodes=st.tree_nodes + jnp.where(live, jnp.sum(tree.valid, axis=1), 0),
+            drafter_calls=st.drafter_calls + jnp.where(live, sl.calls, 0))
     vocab = state.vocab
     if head.stateful:
         with jax.named_scope("observe"):

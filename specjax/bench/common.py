@@ -234,7 +234,8 @@ def generation_record(res: Any, compiles: int) -> dict[str, Any]:
         acc = s["accept_lengths"][0]
         rec |= {"mal": s["mean_accepted_length"], "target_forwards": s["target_forwards"],
                 "accepted_tokens": int(sum(acc)), "accept_lengths": acc,
-                "mean_tree_size": s["mean_tree_size"]}
+                "mean_tree_size": s["mean_tree_size"],
+                "drafter_calls": s.get("mean_drafter_calls")}
     if s.get("draft_s") is not None:
         rec |= {"draft_s": s["draft_s"], "verify_s": s["verify_s"]}
     return rec

@@ -76,6 +76,9 @@ def _add_tree(p: argparse.ArgumentParser) -> None:
                    help="dyspec-threshold: the least slot value worth drafting (greedy: the "
                         "product of q along the new node's path; sampled: the chance "
                         "verification reaches the slot)")
+    p.add_argument("--tree-frontier", type=int, default=0,
+                   help="dyspec-threshold: the most nodes expanded per layer, those of "
+                        "highest value (default 0: every node of the layer)")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -175,7 +178,7 @@ def _tree(args: argparse.Namespace) -> Any:
         return None  # the drafter's measured tree, else TreeSpec()
     fields = {k: v for k, v in given.items() if v is not None}
     if args.tree == "dyspec-threshold":
-        fields["threshold"] = args.tree_threshold
+        fields |= {"threshold": args.tree_threshold, "frontier": args.tree_frontier}
     return TreeSpec(**fields)
 
 

@@ -161,6 +161,10 @@ class ExpandFn(Protocol):
     index and row), so a drafter may compute and write it like any other entry; the
     builder ignores its output.
 
+    A builder whose ``skips_expansions`` is set (``dyspec-threshold``) makes every call
+    after the root's inside ``lax.cond``: such calls must not leak traced values through
+    trace-time side effects (Python lists); return what must survive in ``carry``.
+
     Returns:
       (carry, cand_ids [B, K, C] int32, cand_logits [B, K, C] float32): candidate next
       tokens (real vocabulary ids, distinct within a row of C) and their logits, -inf for

@@ -83,6 +83,7 @@ class ChainBuilder:
     """A chain of ``spec.depth`` drafts: one child per node."""
 
     samples_children: ClassVar[bool] = True
+    skips_expansions: ClassVar[bool] = False
 
     def prepare(self, spec: TreeSpec) -> dict[str, Any]:
         return {}

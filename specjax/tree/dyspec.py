@@ -20,7 +20,8 @@ multi-draft rejection sampling verifies them exactly.
   length (appendix D), at one drafter call per node.
 * :func:`build_dyspec_threshold` (algorithm 2, ``kind="dyspec-threshold"``): layer by
   layer, draft every child whose slot value is at least ``threshold`` (at most
-  ``total_tokens`` in all, the highest values first): one drafter call per layer.
+  ``total_tokens`` in all, the highest values first): at most one drafter call per layer,
+  over at most ``frontier`` nodes, and none for a layer with nothing worth expanding.
 
 In sampled mode children come in Gumbel-top-k order (sampling without replacement) and a
 slot is keyed by the paper's value above, the chance that verification *reaches* it
@@ -191,29 +192,42 @@ def build_dyspec(expand: ExpandFn, carry: Carry, root: Array, total_tokens: int,
 
 
 def build_dyspec_threshold(expand: ExpandFn, carry: Carry, root: Array, total_tokens: int,
-                           depth: int, threshold: float, *, key: Array | None = None,
-                           temperature: float | Array = 0.0,
+                           depth: int, threshold: float, *, frontier: int | None = None,
+                           key: Array | None = None, temperature: float | Array = 0.0,
                            vocab_size: int | None = None,
                            value: str | None = None) -> tuple[DraftTree, Carry]:
     """DySpec's layer-by-layer tree (algorithm 2): every slot worth at least ``threshold``.
 
-    Layer d (1..``depth``) drafts, for every node of layer d-1, the children whose slot
-    value is >= ``threshold`` (a prefix of its drafted order, since values fall along it),
-    keeping at most the remaining budget of ``total_tokens`` nodes, highest values first
-    (the lower index on ties). The new layer is expanded in one drafter call (K =
-    ``total_tokens``, frontier padding repeating a real node). Nodes are numbered as they
-    are drafted, which is breadth first. With ``threshold`` equal to the value of the
-    greedy tree's last node, both builders keep the same nodes (the paper's remark).
-    ``value`` keys the slots as in :func:`build_dyspec`.
+    Layer d (1..``depth``) drafts, for every expanded node of layer d-1, the children whose
+    slot value is >= ``threshold`` (a prefix of its drafted order, since values fall along
+    it), keeping at most the remaining budget of ``total_tokens`` nodes, highest values
+    first (the lower index on ties). Of the new layer, the ``frontier`` nodes of highest
+    path value (default and at most ``total_tokens``) are expanded, in one drafter call
+    with K = ``frontier`` rows (padding repeats a real node); the others stay leaves, like
+    EAGLE-2's nodes outside its beam. A node whose path value is below ``threshold`` is
+    never expanded: no slot under it can reach the threshold.
+
+    The drafter call of a layer runs under ``lax.cond``: when no row has a node left to
+    expand (or budget left), it is skipped, so a step costs what its realised tree needs
+    (at batch 1; a batch skips only when every row is done). ``expand`` must then be free
+    of trace-time side effects after the root's call (:class:`TreeBuilder`).
+
+    Nodes are numbered as they are drafted, which is breadth first. With ``threshold``
+    equal to the value of the greedy tree's last node and no frontier cap, both builders
+    keep the same nodes (the paper's remark). ``value`` keys the slots as in
+    :func:`build_dyspec`.
     """
     if total_tokens < 1 or depth < 1:
         raise ValueError(f"total_tokens and depth must be >= 1, got {total_tokens}, {depth}")
     if not 0.0 < threshold < 1.0:
         raise ValueError(f"threshold must lie in (0, 1), got {threshold}")
+    if frontier is not None and frontier < 1:
+        raise ValueError(f"frontier must be >= 1 (or None: total_tokens), got {frontier}")
     mode = draft_mode(key, temperature)
     value_kind = _value_kind(value, mode.sampled)
     root = root.astype(jnp.int32)
-    b, t, kf = root.shape[0], total_tokens + 1, total_tokens
+    b, t = root.shape[0], total_tokens + 1
+    kf = min(frontier or total_tokens, total_tokens)
     bi = jnp.arange(b)[:, None]
     eye = jnp.eye(t, dtype=bool)
     log_thr = math.log(threshold)
@@ -239,49 +253,71 @@ def build_dyspec_threshold(expand: ExpandFn, carry: Carry, root: Array, total_to
             if mode.sampled else None)
     count = jnp.ones((b,), jnp.int32)  # nodes so far
 
-    for d in range(1, depth + 1):  # unrolled: one drafter call per layer
+    for d in range(1, depth + 1):  # unrolled: at most one drafter call per layer
         slot_v = _slot_values(f_logv, f_kids_logq, value_kind)  # [B, kf, m]
         ok = f_valid[..., None] & jnp.isfinite(f_kids_logq) & (slot_v >= log_thr)
         flat_val = jnp.where(ok, slot_v, -jnp.inf).reshape(b, kf * m)
         # Rank among this layer's candidates by value (lower flat index first on ties);
         # keep those within the remaining budget.
-        order = jnp.argsort(-flat_val, axis=1, stable=True)
-        rank = jnp.argsort(order, axis=1)
-        keep = jnp.isfinite(flat_val) & (rank < (t - count)[:, None])
+        keep = jnp.isfinite(flat_val) & (_ranks(flat_val) < (t - count)[:, None])
         new_idx = count[:, None] + jnp.cumsum(keep, axis=1) - 1  # in flat (parent, k) order
         dest = jnp.where(keep, new_idx, t)  # out of range: dropped
         par = jnp.repeat(f_node, m, axis=1)
         lq = f_kids_logq.reshape(b, kf * m)
+        new_logv = jnp.repeat(f_logv, m, axis=1) + lq
         tokens = tokens.at[bi, dest].set(f_kids.reshape(b, kf * m), mode="drop")
         parent = parent.at[bi, dest].set(par, mode="drop")
         node_depth = node_depth.at[bi, dest].set(d, mode="drop")
         valid = valid.at[bi, dest].set(True, mode="drop")
-        logv = logv.at[bi, dest].set(jnp.repeat(f_logv, m, axis=1) + lq, mode="drop")
+        logv = logv.at[bi, dest].set(new_logv, mode="drop")
         logp = logp.at[bi, dest].set(lq, mode="drop")
         anc = anc.at[bi, dest].set(anc[bi, par] | eye[jnp.clip(dest, 0, t - 1)], mode="drop")
         n_new = jnp.sum(keep, axis=1)
         count = count + n_new
         if d == depth:
             break
-        # The next frontier: this layer's new nodes, compacted into kf slots in order; the
-        # padding slots repeat the first new node (or the root, in a row with none).
-        slot_of = jnp.where(keep, jnp.cumsum(keep, axis=1) - 1, kf)
-        first = jnp.where(n_new > 0, count - n_new, 0)
+        # The next frontier: of this layer's new nodes, those that can still have a kept
+        # child (path value >= threshold, budget left), the kf of highest path value,
+        # compacted into kf slots in node order; padding repeats the first of them (or the
+        # root, in a row with none).
+        expandable = keep & (new_logv >= log_thr) & (count < t)[:, None]
+        front = expandable & (_ranks(jnp.where(expandable, new_logv, -jnp.inf)) < kf)
+        n_front = jnp.sum(front, axis=1)
+        slot_of = jnp.where(front, jnp.cumsum(front, axis=1) - 1, kf)
+        first = jnp.where(n_front > 0, jnp.min(jnp.where(front, new_idx, t), axis=1), 0)
         f_node = jnp.broadcast_to(first[:, None], (b, kf)).at[bi, slot_of].set(new_idx,
                                                                                mode="drop")
-        f_valid = jnp.arange(kf)[None, :] < n_new[:, None]
+        f_valid = jnp.arange(kf)[None, :] < n_front[:, None]
         f_logv = jnp.where(f_valid, logv[bi, f_node], -jnp.inf)
-        carry, ids, logits = expand(carry, tokens[bi, f_node], node_depth[bi, f_node], f_node,
-                                    anc[bi, f_node], d)
-        f_kids, f_kids_logq, cand_q = _child_table(
-            ids, logits, m, mode, jax.random.fold_in(mode.key, d) if mode.sampled else None)
+
+        def draft_layer(c, tok, dep, node, rows, d=d):
+            c, ids, logits = expand(c, tok, dep, node, rows, d)
+            kids, kids_logq, cand_q = _child_table(
+                ids, logits, m, mode, jax.random.fold_in(mode.key, d) if mode.sampled else None)
+            return c, kids, kids_logq, (dense_dist(ids, cand_q, vocab) if mode.sampled
+                                        else None)
+
+        def skip_layer(c, *_):  # draft_layer's shapes, known without tracing expand again
+            return (c, jnp.zeros((b, kf, m), jnp.int32),
+                    jnp.full((b, kf, m), -jnp.inf, jnp.float32),
+                    jnp.zeros((b, kf, vocab), jnp.float32) if mode.sampled else None)
+
+        carry, f_kids, f_kids_logq, q = jax.lax.cond(
+            jnp.any(f_valid), draft_layer, skip_layer, carry, tokens[bi, f_node],
+            node_depth[bi, f_node], f_node, anc[bi, f_node])
         f_kids_logq = jnp.where(f_valid[..., None], f_kids_logq, -jnp.inf)
         if mode.sampled:
-            q = dense_dist(ids, cand_q, vocab) * f_valid[..., None]
+            q = q * f_valid[..., None]
             dist = dist.at[bi, jnp.where(f_valid, f_node, t)].set(q, mode="drop")
 
     tree = finish_tree(tokens, parent, node_depth, valid, anc, logp, logv, dist, mode.sampled)
     return tree, carry
+
+
+def _ranks(values: Array) -> Array:
+    """[B, N] int32 each entry's rank by descending value along the last axis (the lower
+    index first on ties; -inf entries rank last)."""
+    return jnp.argsort(jnp.argsort(-values, axis=1, stable=True), axis=1).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,6 +325,7 @@ class DySpecBuilder:
     """``kind="dyspec"``: the greedy tree of ``spec.total_tokens`` drafted nodes."""
 
     samples_children: ClassVar[bool] = True
+    skips_expansions: ClassVar[bool] = False
 
     def prepare(self, spec: TreeSpec) -> dict[str, Any]:
         return {}
@@ -312,9 +349,11 @@ class DySpecBuilder:
 @dataclasses.dataclass(frozen=True)
 class DySpecThresholdBuilder:
     """``kind="dyspec-threshold"``: layers of slots worth >= ``spec.threshold``, at most
-    ``spec.depth`` layers and ``spec.total_tokens`` nodes."""
+    ``spec.depth`` layers and ``spec.total_tokens`` nodes; ``spec.frontier`` nodes (0: all)
+    expanded per layer."""
 
     samples_children: ClassVar[bool] = True
+    skips_expansions: ClassVar[bool] = True
 
     def prepare(self, spec: TreeSpec) -> dict[str, Any]:
         if not 0.0 < spec.threshold < 1.0:
@@ -335,8 +374,8 @@ class DySpecThresholdBuilder:
               key: Array | None, temperature: float | Array,
               vocab_size: int) -> tuple[DraftTree, Carry]:
         return build_dyspec_threshold(expand, carry, root, spec.total_tokens, spec.depth,
-                                      spec.threshold, key=key, temperature=temperature,
-                                      vocab_size=vocab_size)
+                                      spec.threshold, frontier=spec.frontier or None, key=key,
+                                      temperature=temperature, vocab_size=vocab_size)
 
 
 register("dyspec", DySpecBuilder())

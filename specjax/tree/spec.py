@@ -22,6 +22,9 @@ class TreeBuilder(Protocol):
     # shape is fixed in advance draw exact samples without replacement (SpecInfer/Sequoia
     # verification applies); trees that keep nodes by drafted value take them top-k.
     samples_children: ClassVar[bool]
+    # Whether ``build`` may skip drafter calls at run time (under ``lax.cond``): such a
+    # builder needs an ``expand`` without trace-time side effects after the root's call.
+    skips_expansions: ClassVar[bool]
 
     def prepare(self, spec: TreeSpec) -> dict[str, Any]:
         """Validate ``spec`` (ValueError naming the field) and return canonical field values."""
@@ -67,6 +70,8 @@ class TreeSpec:
     total_tokens: EAGLE-2 draft nodes kept (root excluded); DySpec's node budget.
     paths: static trees' child-rank paths.
     threshold: DySpec threshold trees' least slot value worth drafting.
+    frontier: DySpec threshold trees' most nodes expanded per layer, the highest-valued
+      (0: every node of the layer, up to ``total_tokens``); the rest stay leaves.
     """
 
     kind: str = "eagle2"
@@ -75,6 +80,7 @@ class TreeSpec:
     total_tokens: int = 12
     paths: tuple[tuple[int, ...], ...] = ()
     threshold: float = 0.0
+    frontier: int = 0
 
     def __post_init__(self):
         if self.kind not in BUILDERS:
@@ -84,6 +90,12 @@ class TreeSpec:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"tree {name} must be an int >= 1, got {v!r}")
+        if isinstance(self.frontier, bool) or not isinstance(self.frontier, int) or (
+                self.frontier < 0):
+            raise ValueError(f"tree frontier must be an int >= 0, got {self.frontier!r}")
+        if self.frontier and self.kind != "dyspec-threshold":
+            raise ValueError(f"only dyspec-threshold trees take a frontier cap; a {self.kind} "
+                             f"tree got frontier={self.frontier}")
         for name, value in self.builder.prepare(self).items():
             object.__setattr__(self, name, value)
 
@@ -110,6 +122,11 @@ class TreeSpec:
         """Whether sampling mode draws children from q (see :class:`TreeBuilder`)."""
         return self.builder.samples_children
 
+    @property
+    def skips_expansions(self) -> bool:
+        """Whether a build may skip drafter calls at run time (see :class:`TreeBuilder`)."""
+        return self.builder.skips_expansions
+
     def build(self, expand: ExpandFn, carry: Carry, root: Array, key: Array | None,
               temperature: float | Array, vocab_size: int) -> tuple[DraftTree, Carry]:
         return self.builder.build(self, expand, carry, root, key, temperature, vocab_size)
@@ -124,6 +141,8 @@ class TreeSpec:
             d.pop("total_tokens")
         if self.kind != "static":
             d.pop("paths")
+        if self.kind != "dyspec-threshold":
+            d.pop("frontier")
         return d
 
     @classmethod

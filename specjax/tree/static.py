@@ -151,6 +151,7 @@ class StaticBuilder:
     """A fixed tree given as child-rank paths (``spec.paths``), as Medusa and EAGLE-1 use."""
 
     samples_children: ClassVar[bool] = True
+    skips_expansions: ClassVar[bool] = False
 
     def prepare(self, spec: TreeSpec) -> dict[str, Any]:
         return {"paths": normalize_paths(spec.paths)}

@@ -88,8 +88,9 @@ TREES = {
     # DySpec decides to draw each child before seeing it, so its sampled trees verify with
     # the q-aware rule exactly (and stop at an exhausted residual, algorithm 3).
     "dyspec": specjax.TreeSpec("dyspec", total_tokens=5),
+    # A frontier cap of 2: layers expand their two best nodes, and skip empty layers.
     "dyspec-threshold": specjax.TreeSpec("dyspec-threshold", total_tokens=6, depth=3,
-                                         threshold=0.05),
+                                         threshold=0.05, frontier=2),
 }
 
 

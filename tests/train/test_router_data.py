@@ -59,6 +59,16 @@ def test_refuses_another_drafters_folder(tiny_target, fitted_drafter, tmp_path):
         collect(tiny_target, other, tmp_path, 40)
 
 
+def test_refuses_a_tree_that_skips_expansions(tiny_target, fitted_drafter, tmp_path):
+    """A dyspec-threshold tree skips drafter calls at run time (lax.cond), which would
+    drop records: refused before anything runs."""
+    tree = TreeSpec("dyspec-threshold", depth=3, total_tokens=5, threshold=0.1)
+    with pytest.raises(ValueError, match="skips some at run time"):
+        collect_router_data(tiny_target, fitted_drafter, tmp_path, source=PROMPTS,
+                            num_records=8, tree=tree, progress=False)
+    assert not list(tmp_path.glob("shard_*"))
+
+
 class _Tokenizer:
     """A chat tokenizer, or a base model's (no template: plain text, BOS first)."""
 

@@ -102,6 +102,9 @@ def test_generate_uses_the_drafters_default_tree(tiny_target, tmp_path):
     assert _cli_tree("--tree", "chain") == TreeSpec("chain")
     assert _cli_tree("--tree", "dyspec-threshold", "--tree-threshold", "0.2") == TreeSpec(
         "dyspec-threshold", threshold=0.2)
+    assert _cli_tree("--tree", "dyspec-threshold", "--tree-threshold", "0.2",
+                     "--tree-frontier", "3") == TreeSpec("dyspec-threshold", threshold=0.2,
+                                                         frontier=3)
 
 
 def test_generate_uses_the_drafters_default_head(tiny_target, tmp_path):

@@ -164,36 +164,51 @@ def test_layouts(seed, inf_frac, shortlist, sampled):
 
 
 def ref_threshold(table, ids, root: int, thr: float, depth: int, budget: int,
-                  value: str = "accept") -> frozenset:
-    """Algorithm 2 in plain Python: per layer, the slots worth >= thr, best first."""
-    nodes, frontier = {(root,)}, [(root,)]
-    for _ in range(depth):
+                  value: str = "accept", frontier: int | None = None) -> tuple[frozenset, list]:
+    """Algorithm 2 in plain Python: per layer, the slots worth >= thr, best first; of the
+    kept nodes, the ``frontier`` of highest path value >= thr are expanded (while budget is
+    left). Returns the nodes and, per layer before the last, whether any was expanded."""
+    nodes, front, expanded = {(root,)}, [(root,)], []
+    for d in range(depth):
         cands = []
-        for path in frontier:
+        for path in front:
             for k, (tok, _) in enumerate(children(table, ids, path)):
                 v = slot_value(table, ids, path, k, value)
                 if v < thr:
                     break  # values only fall along the drafted order
-                cands.append((-v, len(cands), path + (tok,)))
-        kept = [c[2] for c in sorted(cands)[: budget + 1 - len(nodes)]]
-        nodes |= set(kept)
-        frontier = sorted(kept, key=lambda p: [c[2] for c in cands].index(p))
-    return frozenset(nodes)
+                cands.append((-v, len(cands), path + (tok,),
+                              slot_value(table, ids, path, k, "accept")))
+        kept = sorted(cands)[: budget + 1 - len(nodes)]
+        nodes |= {c[2] for c in kept}
+        if d == depth - 1:
+            break
+        able = [c for c in kept if c[3] >= thr] if len(nodes) <= budget else []
+        able = sorted(able, key=lambda c: (-c[3], c[1]))[: frontier or budget]
+        front = [c[2] for c in sorted(able, key=lambda c: c[1])]
+        expanded.append(bool(front))
+    return frozenset(nodes), expanded
 
 
-@pytest.mark.parametrize("seed,budget,value", [(0, 24, "accept"), (3, 24, "accept"),
-                                               (4, 5, "accept"), (0, 24, "reach"),
-                                               (4, 5, "reach")])
-def test_threshold_keeps_the_slots_above_it(seed, budget, value):
+@pytest.mark.parametrize("seed,budget,value,frontier,thr,depth", [
+    (0, 24, "accept", None, 0.03, 3), (3, 24, "accept", None, 0.03, 3),
+    (4, 5, "accept", None, 0.03, 3), (0, 24, "reach", None, 0.03, 3),
+    (4, 5, "reach", None, 0.03, 3), (0, 24, "accept", 2, 0.03, 3),
+    (3, 24, "reach", 3, 0.03, 3), (0, 12, "accept", None, 0.1, 4),
+    (2, 12, "accept", 1, 0.1, 4), (1, 12, "reach", 2, 0.2, 4)])
+def test_threshold_keeps_the_slots_above_it(seed, budget, value, frontier, thr, depth):
+    """The nodes of algorithm 2 (with a frontier cap), and a drafter call only for the
+    layers where some row has a node worth expanding (seed 0 at 0.1 skips two of three)."""
     table, ids = random_table(seed), shortlist_ids(seed, False)
     roots = random_roots(seed, B)
-    thr, depth = 0.03, 3
     tree, calls = run("dyspec-threshold", table, ids, roots, total_tokens=budget, depth=depth,
-                      threshold=thr, value=value)
-    assert int(calls) == depth  # one drafter call per layer
+                      threshold=thr, value=value, frontier=frontier)
+    layers = []
     for r in range(B):
-        assert frozenset(token_paths(tree, r)) == ref_threshold(table, ids, int(roots[r]), thr,
-                                                                depth, budget, value)
+        nodes, expanded = ref_threshold(table, ids, int(roots[r]), thr, depth, budget, value,
+                                        frontier)
+        assert frozenset(token_paths(tree, r)) == nodes
+        layers.append(expanded)
+    assert int(calls) == 1 + sum(map(any, zip(*layers, strict=True)))  # root, then layers
 
 
 def test_threshold_matches_greedy_at_its_last_value():
@@ -234,6 +249,13 @@ def test_bad_specs():
     assert TreeSpec("dyspec", total_tokens=8).num_nodes == 9
     assert TreeSpec("dyspec", total_tokens=8).max_depth == 8
     assert TreeSpec("dyspec-threshold", total_tokens=8, depth=3, threshold=0.1).max_depth == 3
+    capped = TreeSpec("dyspec-threshold", total_tokens=8, depth=3, threshold=0.1, frontier=2)
+    assert capped.to_json()["frontier"] == 2 and TreeSpec.from_json(capped.to_json()) == capped
+    assert "frontier" not in TreeSpec("dyspec", total_tokens=8).to_json()
+    with pytest.raises(ValueError, match="only dyspec-threshold trees take a frontier"):
+        TreeSpec("eagle2", frontier=2)
+    with pytest.raises(ValueError, match="frontier must be an int >= 0"):
+        TreeSpec("dyspec-threshold", threshold=0.1, frontier=-1)
     table, ids = random_table(0), shortlist_ids(0, False)
     roots = random_roots(0, B)
     with pytest.raises(ValueError, match="must key slots by 'reach'"):
