@@ -14,18 +14,20 @@ calibration questions, never evaluated), for every temperature, budget T and tre
   - ``eagle2``: ``total_tokens = T``, depth and beam from :func:`eagle2_shape` (the
     ``bench spec`` grid's shapes: T=8 -> depth 4, top-k 4).
   - ``dyspec``: ``total_tokens = T`` (one drafter call per node).
-  - ``dyspec-threshold``: ``total_tokens = T`` (the cap), EAGLE-2's depth at that budget
-    (so both make the same number of drafter calls), and a threshold chosen per budget and
-    temperature on the calibration prompts (:func:`choose_threshold`).
+  - ``dyspec-threshold``: ``total_tokens = T`` (the cap), EAGLE-2's depth and beam at that
+    budget as its depth and frontier cap (so a drafter call never has more rows than
+    EAGLE-2's), and a threshold chosen per budget and temperature on the calibration
+    prompts (:func:`choose_threshold`).
 
 * **Threshold choice (Sequoia-style, per hardware and budget).** Each threshold of a small
-  grid runs on the calibration prompts at cap T; the one with the highest calibration MAL
-  wins (ties: the larger threshold). In this implementation every shape is fixed: a step
-  verifies all T + 1 nodes and expands ``depth`` layers of T frontier slots whatever the
-  threshold, so the cost of a step does not depend on the realised tree size and the
-  fastest threshold at a budget is the one accepting most. (Choosing "the largest threshold
-  whose realised size stays within T" would be empty here: the cap keeps every tree within
-  T.) The realised sizes are reported beside each grid entry.
+  grid runs on the calibration prompts at cap T, one prompt at a time like the evaluation;
+  the one with the highest calibration decode tokens/s wins (ties: the larger threshold).
+  A step verifies all T + 1 nodes whatever the threshold, but a layer with nothing worth
+  expanding skips its drafter call, so a higher threshold trades accepted tokens for
+  cheaper steps, and only the clock can say which wins on this machine. (Choosing "the
+  largest threshold whose realised size stays within T" would be empty here: the cap keeps
+  every tree within T.) MAL, realised sizes and drafter calls are reported beside each
+  grid entry.
 
 * **Measurements per (kind, T, temperature)**, each prompt at batch 1 after an untimed
   warm-up call that compiles its shapes: MAL (tokens committed per target forward, **the
@@ -130,9 +132,10 @@ BLOCK_NOTE = ("non-empty (query block x key block) tiles of the [T+1, T+1] ances
               "(specjax.tree.mask_blocks), padding nodes included as the kernel sees them; "
               "bfs = the builders' breadth-first layout, dfs = permute_nodes(tree, "
               "dfs_order(tree)); ratio = mean bfs / mean dfs (> 1: DFS needs fewer tiles)")
-THRESHOLD_RULE = ("per (budget, temperature): the grid threshold with the highest MAL on the "
-                  "calibration prompts at cap T (ties: the larger threshold); a step's cost "
-                  "is fixed by T and depth, not by the realised tree size")
+THRESHOLD_RULE = ("per (budget, temperature): the grid threshold with the highest decode "
+                  "tokens/s on the calibration prompts at cap T, batch 1 (ties: the larger "
+                  "threshold); a step verifies T + 1 nodes whatever the threshold, and "
+                  "skips the drafter calls of layers with nothing worth expanding")
 
 
 # --------------------------------------------------------------------------------------
@@ -198,7 +201,7 @@ def tree_at(kind: str, budget: int, threshold: float | None = None) -> TreeSpec:
         if threshold is None:
             raise ValueError("a dyspec-threshold tree needs its threshold")
         return TreeSpec("dyspec-threshold", depth=depth, total_tokens=budget,
-                        threshold=float(threshold))
+                        threshold=float(threshold), frontier=min(top_k, budget))
     raise ValueError(f"tree kind must be one of {', '.join(KINDS)}, got {kind!r}")
 
 
@@ -206,16 +209,16 @@ def tree_fields(tree: TreeSpec) -> dict[str, Any]:
     """The fields that shape ``tree``, its node count T + 1 and its label, for JSON."""
     used = {"chain": ("depth",), "static": ("paths",),
             "eagle2": ("depth", "top_k", "total_tokens"), "dyspec": ("total_tokens",),
-            "dyspec-threshold": ("depth", "total_tokens", "threshold")}[tree.kind]
+            "dyspec-threshold": ("depth", "total_tokens", "threshold", "frontier")}[tree.kind]
     return ({"kind": tree.kind} | {f: getattr(tree, f) for f in used}
             | {"num_nodes": tree.num_nodes, "max_depth": tree.max_depth,
                "label": tree_label(tree)})
 
 
 def choose_threshold(rows: Sequence[dict[str, Any]]) -> float:
-    """The calibration grid entry (``{"threshold", "mal", ...}``) with the highest MAL;
-    ties go to the larger threshold (smaller trees)."""
-    best = max(rows, key=lambda r: (r["mal"], r["threshold"]))
+    """The calibration grid entry (``{"threshold", "decode_tokens_per_s", ...}``) that
+    decodes fastest; ties go to the larger threshold (smaller trees)."""
+    best = max(rows, key=lambda r: (r["decode_tokens_per_s"], r["threshold"]))
     return float(best["threshold"])
 
 
@@ -383,9 +386,10 @@ class _Generator:
         self.warm: set[tuple[str, float, int]] = set()
         self.warmup_s = 0.0
 
-    def __call__(self, tree: TreeSpec | None, ids: list[int], temperature: float
-                 ) -> dict[str, Any]:
+    def __call__(self, tree: TreeSpec | None, ids: list[int], temperature: float,
+                 max_new_tokens: int | None = None) -> dict[str, Any]:
         cfg = self.cfg
+        max_new_tokens = max_new_tokens or cfg.max_new_tokens
         kw: dict[str, Any] = {"stop_on_eos": cfg.stop_on_eos, "temperature": temperature,
                               "seed": cfg.seed}
         if tree is not None:
@@ -394,11 +398,11 @@ class _Generator:
         if tag not in self.warm:
             t0 = time.perf_counter()
             specjax.generate(self.target, [ids],
-                             max_new_tokens=warmup_tokens(cfg.max_new_tokens), **kw)
+                             max_new_tokens=warmup_tokens(max_new_tokens), **kw)
             self.warmup_s += time.perf_counter() - t0
             self.warm.add(tag)
         with count_compiles() as n:
-            res = specjax.generate(self.target, [ids], max_new_tokens=cfg.max_new_tokens, **kw)
+            res = specjax.generate(self.target, [ids], max_new_tokens=max_new_tokens, **kw)
         return generation_record(res, n[0])
 
 
@@ -425,17 +429,18 @@ def _block_pass(target: Target, drafter: Drafter, head: VocabHead, tree: TreeSpe
     return b | {"same_as_compiled": b["tokens"] == compiled_tokens}
 
 
-def calibrate(target: Target, drafter: Drafter, head: VocabHead, tree: TreeSpec,
-              calib_ids: Sequence[list[int]], *, max_new_tokens: int, temperature: float,
-              seed: int, stop_on_eos: bool) -> dict[str, Any]:
-    """One batched run of ``tree`` over the calibration prompts: MAL (per row, so batching
-    does not change it) and the mean realised tree size."""
-    res = specjax.generate(target, [list(p) for p in calib_ids], max_new_tokens=max_new_tokens,
-                           temperature=temperature, seed=seed, stop_on_eos=stop_on_eos,
-                           drafter=drafter, tree=tree, vocab=head)
-    s = res.stats
-    return {"mal": s["mean_accepted_length"], "mean_tree_size": s["mean_tree_size"],
-            "drafted_nodes": s["mean_tree_size"] - 1, "target_forwards": s["target_forwards"]}
+def calibrate(gen: _Generator, tree: TreeSpec, calib_ids: Sequence[list[int]], *,
+              max_new_tokens: int, temperature: float) -> dict[str, Any]:
+    """``tree`` over the calibration prompts, one at a time (batch 1, as evaluated: a batch
+    skips a drafter call only when every row can): pooled decode tokens/s, MAL, the mean
+    realised tree size and drafter calls per step."""
+    recs = [gen(tree, list(p), temperature, max_new_tokens) for p in calib_ids]
+    pooled = pool_config([r | {"vanilla": r, "greedy_match": None} for r in recs])
+    return {"decode_tokens_per_s": pooled["decode_tokens_per_s"], "mal": pooled["mal"],
+            "mean_tree_size": pooled["mean_tree_size"],
+            "drafted_nodes": pooled["mean_tree_size"] - 1,
+            "drafter_calls": pooled["mean_drafter_calls"],
+            "target_forwards": pooled["target_forwards"]}
 
 
 # --------------------------------------------------------------------------------------
@@ -470,6 +475,9 @@ def pool_config(spec: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "target_forwards": fwd,
         "mean_tree_size": (sum(r["mean_tree_size"] * r["target_forwards"] for r in spec) / fwd
                            if fwd else None),
+        "mean_drafter_calls": (sum(r["drafter_calls"] * r["target_forwards"] for r in spec)
+                               / fwd if fwd and all(r.get("drafter_calls") is not None
+                                                    for r in spec) else None),
         "decode_tokens_per_s": s, "vanilla_decode_tokens_per_s": v,
         "speedup_vs_vanilla": s / v if s is not None and v else None,
         "greedy_checked": len(greedy), "greedy_matched": sum(r["greedy_match"] for r in greedy),
@@ -579,18 +587,16 @@ def run_tree_bench(cfg: TreeBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
                     tree = tree_at("dyspec-threshold", budget, thr)
                     grid.append(unit(
                         f"calib|{tree_label(tree)}|{tt}", f"calibrate {tree_label(tree)} {tt}",
-                        partial(calibrate, target, drafter, head, tree, calib_ids,
-                                max_new_tokens=cfg.calib_max_new_tokens, temperature=temp,
-                                seed=cfg.seed, stop_on_eos=cfg.stop_on_eos),
+                        partial(calibrate, gen, tree, calib_ids,
+                                max_new_tokens=cfg.calib_max_new_tokens, temperature=temp),
                         record="calib", budget=budget, temperature=temp, threshold=thr))
                 threshold = choose_threshold(grid)
                 calib_rows.append({"budget": budget, "temperature": temp,
                                    "chosen_threshold": threshold,
-                                   "grid": [{k: g[k] for k in ("threshold", "mal",
-                                                               "mean_tree_size",
-                                                               "drafted_nodes",
-                                                               "target_forwards")}
-                                            for g in grid]})
+                                   "grid": [{k: g.get(k) for k in (
+                                       "threshold", "decode_tokens_per_s", "mal",
+                                       "mean_tree_size", "drafted_nodes", "drafter_calls",
+                                       "target_forwards")} for g in grid]})
             for kind in cfg.kinds:
                 tree = tree_at(kind, budget, threshold)
                 label = tree_label(tree)
@@ -828,8 +834,9 @@ def summary(r: dict[str, Any]) -> str:
     for c in r["threshold_selection"]["per_budget"]:
         lines.append(f"dyspec-threshold T={c['budget']} t={c['temperature']:g}: chose "
                      f"{c['chosen_threshold']:g} from " + ", ".join(
-                         f"{g['threshold']:g} (MAL {g['mal']:.2f}, size "
-                         f"{g['mean_tree_size']:.1f})" for g in c["grid"]))
+                         f"{g['threshold']:g} ({_f(g['decode_tokens_per_s'], '.1f')} tok/s, "
+                         f"MAL {g['mal']:.2f}, size {g['mean_tree_size']:.1f}, calls "
+                         f"{_f(g.get('drafter_calls'), '.1f')})" for g in c["grid"]))
     lines.append("best budget by tokens/s ÷ paired vanilla: " + "; ".join(
         f"{b['kind']} t{b['temperature']:g}: T={b['budget']} ({_f(b['decode_tokens_per_s'], '.1f')}"
         f" tok/s, {_f(b['speedup_vs_vanilla'])}x)" for b in r["best_budget"]))

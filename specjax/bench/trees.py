@@ -56,4 +56,5 @@ def tree_label(tree: TreeSpec) -> str:
         return f"eagle2 d{tree.depth} k{tree.top_k} n{tree.total_tokens}"
     if tree.kind == "dyspec":
         return f"dyspec n{tree.total_tokens}"
-    return f"{tree.kind} d{tree.depth} n{tree.total_tokens} thr{tree.threshold:g}"
+    cap = f" f{tree.frontier}" if 0 < tree.frontier < tree.total_tokens else ""
+    return f"{tree.kind} d{tree.depth} n{tree.total_tokens}{cap} thr{tree.threshold:g}"
