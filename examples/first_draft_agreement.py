@@ -12,6 +12,7 @@ superset of its positions: on two prompts, 0.175 / 0.333 here against 0.148 / 0.
 the loop. It is the held-out top-1 of training, measured on the evaluation prompts.
 
     python examples/first_draft_agreement.py --drafter A --drafter B [--max-new-tokens 128]
+    python examples/first_draft_agreement.py --model gemma3-270m --drafter A
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 
 import specjax
 from specjax.bench.questions import TASKS, spec_bench_prompts
-from specjax.defaults import default_drafter_dir, resolve_model
+from specjax.defaults import resolve_model, shipped_drafter_for
 from specjax.loop import bucket
 from specjax.model import forward_hidden, init_cache
 
@@ -57,13 +58,15 @@ def agreement(target, drafter, seqs: list[tuple[list[int], list[int]]]) -> list[
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None,
+                    help="target: a named model or converted folder (default: SmolLM2)")
     ap.add_argument("--drafter", action="append", default=None,
-                    help="drafter folder (repeat; default: the shipped drafter)")
+                    help="drafter folder (repeat; default: the one shipped for the target)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--per-task", type=int, default=4)
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     args = ap.parse_args()
-    target = specjax.load(resolve_model(None, progress=False))
+    target = specjax.load(resolve_model(args.model, progress=False))
     evals, qpath = spec_bench_prompts(target, questions=None, tasks=TASKS,
                                       per_task=args.per_task)
     answers = [specjax.generate(target, [e["ids"]], max_new_tokens=args.max_new_tokens).tokens[0]
@@ -71,7 +74,10 @@ def main() -> None:
     seqs = [(e["ids"], a) for e, a in zip(evals, answers, strict=True)]
     result = {"questions": str(qpath), "prompts": len(evals),
               "max_new_tokens": args.max_new_tokens, "drafters": {}}
-    for path in args.drafter or [str(default_drafter_dir())]:
+    shipped = shipped_drafter_for(target.cfg)
+    if not args.drafter and shipped is None:
+        raise SystemExit(f"no drafter ships for {args.model}; pass --drafter")
+    for path in args.drafter or [str(shipped)]:
         drafter = specjax.load_drafter(Path(path), target)
         per = agreement(target, drafter, seqs)
         by_task = {t: float(np.mean([a for a, e in zip(per, evals, strict=True)
