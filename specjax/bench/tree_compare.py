@@ -14,6 +14,10 @@ calibration questions, never evaluated), for every temperature, budget T and tre
   - ``eagle2``: ``total_tokens = T``, depth and beam from :func:`eagle2_shape` (the
     ``bench spec`` grid's shapes: T=8 -> depth 4, top-k 4).
   - ``dyspec``: ``total_tokens = T`` (one drafter call per node).
+  - ``dyspec-topk``: the same tree with ``topk_children``: when sampling, children in
+    top-k order keyed by the chance of acceptance and the point-mass verification rule
+    (EAGLE-2's), instead of children drawn without replacement and multi-draft rejection
+    sampling. At temperature 0 it is ``dyspec``.
   - ``dyspec-threshold``: ``total_tokens = T`` (the cap), EAGLE-2's depth and beam at that
     budget as its depth and frontier cap (so a drafter call never has more rows than
     EAGLE-2's), and a threshold chosen per budget and temperature on the calibration
@@ -114,7 +118,7 @@ from specjax.tree import (
 from specjax.vocab.head import VocabHead
 from specjax.vocab.resolve import resolve_head
 
-KINDS = ("chain", "static", "eagle2", "dyspec", "dyspec-threshold")
+KINDS = ("chain", "static", "eagle2", "dyspec", "dyspec-topk", "dyspec-threshold")
 BUDGETS = (4, 8, 16, 32)
 TEMPERATURES = (0.0, 0.6)
 # Sampled trees key slots by the chance of reaching them (chosen 0.1-0.3 here); greedy trees
@@ -195,8 +199,8 @@ def tree_at(kind: str, budget: int, threshold: float | None = None) -> TreeSpec:
     depth, top_k = eagle2_shape(budget)
     if kind == "eagle2":
         return TreeSpec("eagle2", depth=depth, top_k=top_k, total_tokens=budget)
-    if kind == "dyspec":
-        return TreeSpec("dyspec", total_tokens=budget)
+    if kind in ("dyspec", "dyspec-topk"):
+        return TreeSpec("dyspec", total_tokens=budget, topk_children=kind == "dyspec-topk")
     if kind == "dyspec-threshold":
         if threshold is None:
             raise ValueError("a dyspec-threshold tree needs its threshold")
@@ -208,8 +212,10 @@ def tree_at(kind: str, budget: int, threshold: float | None = None) -> TreeSpec:
 def tree_fields(tree: TreeSpec) -> dict[str, Any]:
     """The fields that shape ``tree``, its node count T + 1 and its label, for JSON."""
     used = {"chain": ("depth",), "static": ("paths",),
-            "eagle2": ("depth", "top_k", "total_tokens"), "dyspec": ("total_tokens",),
-            "dyspec-threshold": ("depth", "total_tokens", "threshold", "frontier")}[tree.kind]
+            "eagle2": ("depth", "top_k", "total_tokens"),
+            "dyspec": ("total_tokens", "topk_children"),
+            "dyspec-threshold": ("depth", "total_tokens", "threshold", "frontier",
+                                 "topk_children")}[tree.kind]
     return ({"kind": tree.kind} | {f: getattr(tree, f) for f in used}
             | {"num_nodes": tree.num_nodes, "max_depth": tree.max_depth,
                "label": tree_label(tree)})

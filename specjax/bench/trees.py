@@ -54,7 +54,8 @@ def tree_label(tree: TreeSpec) -> str:
         return f"static n{tree.num_nodes - 1}"
     if tree.kind == "eagle2":
         return f"eagle2 d{tree.depth} k{tree.top_k} n{tree.total_tokens}"
+    topk = " top-k" if tree.topk_children else ""
     if tree.kind == "dyspec":
-        return f"dyspec n{tree.total_tokens}"
+        return f"dyspec n{tree.total_tokens}{topk}"
     cap = f" f{tree.frontier}" if 0 < tree.frontier < tree.total_tokens else ""
-    return f"{tree.kind} d{tree.depth} n{tree.total_tokens}{cap} thr{tree.threshold:g}"
+    return f"{tree.kind} d{tree.depth} n{tree.total_tokens}{cap} thr{tree.threshold:g}{topk}"

@@ -79,6 +79,10 @@ def _add_tree(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-frontier", type=int, default=0,
                    help="dyspec-threshold: the most nodes expanded per layer, those of "
                         "highest value (default 0: every node of the layer)")
+    p.add_argument("--tree-topk-children", action="store_true",
+                   help="dyspec trees, when sampling: draft children top-k and verify with "
+                        "the point-mass rule (EAGLE-2's) instead of sampled children and "
+                        "multi-draft rejection sampling; both are exact")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -175,10 +179,15 @@ def _tree(args: argparse.Namespace) -> Any:
     given = {"kind": args.tree, "depth": args.tree_depth, "top_k": args.tree_top_k,
              "total_tokens": args.tree_tokens}
     if all(v is None for v in given.values()):
+        if args.tree_topk_children:
+            raise ValueError("--tree-topk-children applies to --tree dyspec or "
+                             "dyspec-threshold; name the tree")
         return None  # the drafter's measured tree, else TreeSpec()
     fields = {k: v for k, v in given.items() if v is not None}
     if args.tree == "dyspec-threshold":
         fields |= {"threshold": args.tree_threshold, "frontier": args.tree_frontier}
+    if args.tree_topk_children:
+        fields["topk_children"] = True
     return TreeSpec(**fields)
 
 

@@ -34,6 +34,12 @@ length itself, which the greedy heap then maximises exactly (a child's path prod
 exceeds its parent's). Keying greedy trees by "reach" overrates later siblings: after a
 first child with q = 0.3 the second slot is worth 0.7 of its parent although its own
 child holds perhaps 0.1, and the tree grows too wide (docs/benchmarks.md, issue 13).
+
+``TreeSpec(topk_children=True)`` builds the deterministic tree even when sampling, and
+verification then uses the point-mass rule (as for EAGLE-2): exact for any tree chosen
+before the target's coins. Against the sampled tree it trades the multi-draft rule's use
+of q for drafts that are the drafter's best guesses; with a weak drafter and a peaked
+target those are accepted more often (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -320,6 +326,14 @@ def _ranks(values: Array) -> Array:
     return jnp.argsort(jnp.argsort(-values, axis=1, stable=True), axis=1).astype(jnp.int32)
 
 
+def _drafting(spec: TreeSpec, key: Array | None,
+              temperature: float | Array) -> tuple[Array | None, float | Array]:
+    """The (key, temperature) children are drafted with: deterministic top-k (keyed by
+    "accept", verified by the point-mass rule) for ``spec.topk_children``, whatever the
+    sampling temperature; the target still samples at its own temperature."""
+    return (None, 0.0) if spec.topk_children else (key, temperature)
+
+
 @dataclasses.dataclass(frozen=True)
 class DySpecBuilder:
     """``kind="dyspec"``: the greedy tree of ``spec.total_tokens`` drafted nodes."""
@@ -342,6 +356,7 @@ class DySpecBuilder:
     def build(self, spec: TreeSpec, expand: ExpandFn, carry: Carry, root: Array,
               key: Array | None, temperature: float | Array,
               vocab_size: int) -> tuple[DraftTree, Carry]:
+        key, temperature = _drafting(spec, key, temperature)
         return build_dyspec(expand, carry, root, spec.total_tokens, key=key,
                             temperature=temperature, vocab_size=vocab_size)
 
@@ -373,6 +388,7 @@ class DySpecThresholdBuilder:
     def build(self, spec: TreeSpec, expand: ExpandFn, carry: Carry, root: Array,
               key: Array | None, temperature: float | Array,
               vocab_size: int) -> tuple[DraftTree, Carry]:
+        key, temperature = _drafting(spec, key, temperature)
         return build_dyspec_threshold(expand, carry, root, spec.total_tokens, spec.depth,
                                       spec.threshold, frontier=spec.frontier or None, key=key,
                                       temperature=temperature, vocab_size=vocab_size)

@@ -72,6 +72,11 @@ class TreeSpec:
     threshold: DySpec threshold trees' least slot value worth drafting.
     frontier: DySpec threshold trees' most nodes expanded per layer, the highest-valued
       (0: every node of the layer, up to ``total_tokens``); the rest stay leaves.
+    topk_children: DySpec trees only; when sampling, take children in top-k order of q and
+      key slots by the chance the drafted node is *accepted* (as at temperature 0), and
+      verify with the point-mass rule (EAGLE-2's), instead of drawing children without
+      replacement and verifying by multi-draft rejection sampling. Both are exact; with a
+      weak drafter and a peaked target the top-k children are accepted more often.
     """
 
     kind: str = "eagle2"
@@ -81,6 +86,7 @@ class TreeSpec:
     paths: tuple[tuple[int, ...], ...] = ()
     threshold: float = 0.0
     frontier: int = 0
+    topk_children: bool = False
 
     def __post_init__(self):
         if self.kind not in BUILDERS:
@@ -96,6 +102,11 @@ class TreeSpec:
         if self.frontier and self.kind != "dyspec-threshold":
             raise ValueError(f"only dyspec-threshold trees take a frontier cap; a {self.kind} "
                              f"tree got frontier={self.frontier}")
+        if not isinstance(self.topk_children, bool):
+            raise ValueError(f"tree topk_children must be a bool, got {self.topk_children!r}")
+        if self.topk_children and not self.kind.startswith("dyspec"):
+            raise ValueError(f"only dyspec trees choose how they draft children; a {self.kind} "
+                             f"tree got topk_children=True (eagle2 always drafts top-k)")
         for name, value in self.builder.prepare(self).items():
             object.__setattr__(self, name, value)
 
@@ -120,7 +131,7 @@ class TreeSpec:
     @property
     def samples_children(self) -> bool:
         """Whether sampling mode draws children from q (see :class:`TreeBuilder`)."""
-        return self.builder.samples_children
+        return self.builder.samples_children and not self.topk_children
 
     @property
     def skips_expansions(self) -> bool:
@@ -143,6 +154,8 @@ class TreeSpec:
             d.pop("paths")
         if self.kind != "dyspec-threshold":
             d.pop("frontier")
+        if not self.kind.startswith("dyspec"):
+            d.pop("topk_children")
         return d
 
     @classmethod

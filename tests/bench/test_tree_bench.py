@@ -54,11 +54,13 @@ def test_trees_at_a_budget():
         for kind in KINDS:
             tree = tree_at(kind, t, 0.1)
             assert tree.num_nodes == t + 1, (kind, t)
-            assert tree_label(tree).startswith(kind)
+            assert tree_label(tree).startswith(kind.removesuffix("-topk"))
     assert eagle2_shape(8) == (4, 4) and eagle2_shape(32) == (6, 6)
     capped = tree_at("dyspec-threshold", 8, 0.05)
     assert (capped.depth, capped.frontier) == eagle2_shape(8)
     assert tree_label(capped) == "dyspec-threshold d4 n8 f4 thr0.05"
+    assert tree_label(tree_at("dyspec-topk", 8)) == "dyspec n8 top-k"
+    assert tree_fields(tree_at("dyspec-topk", 8))["topk_children"] is True
     with pytest.raises(ValueError, match="needs its threshold"):
         tree_at("dyspec-threshold", 4)
     with pytest.raises(ValueError, match="tree kind"):
@@ -198,8 +200,9 @@ def test_pooling_best_budget_and_plots_from_records(tmp_path):
     assert all(b["budget"] == 16 for b in r["best_budget"])
     large = r["mask_blocks"]["trees_of_32_nodes_or_more"]  # T=32: 33 nodes
     assert large["block32"]["ratio"] == 1.0 and large["block16"]["ratio"] == pytest.approx(6 / 4.5)
-    assert r["greedy_equality"] == {"matched": 20, "checked": 20, "all_match": True,
-                                    "mismatches": []}
+    greedy_runs = len(KINDS) * len(budgets) * len(prompts)  # at temperature 0 only
+    assert r["greedy_equality"] == {"matched": greedy_runs, "checked": greedy_runs,
+                                    "all_match": True, "mismatches": []}
     paths = plot_paths(tmp_path / "r.json")
     tree_compare.plot_mal(r, paths["mal"])
     tree_compare.plot_blocks(r, paths["blocks"])

@@ -91,6 +91,10 @@ TREES = {
     # A frontier cap of 2: layers expand their two best nodes, and skip empty layers.
     "dyspec-threshold": specjax.TreeSpec("dyspec-threshold", total_tokens=6, depth=3,
                                          threshold=0.05, frontier=2),
+    # The same trees drafted top-k and verified by the point-mass rule.
+    "dyspec-topk": specjax.TreeSpec("dyspec", total_tokens=5, topk_children=True),
+    "dyspec-threshold-topk": specjax.TreeSpec("dyspec-threshold", total_tokens=6, depth=3,
+                                              threshold=0.05, frontier=2, topk_children=True),
 }
 
 

@@ -105,6 +105,12 @@ def test_generate_uses_the_drafters_default_tree(tiny_target, tmp_path):
     assert _cli_tree("--tree", "dyspec-threshold", "--tree-threshold", "0.2",
                      "--tree-frontier", "3") == TreeSpec("dyspec-threshold", threshold=0.2,
                                                          frontier=3)
+    assert _cli_tree("--tree", "dyspec", "--tree-topk-children") == TreeSpec(
+        "dyspec", topk_children=True)
+    with pytest.raises(ValueError, match="name the tree"):
+        _cli_tree("--tree-topk-children")
+    with pytest.raises(ValueError, match="only dyspec trees"):
+        _cli_tree("--tree", "chain", "--tree-topk-children")
 
 
 def test_generate_uses_the_drafters_default_head(tiny_target, tmp_path):

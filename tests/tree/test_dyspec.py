@@ -243,6 +243,24 @@ def test_sampled_first_child_follows_q():
         assert chi2_pvalue(np.asarray(tree.tokens[:, 1]), q) > 1e-3
 
 
+@pytest.mark.parametrize("spec", [
+    TreeSpec("dyspec", total_tokens=6, topk_children=True),
+    TreeSpec("dyspec-threshold", total_tokens=6, depth=3, threshold=0.02, frontier=2,
+             topk_children=True)])
+def test_topk_children_draft_the_greedy_tree_when_sampling(spec):
+    """With ``topk_children`` a sampled run drafts exactly the temperature-0 tree, marked
+    deterministic (so verification takes the point-mass rule) and without q."""
+    table, ids = jnp.asarray(random_table(5)), jnp.asarray(shortlist_ids(5, False))
+    roots = np.asarray(random_roots(5, B), np.int32)
+    carry = (jnp.zeros((B, spec.total_tokens + 1), jnp.int32), jnp.int32(0))
+    greedy, _ = spec.build(make_expand(table, ids), carry, roots, None, 0.0, V_SHORT)
+    sampled, _ = spec.build(make_expand(table, ids), carry, roots, jax.random.key(3),
+                            jnp.float32(0.8), V_SHORT)
+    assert not sampled.sampled and sampled.draft_dist is None
+    for a, b in zip(jax.tree.leaves(greedy), jax.tree.leaves(sampled), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_bad_specs():
     with pytest.raises(ValueError, match="threshold"):
         TreeSpec("dyspec-threshold", total_tokens=8)
@@ -256,6 +274,14 @@ def test_bad_specs():
         TreeSpec("eagle2", frontier=2)
     with pytest.raises(ValueError, match="frontier must be an int >= 0"):
         TreeSpec("dyspec-threshold", threshold=0.1, frontier=-1)
+    topk = TreeSpec("dyspec", total_tokens=8, topk_children=True)
+    assert topk.to_json()["topk_children"] and TreeSpec.from_json(topk.to_json()) == topk
+    assert not topk.samples_children and TreeSpec("dyspec").samples_children
+    assert "topk_children" not in TreeSpec("eagle2").to_json()
+    with pytest.raises(ValueError, match="only dyspec trees choose"):
+        TreeSpec("chain", topk_children=True)
+    with pytest.raises(ValueError, match="topk_children must be a bool"):
+        TreeSpec("dyspec", topk_children=1)
     table, ids = random_table(0), shortlist_ids(0, False)
     roots = random_roots(0, B)
     with pytest.raises(ValueError, match="must key slots by 'reach'"):
