@@ -31,8 +31,9 @@ from specjax.loop import bucket
 from specjax.model import forward_hidden, init_cache
 
 
-def agreement(target, drafter, seqs: list[tuple[list[int], list[int]]]) -> list[float]:
-    """Per sequence, the drafter's top-1 agreement over the answer (prompt, answer) pairs."""
+def agreement(target, drafter, seqs: list[tuple[list[int], list[int]]]) -> list[tuple[int, int]]:
+    """Per (prompt, answer) pair, (drafted positions the drafter's top-1 got right, drafted
+    positions): an answer of n tokens has n - 1 (its first token is the prefill's)."""
     dm = drafter.cfg
     out = []
     for prompt, answer in seqs:
@@ -51,8 +52,15 @@ def agreement(target, drafter, seqs: list[tuple[list[int], list[int]]]) -> list[
         # Position t predicts token t + 1; score the answer's tokens after the first (the
         # first answer token is the prefill's, never drafted).
         lo, hi = len(prompt), len(ids) - 1
-        out.append(float(np.mean(pred[lo:hi] == np.asarray(ids[lo + 1:hi + 1]))))
+        out.append((int(np.sum(pred[lo:hi] == np.asarray(ids[lo + 1:hi + 1]))), max(hi - lo, 0)))
     return out
+
+
+def pooled(pairs: list[tuple[int, int]]) -> float | None:
+    """Hits over drafted positions, pooled (an answer that stopped at once adds nothing);
+    None when no position was drafted."""
+    n = sum(c for _, c in pairs)
+    return sum(h for h, _ in pairs) / n if n else None
 
 
 def main() -> None:
@@ -80,11 +88,15 @@ def main() -> None:
     for path in args.drafter or [str(shipped)]:
         drafter = specjax.load_drafter(Path(path), target)
         per = agreement(target, drafter, seqs)
-        by_task = {t: float(np.mean([a for a, e in zip(per, evals, strict=True)
-                                     if e["task"] == t])) for t in TASKS}
-        result["drafters"][path] = {"mean": float(np.mean(per)), "per_task": by_task}
-        print(f"{path}: first-draft acceptance {np.mean(per):.3f} "
-              + " ".join(f"{t} {v:.3f}" for t, v in by_task.items()), flush=True)
+        by_task = {t: pooled([a for a, e in zip(per, evals, strict=True) if e["task"] == t])
+                   for t in TASKS}
+        result["drafters"][path] = {"pooled": pooled(per), "per_task": by_task,
+                                    "positions": sum(c for _, c in per),
+                                    "empty_answers": sum(c == 0 for _, c in per)}
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        print(f"{path}: first-draft acceptance {fmt(pooled(per))} "
+              + " ".join(f"{t} {fmt(v)}" for t, v in by_task.items())
+              + f" ({sum(c == 0 for _, c in per)} answers with nothing drafted)", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 
