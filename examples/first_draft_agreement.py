@@ -90,13 +90,14 @@ def main() -> None:
         per = agreement(target, drafter, seqs)
         by_task = {t: pooled([a for a, e in zip(per, evals, strict=True) if e["task"] == t])
                    for t in TASKS}
-        result["drafters"][path] = {"pooled": pooled(per), "per_task": by_task,
+        overall, empty = pooled(per), sum(c == 0 for _, c in per)
+        result["drafters"][path] = {"pooled": overall, "per_task": by_task,
                                     "positions": sum(c for _, c in per),
-                                    "empty_answers": sum(c == 0 for _, c in per)}
+                                    "empty_answers": empty}
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-        print(f"{path}: first-draft acceptance {fmt(pooled(per))} "
+        print(f"{path}: first-draft acceptance {fmt(overall)} "
               + " ".join(f"{t} {fmt(v)}" for t, v in by_task.items())
-              + f" ({sum(c == 0 for _, c in per)} answers with nothing drafted)", flush=True)
+              + f" ({empty} answers with nothing drafted)", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 
