@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from specjax.bench.evospec import DOMAINS, recovery, run_evospec_bench
@@ -36,3 +37,34 @@ def test_a_tiny_stream_runs_and_keeps_greedy_output(tmp_path):
     assert r["greedy_identical"] and len(r["mal"]["evospec"]) == 2
     assert json.loads((tmp_path / "e.json").read_text())["switch_at"] == 1
     assert (tmp_path / "e.png").stat().st_size > 0
+
+
+def test_paired_gain_sees_a_small_consistent_lift_through_the_prompt_spread():
+    from specjax.bench.evospec import paired_gain
+
+    rs = np.random.default_rng(0)
+    base = rs.uniform(1.5, 2.5, 20)  # prompt-to-prompt spread 10x the effect
+    g = paired_gain(base + 0.05 + rs.normal(0, 0.01, 20), base)
+    assert g["wins"] == 20 and g["ci95"][0] > 0.03 and abs(g["mean"] - 0.05) < 0.01
+    # No effect: the interval straddles zero.
+    g0 = paired_gain(base + rs.normal(0, 0.05, 20), base)
+    assert g0["ci95"][0] < 0 < g0["ci95"][1]
+    with pytest.raises(ValueError, match="at least one request"):
+        paired_gain([], [])
+
+
+def test_unknown_configuration_is_refused_before_any_model_loads():
+    with pytest.raises(ValueError, match="configs must be some of full, fr, buffer"):
+        run_evospec_bench("/nonexistent", None, configs=["fr", "eagle"], progress=False)
+
+
+@pytest.mark.bench
+def test_a_subset_of_configurations_reports_what_it_can(tmp_path):
+    r = run_evospec_bench(None, None, per_domain=1, max_new_tokens=12, core=2048, n_dyn=32,
+                          configs=["lora", "fr"], steps_per_update=2, out=tmp_path / "e.json",
+                          progress=False)
+    assert set(r["mal"]) == {"fr", "lora"} and r["greedy_identical"]
+    assert r["recovery_requests"] is None  # no full head to recover to
+    assert set(r["paired_gain"]) == {"lora-fr"}
+    assert r["paired_gain"]["lora-fr"]["all"]["requests"] == 2
+    assert r["memory"]["lora_trainable"] > 0
