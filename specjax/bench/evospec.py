@@ -204,6 +204,10 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     if bad or not configs:
         raise ValueError(f"configs must be some of {', '.join(CONFIGS)}; got {list(configs)}")
     configs = [c for c in CONFIGS if c in configs]  # a fixed order, whatever was asked
+    if unknown := [d for d in domains if d not in DOMAINS]:
+        raise ValueError(f"unknown domains {unknown}; choose from {', '.join(DOMAINS)}")
+    if steps_per_update < 1:
+        raise ValueError(f"steps_per_update must be >= 1, got {steps_per_update}")
     out = Path(out)
     target = specjax.load(resolve_model(model, progress=progress))
     drafter, label = resolve_drafter(drafter_dir, target)

@@ -53,9 +53,13 @@ def test_paired_gain_sees_a_small_consistent_lift_through_the_prompt_spread():
         paired_gain([], [])
 
 
-def test_unknown_configuration_is_refused_before_any_model_loads():
+def test_bad_configurations_domains_and_steps_are_refused_before_any_model_loads():
     with pytest.raises(ValueError, match="configs must be some of full, fr, buffer"):
         run_evospec_bench("/nonexistent", None, configs=["fr", "eagle"], progress=False)
+    with pytest.raises(ValueError, match="unknown domains"):
+        run_evospec_bench("/nonexistent", None, domains=("code", "sports"), progress=False)
+    with pytest.raises(ValueError, match="steps_per_update must be >= 1"):
+        run_evospec_bench("/nonexistent", None, steps_per_update=0, progress=False)
 
 
 @pytest.mark.bench
