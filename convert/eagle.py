@@ -324,7 +324,7 @@ def convert_eagle(src: str | Path, out: str | Path, *, target_cfg: ModelConfig |
 
     layer = layer_from_hf(state, "layers.0.", np_dtype)
     # fc rows must be [embedding; feature]: torch's fc.weight is [d, 2d] over cat(emb, feat).
-    params = DrafterParams(fc=get("fc.weight", True), layer=layer, fc_bias=get("fc.bias"))
+    params = DrafterParams(fc=get("fc.weight", True), layers=(layer,), fc_bias=get("fc.bias"))
     meta = {"source": str(src.absolute()), "source_format": "eagle", "eagle_config": hf}
     return save_drafter(Path(out), dcfg, params, meta=meta, overwrite=overwrite)
 

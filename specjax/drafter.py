@@ -1,4 +1,9 @@
-"""EAGLE-1/2 drafter: ``fc([embedding(x_t), feature_{t-1}])`` then one decoder layer.
+"""EAGLE-1/2 drafter: ``fc([embedding(x_t), feature_{t-1}])`` then decoder layers.
+
+EAGLE's drafter has one decoder layer (``num_layers=1``, the default and every
+checkpoint written before the field existed); more layers buy capacity per draft
+at the cost of one more layer per draft step. Each layer is shaped like the
+target's.
 
 Alignment (EAGLE's): drafter row t consumes token x_t together with the
 target's final-norm hidden state at t-1 (the state that predicted x_t), and
@@ -14,6 +19,7 @@ inference uses the pure functions over :class:`DrafterParams` split out of it.
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import ClassVar
 
@@ -51,9 +57,15 @@ class DrafterMismatchError(ValueError):
 class DrafterConfig:
     """Static drafter architecture; the decoder layer is shaped like the target's."""
 
-    target: ModelConfig  # the layer's shapes, RoPE and norms; num_layers is ignored
-    input_norm: bool = False  # EAGLE-1 drops the layer's input RMSNorm
+    target: ModelConfig  # the layers' shapes, RoPE and norms; its num_layers is ignored
+    input_norm: bool = False  # EAGLE-1 drops the first layer's input RMSNorm
     fc_bias: bool = True
+    num_layers: int = 1  # the drafter's own decoder layers (EAGLE: 1)
+
+    def __post_init__(self):
+        if not isinstance(self.num_layers, int) or self.num_layers < 1:
+            raise ValueError(f"a drafter needs at least one decoder layer, got num_layers="
+                             f"{self.num_layers!r}")
 
     def check_target(self, cfg: ModelConfig, what: str = "drafter") -> None:
         """Refuse a target whose width, vocabulary or family differs, naming each field."""
@@ -95,7 +107,7 @@ class DrafterConfig:
 
     def to_json(self) -> dict:
         return {"target": self.target.to_json(), "input_norm": self.input_norm,
-                "fc_bias": self.fc_bias}
+                "fc_bias": self.fc_bias, "num_layers": self.num_layers}
 
     @classmethod
     def from_json(cls, d: dict) -> DrafterConfig:
@@ -106,14 +118,21 @@ class DrafterConfig:
             if not isinstance(d.get(name), bool):
                 raise ValueError(f"drafter config field {name} must be true or false, got "
                                  f"{d.get(name)!r}")
+        # Written before deeper drafters existed: absent means EAGLE's one layer.
+        num_layers = d.get("num_layers", 1)
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"drafter config field num_layers must be an integer >= 1, got "
+                             f"{num_layers!r}")
         return cls(target=ModelConfig.from_json(d.get("target")), input_norm=d["input_norm"],
-                   fc_bias=d["fc_bias"])
+                   fc_bias=d["fc_bias"], num_layers=num_layers)
 
 
 @pytree.dataclass
 class DrafterParams:
     fc: Array  # [2d, d]; input rows are [embedding(x_t); feature_{t-1}]
-    layer: LayerParams  # attn_norm is None when not cfg.input_norm
+    # cfg.num_layers layers, applied in order; layers[0].attn_norm is None when not
+    # cfg.input_norm (deeper layers always keep theirs: their input is a residual stream).
+    layers: tuple[LayerParams, ...]
     fc_bias: Array | None = None  # [d]
 
 
@@ -128,7 +147,7 @@ def drafter_hidden(dp: DrafterParams, cfg: DrafterConfig, embed: Array, tokens: 
       embed: [V, d] the target's embedding.
       tokens: [B, T] x_t; features: [B, T, d] the feature at t-1 (the target's
         final-norm hidden state, or the drafter's own prediction when drafting).
-      positions: [B, T] RoPE positions; cache: the drafter's one-layer cache.
+      positions: [B, T] RoPE positions; cache: the drafter's cache, one entry per layer.
       block_mask, write_rows, attention_impl: as in :func:`specjax.model.forward_hidden`.
     Returns:
       (hidden [B, T, d], cache with the new rows written; lengths unchanged).
@@ -142,18 +161,39 @@ def drafter_hidden(dp: DrafterParams, cfg: DrafterConfig, embed: Array, tokens: 
     if write_rows is None:
         write_rows = cache.lengths[:, None] + jnp.arange(t)[None, :]
     mask = cache_mask(cache.lengths, block_mask, cache.capacity)
-    x, k, v = decoder_layer(cfg.target, dp.layer, x, positions, rope_inv_freq(cfg.target),
-                            cache.k[0], cache.v[0], write_rows, mask,
-                            (cache.lengths, block_mask), attention_impl)
-    return x, dataclasses.replace(cache, k=(k,), v=(v,))
+    inv_freq = rope_inv_freq(cfg.target)
+    ks, vs = [], []
+    for layer, k_buf, v_buf in zip(dp.layers, cache.k, cache.v, strict=True):
+        x, k, v = decoder_layer(cfg.target, layer, x, positions, inv_freq, k_buf, v_buf,
+                                write_rows, mask, (cache.lengths, block_mask), attention_impl)
+        ks.append(k)
+        vs.append(v)
+    return x, dataclasses.replace(cache, k=tuple(ks), v=tuple(vs))
 
 
 def init_drafter_cache(cfg: DrafterConfig, batch: int, capacity: int,
                        dtype=jnp.float32) -> KVCache:
-    """The drafter's own one-layer KV cache."""
-    # One layer, attending globally (a Gemma target's layer pattern is not the drafter's).
-    return init_cache(dataclasses.replace(cfg.target, num_layers=1, layer_types=()), batch,
-                      capacity, dtype)
+    """The drafter's own KV cache: cfg.num_layers layers."""
+    # Every layer attends globally (a Gemma target's layer pattern is not the drafter's).
+    return init_cache(dataclasses.replace(cfg.target, num_layers=cfg.num_layers,
+                                          layer_types=()), batch, capacity, dtype)
+
+
+def identity_layer(layer: LayerParams) -> LayerParams:
+    """``layer`` with its residual branches' outputs zeroed, so it computes x -> x.
+
+    The branches' outputs are ``wo`` and ``w_down``; with sandwich norms (Gemma 3) each
+    branch is RMS-normed after its projection, and the norm of a zero vector has a
+    1/sqrt(eps) gradient that makes the first update of ``wo`` jump the branch to full
+    scale, so there the post-norm scales are zeroed instead. Either way the pretrained
+    q/k/v and gate/up projections are kept and gradients reach them once the zeroed
+    weights move. Used to start a layer that must not change a drafter's output yet:
+    a from-the-target init, or a layer added under a trained drafter.
+    """
+    layer = unfuse_layer(layer)
+    zeroed = (("post_attn_norm", "post_mlp_norm") if layer.post_attn_norm is not None
+              else ("wo", "w_down"))
+    return dataclasses.replace(layer, **{k: jnp.zeros_like(getattr(layer, k)) for k in zeroed})
 
 
 class EagleDrafter(nnx.Module):
@@ -168,7 +208,7 @@ class EagleDrafter(nnx.Module):
         init = nnx.initializers.normal(0.02)
         self.fc = nnx.Param(init(rngs.params(), (2 * d, d)))
         self.fc_bias = nnx.Param(jnp.zeros((d,))) if cfg.fc_bias else None
-        if init_layer is None:
+        def random_layer() -> LayerParams:
             shapes = dict(wq=(d, q), wk=(d, kv), wv=(d, kv), wo=(q, d), w_gate=(d, f),
                           w_up=(d, f), w_down=(f, d))
             weights = {k: init(rngs.params(), s) for k, s in shapes.items()}
@@ -179,22 +219,32 @@ class EagleDrafter(nnx.Module):
                 norms |= {"q_norm": jnp.ones((t.head_dim,)), "k_norm": jnp.ones((t.head_dim,))}
             if t.sandwich_norms:
                 norms |= {"post_attn_norm": jnp.ones((d,)), "post_mlp_norm": jnp.ones((d,))}
-            init_layer = LayerParams(**weights, **norms)
-        # One nnx.Param per LayerParams field; a None field stays None. A target's fused (or
-        # out-major) layer is read back as the stored [in, out] matrices first.
-        init_layer = unfuse_layer(init_layer)
-        fields = {f.name: getattr(init_layer, f.name) for f in dataclasses.fields(LayerParams)}
-        if not cfg.input_norm:
-            fields["attn_norm"] = None
-        # Copy: the init layer is often the target's own weights, which training
-        # must never alias (a donated or updated buffer would corrupt the target).
-        self.layer = nnx.Dict({k: nnx.Param(jnp.array(v, jnp.float32, copy=True))
-                               for k, v in fields.items() if v is not None})
+            return LayerParams(**weights, **norms)
+
+        if init_layer is None:
+            layers = [random_layer() for _ in range(cfg.num_layers)]
+        else:
+            # A target's fused (or out-major) layer is read back as [in, out] matrices. Layers
+            # past the first start as the identity, so a deeper drafter grown from a trained
+            # one-layer drafter starts with exactly its predictions.
+            first = unfuse_layer(init_layer)
+            layers = [first] + [identity_layer(first)] * (cfg.num_layers - 1)
+        # One nnx.Param per LayerParams field; a None field stays None. Copy: the init layer
+        # is often the target's own weights, which training must never alias (a donated or
+        # updated buffer would corrupt the target).
+        self.layers = nnx.List([
+            nnx.Dict({k.name: nnx.Param(jnp.array(getattr(layer, k.name), jnp.float32,
+                                                  copy=True))
+                      for k in dataclasses.fields(LayerParams)
+                      if getattr(layer, k.name) is not None
+                      and not (i == 0 and k.name == "attn_norm" and not cfg.input_norm)})
+            for i, layer in enumerate(layers)])
 
     def params(self) -> DrafterParams:
-        layer = LayerParams(**{f.name: (self.layer[f.name][...] if f.name in self.layer else None)
-                               for f in dataclasses.fields(LayerParams)})
-        return DrafterParams(fc=self.fc[...], layer=layer,
+        layers = tuple(LayerParams(**{f.name: (layer[f.name][...] if f.name in layer else None)
+                                      for f in dataclasses.fields(LayerParams)})
+                       for layer in self.layers)
+        return DrafterParams(fc=self.fc[...], layers=layers,
                              fc_bias=None if self.fc_bias is None else self.fc_bias[...])
 
     def __call__(self, embed: Array, tokens: Array, features: Array) -> Array:
@@ -207,12 +257,19 @@ class EagleDrafter(nnx.Module):
         return hidden
 
 
+def _layer_prefix(i: int) -> str:
+    # "layer.*" for the first layer keeps one-layer folders written before deeper drafters
+    # existed readable; deeper layers are "layers.<i>.*".
+    return "layer" if i == 0 else f"layers.{i}"
+
+
 def save_drafter(out: Path, cfg: DrafterConfig, dp: DrafterParams, *, meta: dict | None = None,
                  overwrite: bool = False) -> Path:
     """Write a drafter folder (orbax tensors + manifest); atomic like conversion."""
-    flat = {"fc": dp.fc, **{f"layer.{f.name}": getattr(dp.layer, f.name)
-                            for f in dataclasses.fields(LayerParams)
-                            if getattr(dp.layer, f.name) is not None}}
+    flat = {"fc": dp.fc}
+    for i, layer in enumerate(dp.layers):
+        flat |= {f"{_layer_prefix(i)}.{f.name}": getattr(layer, f.name)
+                 for f in dataclasses.fields(LayerParams) if getattr(layer, f.name) is not None}
     if dp.fc_bias is not None:
         flat["fc_bias"] = dp.fc_bias
     return ckpt.write_checkpoint(out, flat, FORMAT, cfg.to_json(), meta=meta,
@@ -224,8 +281,9 @@ def drafter_dims(cfg: DrafterConfig) -> dict[str, tuple]:
     dims = {"fc": ((2, "hidden_size"), ("hidden_size",))}
     if cfg.fc_bias:
         dims["fc_bias"] = (("hidden_size",),)
-    dims |= {f"layer.{k}": v for k, v in ckpt.layer_dims(cfg.target,
-                                                          input_norm=cfg.input_norm).items()}
+    for i in range(cfg.num_layers):
+        dims |= {f"{_layer_prefix(i)}.{k}": v for k, v in ckpt.layer_dims(
+            cfg.target, input_norm=cfg.input_norm or i > 0).items()}
     return dims
 
 
@@ -241,12 +299,21 @@ def read_drafter(path: Path, target_cfg: ModelConfig | None = None,
                                    "convert or train the drafter again") from e
     if target_cfg is not None:
         cfg.check_target(target_cfg)
+    tensors = manifest.get("tensors")
+    if isinstance(tensors, dict):
+        held = 1 + len({m[1] for n in tensors if (m := re.match(r"layers\.(\d+)\.", n))})
+        if held != cfg.num_layers:
+            raise ckpt.CheckpointError(
+                f"{where}: drafter config num_layers={cfg.num_layers} but the tensors hold "
+                f"{held} layers; the manifest disagrees with its tensors: train or convert "
+                "the drafter again")
     ckpt.check_tensor_shapes(where, cfg.target, drafter_dims(cfg), manifest.get("tensors"))
     flat = ckpt.restore_params(Path(path), manifest)
     if dtype is not None:
         flat = jax.tree.map(lambda a: a.astype(jnp.dtype(dtype)), flat)
-    layer = LayerParams(**{f.name: flat.get(f"layer.{f.name}") for f in dataclasses.fields(
-        LayerParams)})
-    return cfg, DrafterParams(fc=flat["fc"], layer=layer, fc_bias=flat.get("fc_bias")), \
+    layers = tuple(LayerParams(**{f.name: flat.get(f"{_layer_prefix(i)}.{f.name}")
+                                  for f in dataclasses.fields(LayerParams)})
+                   for i in range(cfg.num_layers))
+    return cfg, DrafterParams(fc=flat["fc"], layers=layers, fc_bias=flat.get("fc_bias")), \
         manifest.get("meta") or {}
 

@@ -58,6 +58,9 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init-from", default=None, metavar="DRAFTER",
                    help="start from this drafter folder's weights (fine-tuning; replaces "
                         "--init and --fc-init)")
+    p.add_argument("--drafter-layers", type=int, default=1, metavar="N",
+                   help="decoder layers of the drafter (EAGLE: 1); with --init-from a "
+                        "shallower drafter, the added layers start as the identity")
     p.add_argument("--ce-weight", type=float, default=0.1,
                    help="weight of the CE term next to the smooth-L1 (EAGLE: 0.1)")
     p.add_argument("--train-vocab", default=None, metavar="fr:N[:PATH]",
@@ -290,7 +293,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
                      checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
                      max_eval_tokens=args.max_eval_tokens, ce_weight=args.ce_weight,
                      train_vocab=args.train_vocab, ttt_steps=args.ttt_steps,
-                     ttt_decay=args.ttt_decay,
+                     ttt_decay=args.ttt_decay, drafter_layers=args.drafter_layers,
                      init_from=str(Path(args.init_from).resolve()) if args.init_from else None)
     train_ids = None if args.train_vocab is None else train_shortlist(args.train_vocab, target)
     result = train_drafter(target.cfg, target.params, train, heldout, tc, ckpt_dir,

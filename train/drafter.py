@@ -37,6 +37,7 @@ from specjax.drafter import (
     DrafterConfig,
     DrafterParams,
     EagleDrafter,
+    identity_layer,
     read_drafter,
     save_drafter,
 )
@@ -81,6 +82,9 @@ class TrainConfig:
     # A drafter folder whose weights start the run (fine-tuning, e.g. on self-distilled
     # data); overrides init and fc_init.
     init_from: str | None = None
+    # Decoder layers of the drafter (EAGLE: 1). With init_from a shallower drafter, its
+    # layers are loaded and the new ones start as the identity (its predictions unchanged).
+    drafter_layers: int = 1
     seed: int = 0
     checkpoint_every: int = 50
     eval_every: int = 0  # 0: evaluate only before and after training
@@ -124,15 +128,13 @@ def init_drafter(target_cfg: ModelConfig, target_params: Params,
     """
     if tc.init not in INIT_MODES:
         raise ValueError(f"init must be one of {INIT_MODES}, not {tc.init!r}")
-    cfg = DrafterConfig(target=target_cfg, input_norm=False, fc_bias=True)
+    cfg = DrafterConfig(target=target_cfg, input_norm=False, fc_bias=True,
+                        num_layers=tc.drafter_layers)
     init_layer = None
     if tc.init != "random":
         init_layer = unfuse_layer(target_params.layers[-1])  # [in, out], whatever the load
         if tc.init == "last-layer":
-            zeroed = (("post_attn_norm", "post_mlp_norm") if init_layer.post_attn_norm
-                      is not None else ("wo", "w_down"))
-            init_layer = dataclasses.replace(
-                init_layer, **{k: jnp.zeros_like(getattr(init_layer, k)) for k in zeroed})
+            init_layer = identity_layer(init_layer)
     return EagleDrafter(cfg, rngs=nnx.Rngs(tc.seed), init_layer=init_layer)
 
 
@@ -423,17 +425,28 @@ class TrainResult:
 
 
 def _load_into(model: EagleDrafter, path: Path, target_cfg: ModelConfig) -> None:
-    """Overwrite ``model``'s weights with those of the drafter folder ``path``."""
+    """Overwrite ``model``'s weights with those of the drafter folder ``path``.
+
+    A folder with fewer layers than ``model`` fills its first layers; the rest keep their
+    start (the identity under the default init), so the grown drafter predicts as the
+    folder's does at step 0.
+    """
     cfg, dp, _ = read_drafter(path, target_cfg)
     if (cfg.input_norm, cfg.fc_bias) != (model.cfg.input_norm, model.cfg.fc_bias):
         raise ValueError(f"{path} is not an EAGLE-1 drafter without input norm and with an fc "
                          f"bias (input_norm={cfg.input_norm}, fc_bias={cfg.fc_bias}); it cannot "
                          "start this run")
+    if cfg.num_layers > model.cfg.num_layers:
+        raise ValueError(f"{path} has {cfg.num_layers} decoder layers and this run trains "
+                         f"{model.cfg.num_layers}; pass --drafter-layers {cfg.num_layers} or "
+                         "more to start from it")
     model.fc[...] = jnp.asarray(dp.fc, jnp.float32)
     if model.fc_bias is not None:
         model.fc_bias[...] = jnp.asarray(dp.fc_bias, jnp.float32)
-    for name in model.layer:
-        model.layer[name][...] = jnp.asarray(getattr(dp.layer, name), jnp.float32)
+    # The folder's layers, in order; the model may have more.
+    for layer, loaded in zip(model.layers[:cfg.num_layers], dp.layers, strict=True):
+        for name in layer:
+            layer[name][...] = jnp.asarray(getattr(loaded, name), jnp.float32)
 
 
 def _prior_tokens(path: Path) -> int:

@@ -82,12 +82,16 @@ def init_lora(cfg: DrafterConfig, rank: int, alpha: float, key: Array) -> Lora:
 
 
 def merge(base: DrafterParams, lora: Lora) -> DrafterParams:
-    """The drafter with the deltas folded into W_q and W_v (what the decode loop runs)."""
-    layer = unfuse_layer(base.layer)
+    """The drafter with the deltas folded into W_q and W_v (what the decode loop runs).
+
+    The paper's drafter has one layer; a deeper drafter adapts its first layer's (the one
+    that reads the fused [embedding; feature] input), and its other layers stay frozen.
+    """
+    layer = unfuse_layer(base.layers[0])
     layer = dataclasses.replace(
         layer, wq=layer.wq + lora.scale * (lora.a_q @ lora.b_q).astype(layer.wq.dtype),
         wv=layer.wv + lora.scale * (lora.a_v @ lora.b_v).astype(layer.wv.dtype))
-    return dataclasses.replace(base, layer=layer)
+    return dataclasses.replace(base, layers=(layer, *base.layers[1:]))
 
 
 @pytree.dataclass

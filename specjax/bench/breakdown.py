@@ -48,7 +48,7 @@ from specjax.defaults import resolve_model
 from specjax.drafter import DrafterConfig, DrafterParams, init_drafter_cache
 from specjax.loaded import Drafter, Target
 from specjax.loop import bucket
-from specjax.model import Params, cache_mask, decoder_layer, lm_head, rope_inv_freq
+from specjax.model import LayerParams, Params, cache_mask, decoder_layer, lm_head, rope_inv_freq
 from specjax.speculative import TreeSpec, cache_capacity
 
 PARTS = ("embed_fc", "layer", "head_topk")
@@ -67,13 +67,13 @@ def _embed_fc(embed: Array, dp: DrafterParams, tokens: Array, feats: Array) -> A
 
 
 @partial(jax.jit, static_argnames=("dcfg",), donate_argnames=("k_buf", "v_buf"))
-def _drafter_layer(dp: DrafterParams, dcfg: DrafterConfig, x: Array, positions: Array,
+def _drafter_layer(layer: LayerParams, dcfg: DrafterConfig, x: Array, positions: Array,
                    k_buf: Array, v_buf: Array, lengths: Array, block_mask: Array,
                    write_rows: Array) -> tuple[Array, Array, Array]:
-    """(b): the drafter's layer on x [B, K, d] over a [B, S, Hkv, Dh] cache (donated: the
+    """(b): one drafter layer on x [B, K, d] over a [B, S, Hkv, Dh] cache (donated: the
     decode loop writes its rows in place, so copying the buffers would distort the time)."""
     mask = cache_mask(lengths, block_mask, k_buf.shape[1])
-    return decoder_layer(dcfg.target, dp.layer, x, positions, rope_inv_freq(dcfg.target),
+    return decoder_layer(dcfg.target, layer, x, positions, rope_inv_freq(dcfg.target),
                          k_buf, v_buf, write_rows, mask)
 
 
@@ -148,12 +148,14 @@ def expansion_parts(target: Target, drafter: Drafter, k: int, n_children: int, *
     block = jnp.asarray(block)
     positions = jnp.full((1, k), context + 1, jnp.int32)
     write_rows = jnp.asarray(context + slots, jnp.int32)
-    bufs = {"k": cache.k[0], "v": cache.v[0]}
+    bufs = {"k": list(cache.k), "v": list(cache.v)}
 
-    def layer() -> Array:
-        h, bufs["k"], bufs["v"] = _drafter_layer(drafter.params, drafter.cfg, feats, positions,
-                                                 bufs["k"], bufs["v"], lengths, block,
-                                                 write_rows)
+    def layer() -> Array:  # every drafter layer, in order
+        h = feats
+        for i, lp in enumerate(drafter.params.layers):
+            h, bufs["k"][i], bufs["v"][i] = _drafter_layer(lp, drafter.cfg, h, positions,
+                                                           bufs["k"][i], bufs["v"][i], lengths,
+                                                           block, write_rows)
         return h
 
     b = time_calls(layer, runs)

@@ -39,10 +39,10 @@ from specjax.api import encode_prompts
 from specjax.bench.common import as_command, int_list, machine_info, save_figure, write_json
 from specjax.bench.questions import uses_chat
 from specjax.defaults import resolve_model
-from specjax.drafter import DrafterConfig, DrafterParams
+from specjax.drafter import DrafterConfig, DrafterParams, identity_layer
 from specjax.loaded import Drafter, Target
 from specjax.loop import bucket
-from specjax.model import forward_hidden, init_cache, unfuse_layer
+from specjax.model import forward_hidden, init_cache
 from specjax.speculative import TreeSpec
 from specjax.vocab.head import Candidates
 
@@ -94,11 +94,9 @@ def oracle_drafter(target: Target) -> Drafter:
     cfg = target.cfg
     d = cfg.hidden_size
     dtype = target.params.embed.dtype
-    layer = unfuse_layer(target.params.layers[-1])
-    layer = dataclasses.replace(layer, attn_norm=None, wo=jnp.zeros_like(layer.wo),
-                                w_down=jnp.zeros_like(layer.w_down))
+    layer = dataclasses.replace(identity_layer(target.params.layers[-1]), attn_norm=None)
     fc = jnp.concatenate([jnp.zeros((d, d), dtype), jnp.eye(d, dtype=dtype)], axis=0)
-    params = DrafterParams(fc=fc, layer=layer, fc_bias=jnp.zeros((d,), dtype))
+    params = DrafterParams(fc=fc, layers=(layer,), fc_bias=jnp.zeros((d,), dtype))
     return Drafter(cfg=DrafterConfig(target=cfg, input_norm=False, fc_bias=True),
                    params=params, meta={"oracle": True})
 

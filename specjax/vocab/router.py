@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from jax import Array
 
 from specjax import checkpoint as ckpt
 from specjax import pytree
+from specjax.drafter import DrafterParams
 from specjax.vocab.clusters import (
     Clusters,
     ClustersError,
@@ -154,7 +156,13 @@ def fingerprint(tree: Any) -> str:
     :func:`specjax.vocab.clusters.hash_arrays`), any retrained one differs.
     """
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return hash_arrays((jax.tree_util.keystr(p), leaf) for p, leaf in leaves)
+    names = [jax.tree_util.keystr(p) for p, _ in leaves]
+    if isinstance(tree, DrafterParams):
+        # A drafter's first layer hashes under its path from before deeper drafters
+        # (".layer.wq", not ".layers[0].wq"), so the routers trained for one-layer drafters
+        # stay tied to them.
+        names = [re.sub(r"^\.layers\[0\]\.", ".layer.", n) for n in names]
+    return hash_arrays(zip(names, (leaf for _, leaf in leaves), strict=True))
 
 
 def target_fields_of(cfg: Any, clusters: Clusters | None = None) -> dict[str, Any]:

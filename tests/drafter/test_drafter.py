@@ -54,7 +54,7 @@ def test_incremental_drafting_equals_training_pass(drafter):
 
 
 def test_no_input_norm_by_default_and_gradients_flow(drafter):
-    assert drafter.params().layer.attn_norm is None
+    assert drafter.params().layers[0].attn_norm is None
     embed, tokens, feats = _inputs()
 
     def loss(model):

@@ -244,7 +244,7 @@ def test_training_decreases_loss_and_exports(target, cache, tmp_path):
 
     out = write_drafter(tmp_path / "drafter", res, {"command": "test"})
     cfg, dp, meta = read_drafter(out, target.cfg)
-    assert cfg == res.cfg and dp.layer.attn_norm is None
+    assert cfg == res.cfg and dp.layers[0].attn_norm is None
     for a, b in zip(jax.tree.leaves(dp), jax.tree.leaves(res.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert meta["tokens_seen"] == res.meta["tokens_seen"] > 0 and meta["command"] == "test"
@@ -317,6 +317,21 @@ def test_fine_tuning_starts_from_the_given_drafter(target, cache, tmp_path):
     assert tuned.meta["prior_tokens_seen"] == first.meta["tokens_seen"] > 0
     assert tuned.meta["tokens_seen_total"] == first.meta["tokens_seen"] + tuned.meta["tokens_seen"]
     assert [r["tokens_seen"] for r in tuned.log["eval"]][0] == 0
+
+    # Grown to two layers: the added layer starts as the identity, so the run starts where
+    # the one-layer drafter ended, and then trains it.
+    grown = train_drafter(target.cfg, target.params, train, held,
+                          _tc(steps=5, init_from=str(src), drafter_layers=2), tmp_path / "c",
+                          progress=False)
+    ev2 = {r["tag"]: r for r in grown.log["eval"]}
+    assert ev2["initial"]["loss"] == pytest.approx(ev[0]["final"]["loss"], rel=1e-5)
+    assert grown.cfg.num_layers == 2 and float(jnp.abs(grown.params.layers[1].wo).sum()) > 0
+    deep = write_drafter(tmp_path / "d2", grown, {})
+    assert read_drafter(deep, target.cfg)[0].num_layers == 2
+    with pytest.raises(ValueError, match="has 2 decoder layers and this run trains 1; pass "
+                                         "--drafter-layers 2"):
+        train_drafter(target.cfg, target.params, train, held, _tc(steps=5, init_from=str(deep)),
+                      tmp_path / "e", progress=False)
 
 
 def test_cli_adds_extra_caches_and_refuses_another_targets(target, cache, tmp_path, capsys):
@@ -478,7 +493,7 @@ def test_last_layer_init_of_a_sandwich_norm_target_is_the_identity_with_a_smooth
     src = make_hf_checkpoint(tmp_path / "hf", "gemma3")
     t = specjax.load(specjax.convert(src, tmp_path / "sj", progress=False))
     model = init_drafter(t.cfg, t.params, _tc())
-    layer = model.params().layer
+    layer = model.params().layers[0]
     assert not np.any(np.asarray(layer.post_attn_norm))
     assert not np.any(np.asarray(layer.post_mlp_norm))
     assert np.any(np.asarray(layer.wo)) and np.any(np.asarray(layer.w_down))  # pretrained
@@ -499,5 +514,5 @@ def test_last_layer_init_of_a_sandwich_norm_target_is_the_identity_with_a_smooth
     g = jax.grad(lambda d: jnp.mean(out(d) ** 2))(dp)
     scale = float(jnp.sqrt(jnp.mean(x ** 2)))
     for name in ("wo", "w_down", "post_attn_norm", "post_mlp_norm"):
-        gn = float(jnp.linalg.norm(getattr(g.layer, name)))
+        gn = float(jnp.linalg.norm(getattr(g.layers[0], name)))
         assert np.isfinite(gn) and gn < 100 * scale, (name, gn, scale)

@@ -1,0 +1,121 @@
+"""Drafters with more than one decoder layer: cache, checkpoints, growth, the loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import specjax
+from specjax.checkpoint import MANIFEST, CheckpointError
+from specjax.drafter import (
+    DrafterConfig,
+    DrafterParams,
+    EagleDrafter,
+    drafter_hidden,
+    init_drafter_cache,
+    read_drafter,
+    save_drafter,
+)
+from specjax.loaded import Drafter
+from specjax.tree import TreeSpec
+from tests.drafter.test_drafter import TARGET, _inputs
+from tests.speculative.conftest import PROMPTS
+
+
+@pytest.fixture(scope="module")
+def deep():
+    return EagleDrafter(DrafterConfig(TARGET, num_layers=3), rngs=nnx.Rngs(1))
+
+
+def test_incremental_drafting_equals_training_pass(deep):
+    """Each layer writes its own cache rows: blockwise drafting = one teacher-forced pass."""
+    embed, tokens, feats = _inputs(seed=3)
+    full = deep(embed, tokens, feats)
+    cache = init_drafter_cache(deep.cfg, 2, 16)
+    assert len(cache.k) == 3
+    out = []
+    for s, e in ((0, 4), (4, 5), (5, 12)):
+        pos = jnp.broadcast_to(jnp.arange(s, e), (2, e - s))
+        h, cache = drafter_hidden(deep.params(), deep.cfg, embed, tokens[:, s:e],
+                                  feats[:, s:e], pos, cache)
+        cache = dataclasses.replace(cache, lengths=cache.lengths + (e - s))
+        out.append(h)
+    np.testing.assert_allclose(np.concatenate(out, 1), np.asarray(full), atol=1e-5)
+    # Only the first layer drops its input norm: the others read a residual stream.
+    norms = [lp.attn_norm is None for lp in deep.params().layers]
+    assert norms == [True, False, False]
+
+
+def test_grown_layers_start_as_the_identity():
+    """A drafter grown from a one-layer one predicts exactly as it did, until trained."""
+    rngs = nnx.Rngs(0)
+    one = EagleDrafter(DrafterConfig(TARGET), rngs=rngs)
+    init = dataclasses.replace(one.params().layers[0], attn_norm=jnp.ones((TARGET.hidden_size,)))
+    two = EagleDrafter(DrafterConfig(TARGET, num_layers=2), rngs=rngs, init_layer=init)
+    two.fc[...] = one.fc[...]
+    embed, tokens, feats = _inputs()
+    np.testing.assert_allclose(np.asarray(two(embed, tokens, feats)),
+                               np.asarray(one(embed, tokens, feats)), atol=1e-6)
+    g = jax.grad(lambda dp: jnp.mean(drafter_hidden(
+        dp, two.cfg, embed, tokens, feats, jnp.broadcast_to(jnp.arange(12), (2, 12)),
+        init_drafter_cache(two.cfg, 2, 12))[0] ** 2))(two.params())
+    assert float(jnp.abs(g.layers[1].wo).sum()) > 0  # the added layer learns from step 1
+
+
+def test_checkpoint_round_trip_old_manifests_and_a_lying_config(deep, tmp_path):
+    out = save_drafter(tmp_path / "d", deep.cfg, deep.params())
+    cfg, params, _ = read_drafter(out, TARGET)
+    assert cfg == deep.cfg and len(params.layers) == 3
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(deep.params()), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    one = EagleDrafter(DrafterConfig(TARGET), rngs=nnx.Rngs(0))
+    old = save_drafter(tmp_path / "old", one.cfg, one.params())
+    manifest = json.loads((old / MANIFEST).read_text())
+    assert all(not n.startswith("layers.") for n in manifest["tensors"])  # "layer.*" as before
+    del manifest["config"]["num_layers"]  # a folder written before deeper drafters
+    (old / MANIFEST).write_text(json.dumps(manifest))
+    assert read_drafter(old, TARGET)[0].num_layers == 1
+
+    manifest["config"]["num_layers"] = 2
+    (old / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="num_layers=2 but the tensors hold 1 layers"):
+        read_drafter(old, TARGET)
+    manifest["config"]["num_layers"] = 0
+    (old / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="num_layers must be an integer >= 1"):
+        read_drafter(old, TARGET)
+    with pytest.raises(ValueError, match="at least one decoder layer"):
+        DrafterConfig(TARGET, num_layers=0)
+
+
+def test_greedy_equals_vanilla_with_a_two_layer_drafter(tiny_target, fitted_drafter):
+    """The fitted drafter's layer under a second, random layer: a poor drafter, never a
+    different output; the identity-started one accepts exactly as the fitted drafter."""
+    vanilla = specjax.generate(tiny_target, PROMPTS, max_new_tokens=32,
+                               stop_on_eos=False).tokens
+    fitted = fitted_drafter.params
+    cfg = dataclasses.replace(fitted_drafter.cfg, num_layers=2)
+    grown = EagleDrafter(cfg, rngs=nnx.Rngs(0), init_layer=tiny_target.params.layers[-1])
+    identity_second = grown.params().layers[1]
+    rs = np.random.RandomState(0)
+    noisy_second = jax.tree.map(lambda a: jnp.asarray(a + 0.05 * rs.randn(*a.shape), a.dtype),
+                                identity_second)
+    tree = TreeSpec("eagle2", depth=4, top_k=3, total_tokens=10)
+    stats = {}
+    for name, second in (("identity", identity_second), ("noisy", noisy_second)):
+        dp = DrafterParams(fc=fitted.fc, layers=(fitted.layers[0], second),
+                           fc_bias=fitted.fc_bias)
+        res = specjax.generate(tiny_target, PROMPTS, max_new_tokens=32, stop_on_eos=False,
+                               drafter=Drafter(cfg=cfg, params=dp), tree=tree)
+        assert res.tokens == vanilla, name
+        stats[name] = res.stats["accept_lengths"]
+    one = specjax.generate(tiny_target, PROMPTS, max_new_tokens=32, stop_on_eos=False,
+                           drafter=fitted_drafter, tree=tree)
+    assert stats["identity"] == one.stats["accept_lengths"]
