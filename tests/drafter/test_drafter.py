@@ -39,18 +39,25 @@ def _inputs(b=2, t=12, seed=0):
     return embed, tokens, feats
 
 
-def test_incremental_drafting_equals_training_pass(drafter):
-    embed, tokens, feats = _inputs()
-    full = drafter(embed, tokens, feats)
-    cache = init_drafter_cache(drafter.cfg, 2, 16)
+def blockwise_hidden(drafter, embed, tokens, feats, blocks) -> np.ndarray:
+    """The drafter's hidden states over [B, T] tokens drafted block by block through its
+    cache, blocks = ((start, end), ...) covering 0..T."""
+    cache = init_drafter_cache(drafter.cfg, tokens.shape[0], 16)
     out = []
-    for s, e in ((0, 5), (5, 6), (6, 12)):
-        pos = jnp.broadcast_to(jnp.arange(s, e), (2, e - s))
+    for s, e in blocks:
+        pos = jnp.broadcast_to(jnp.arange(s, e), (tokens.shape[0], e - s))
         h, cache = drafter_hidden(drafter.params(), drafter.cfg, embed, tokens[:, s:e],
                                   feats[:, s:e], pos, cache)
         cache = dataclasses.replace(cache, lengths=cache.lengths + (e - s))
         out.append(h)
-    np.testing.assert_allclose(np.concatenate(out, 1), np.asarray(full), atol=1e-5)
+    return np.concatenate(out, 1)
+
+
+def test_incremental_drafting_equals_training_pass(drafter):
+    embed, tokens, feats = _inputs()
+    np.testing.assert_allclose(
+        blockwise_hidden(drafter, embed, tokens, feats, ((0, 5), (5, 6), (6, 12))),
+        np.asarray(drafter(embed, tokens, feats)), atol=1e-5)
 
 
 def test_no_input_norm_by_default_and_gradients_flow(drafter):
