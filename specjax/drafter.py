@@ -55,7 +55,7 @@ class DrafterMismatchError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
-    """Static drafter architecture; the decoder layer is shaped like the target's."""
+    """Static drafter architecture; each decoder layer is shaped like the target's."""
 
     target: ModelConfig  # the layers' shapes, RoPE and norms; its num_layers is ignored
     input_norm: bool = False  # EAGLE-1 drops the first layer's input RMSNorm
