@@ -147,7 +147,8 @@ def test_eagle1_numerics(tmp_path, family, fc_bias, input_norm, fmt):
     cfg, params, meta = read_drafter(out, target)
     assert (cfg.fc_bias, cfg.input_norm) == (fc_bias, input_norm)
     assert cfg.target.rope_theta == 5000.0 and meta["source_format"] == "eagle"
-    assert (params.fc_bias is None) != fc_bias and (params.layers[0].attn_norm is None) != input_norm
+    assert (params.fc_bias is None) != fc_bias
+    assert (params.layers[0].attn_norm is None) != input_norm
 
     tokens, (feats,) = _random_inputs(BASE["hidden_size"])
     with torch.no_grad():
