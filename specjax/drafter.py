@@ -63,9 +63,10 @@ class DrafterConfig:
     num_layers: int = 1  # the drafter's own decoder layers (EAGLE: 1)
 
     def __post_init__(self):
-        if not isinstance(self.num_layers, int) or self.num_layers < 1:
-            raise ValueError(f"a drafter needs at least one decoder layer, got num_layers="
-                             f"{self.num_layers!r}")
+        n = self.num_layers
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"a drafter needs at least one decoder layer: num_layers must be "
+                             f"an integer >= 1, got {n!r}")
 
     def check_target(self, cfg: ModelConfig, what: str = "drafter") -> None:
         """Refuse a target whose width, vocabulary or family differs, naming each field."""
@@ -118,13 +119,10 @@ class DrafterConfig:
             if not isinstance(d.get(name), bool):
                 raise ValueError(f"drafter config field {name} must be true or false, got "
                                  f"{d.get(name)!r}")
-        # Written before deeper drafters existed: absent means EAGLE's one layer.
-        num_layers = d.get("num_layers", 1)
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"drafter config field num_layers must be an integer >= 1, got "
-                             f"{num_layers!r}")
+        # Absent in folders written before deeper drafters: EAGLE's one layer. The value is
+        # checked by __post_init__.
         return cls(target=ModelConfig.from_json(d.get("target")), input_norm=d["input_norm"],
-                   fc_bias=d["fc_bias"], num_layers=num_layers)
+                   fc_bias=d["fc_bias"], num_layers=d.get("num_layers", 1))
 
 
 @pytree.dataclass
@@ -208,6 +206,7 @@ class EagleDrafter(nnx.Module):
         init = nnx.initializers.normal(0.02)
         self.fc = nnx.Param(init(rngs.params(), (2 * d, d)))
         self.fc_bias = nnx.Param(jnp.zeros((d,))) if cfg.fc_bias else None
+
         def random_layer() -> LayerParams:
             shapes = dict(wq=(d, q), wk=(d, kv), wv=(d, kv), wo=(q, d), w_gate=(d, f),
                           w_up=(d, f), w_down=(f, d))
@@ -229,16 +228,16 @@ class EagleDrafter(nnx.Module):
             # one-layer drafter starts with exactly its predictions.
             first = unfuse_layer(init_layer)
             layers = [first] + [identity_layer(first)] * (cfg.num_layers - 1)
+        if not cfg.input_norm:  # only the first layer: the others read a residual stream
+            layers[0] = dataclasses.replace(layers[0], attn_norm=None)
         # One nnx.Param per LayerParams field; a None field stays None. Copy: the init layer
         # is often the target's own weights, which training must never alias (a donated or
         # updated buffer would corrupt the target).
         self.layers = nnx.List([
-            nnx.Dict({k.name: nnx.Param(jnp.array(getattr(layer, k.name), jnp.float32,
-                                                  copy=True))
-                      for k in dataclasses.fields(LayerParams)
-                      if getattr(layer, k.name) is not None
-                      and not (i == 0 and k.name == "attn_norm" and not cfg.input_norm)})
-            for i, layer in enumerate(layers)])
+            nnx.Dict({f.name: nnx.Param(jnp.array(w, jnp.float32, copy=True))
+                      for f in dataclasses.fields(LayerParams)
+                      if (w := getattr(layer, f.name)) is not None})
+            for layer in layers])
 
     def params(self) -> DrafterParams:
         layers = tuple(LayerParams(**{f.name: (layer[f.name][...] if f.name in layer else None)
