@@ -305,7 +305,8 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
       verify_s (eager mode only), vocab, mean_shortlist_size (valid candidates per
       expanded node), shortlist_coverage (the fraction of steps whose first
       committed token was in the root's shortlist), mean_tree_size (valid tree nodes
-      per step, root included) and mean_drafter_calls (per step)). ``compile_s`` is the time spent
+      per step, root included), mean_drafter_calls (per step) and chained_fraction (the
+      fraction of steps that verified a lookup chain)). ``compile_s`` is the time spent
       compiling (or loading from the persistent cache, see :mod:`specjax.compile_cache`)
       during the call, ``compiles`` how many programs; ``decode_tokens_per_s`` leaves the
       decode loop's compile time out, ``wall_s`` and ``tokens_per_s`` include it.

@@ -175,6 +175,7 @@ class SpecRunner:
                 "shortlist_coverage": float(np.sum(st.shortlist_hits) / forwards),
                 "mean_tree_size": float(np.sum(st.tree_nodes) / forwards),
                 "mean_drafter_calls": float(np.sum(st.drafter_calls) / forwards),
+                "chained_fraction": float(np.sum(st.chained_steps) / forwards),
                 "tree": dataclasses.asdict(self.spec.tree),
                 **(self.head.summary(state.vocab) if self.head.stateful else {})}
 

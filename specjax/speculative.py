@@ -39,6 +39,7 @@ from specjax.config import ModelConfig
 from specjax.draft_model import DraftModel
 from specjax.kv import compact_cache
 from specjax.loop import (
+    PAD,
     Limits,
     Output,
     bucket,
@@ -51,6 +52,7 @@ from specjax.model import KVCache, Params, forward_hidden, lm_head
 from specjax.sampling import StaticSampling, target_probs
 from specjax.sharding import constrain_state
 from specjax.tree import DraftTree, TreeSpec
+from specjax.tree.lookup import committed_history, graft_chain, lookup_continuation
 from specjax.verify import committed_tokens, verify_greedy, verify_sampling
 from specjax.vocab.head import Feedback, VocabHead
 
@@ -98,6 +100,12 @@ class SpecConfig:
     attention: str = "dense"
 
     def __post_init__(self):
+        if (self.tree.lookup and self.tree.samples_children and not self.sampling.greedy
+                and not self.assume_q_one):
+            raise ValueError(f"a {self.tree.kind} tree samples its children from the drafter's "
+                             f"q when sampling, and verifies them against q, which a lookup "
+                             f"chain's copied tokens were not drawn from: use lookup with "
+                             f"temperature 0, an eagle2 tree, or topk_children=True")
         if self.record_top_l and self.tree.skips_expansions:
             raise ValueError(f"router data (record_top_l) is recorded from every expansion; a "
                              f"{self.tree.kind} tree skips some at run time: collect with an "
@@ -117,6 +125,8 @@ class SpecStats:
       trees realise fewer than their budget).
     drafter_calls: [B] int32 sum over steps of the drafter calls made (a dyspec-threshold
       tree skips the layers with nothing worth expanding).
+    chained_steps: [B] int32 steps whose verified tree held this row's lookup chain (0
+      without one): the rest verified the smaller tree (``TreeSpec.lookup_min``).
     """
 
     accept_lens: Array
@@ -125,6 +135,7 @@ class SpecStats:
     shortlist_hits: Array
     tree_nodes: Array
     drafter_calls: Array
+    chained_steps: Array
 
     @classmethod
     def zeros(cls, batch: int, out_len: int) -> SpecStats:
@@ -133,7 +144,8 @@ class SpecStats:
                    shortlist_size=jnp.zeros((batch,), jnp.float32),
                    shortlist_hits=jnp.zeros((batch,), jnp.int32),
                    tree_nodes=jnp.zeros((batch,), jnp.int32),
-                   drafter_calls=jnp.zeros((batch,), jnp.int32))
+                   drafter_calls=jnp.zeros((batch,), jnp.int32),
+                   chained_steps=jnp.zeros((batch,), jnp.int32))
 
 
 @pytree.dataclass
@@ -149,6 +161,9 @@ class SpecState:
     # states at the token before it; w = the drafter's width)
     stats: SpecStats
     vocab: Any = None  # a stateful head's per-row state (EvoSpec's buffer); None otherwise
+    # The prompts [B, P], PAD past each row's length, when the tree grafts a lookup chain
+    # (it searches prompt + output); None otherwise.
+    prompt: Array | None = None
 
 
 @pytree.dataclass
@@ -171,6 +186,10 @@ class Draft:
     tree: DraftTree
     dcache: KVCache  # the drafter cache with the tree's workspace rows written
     shortlists: Shortlists
+    # With a lookup chain: the tree before the graft, and [B] bool which rows grafted one
+    # (their suffix matched at least ``TreeSpec.lookup_min`` tokens); None otherwise.
+    unchained: DraftTree | None = None
+    chained: Array | None = None
 
 
 def _row_gather(x: Array, idx: Array) -> Array:
@@ -205,7 +224,12 @@ def spec_prefill(params: Params, dparams: Any, prompt: Array, prompt_lens: Array
         output=output, limits=limits, tcache=tcache,
         dcache=dataclasses.replace(dcache, lengths=tcache.lengths), root=output.tokens[:, 0],
         root_feat=last_valid(feats, prompt_lens), stats=SpecStats.zeros(b, out_len),
-        vocab=vocab))
+        vocab=vocab, prompt=padded_prompt(prompt, prompt_lens) if spec.tree.lookup else None))
+
+
+def padded_prompt(prompt: Array, prompt_lens: Array) -> Array:
+    """[B, P] prompts with PAD past each row's length (what a lookup chain searches)."""
+    return jnp.where(jnp.arange(prompt.shape[1]) < prompt_lens[:, None], prompt, PAD)
 
 
 def draft_phase(params: Params, dparams: Any, head: VocabHead, state: SpecState,
@@ -256,10 +280,20 @@ def draft_phase(params: Params, dparams: Any, head: VocabHead, state: SpecState,
         tree, (dcache, _, size_sum, calls) = spec.tree.build(
             expand, carry, state.root, sub if sampled else None,
             state.limits.temperature if sampled else 0.0, spec.cfg.vocab_size)
+        unchained = chained = None
+        if spec.tree.lookup:
+            hist, hist_len = committed_history(state.prompt, state.output.tokens,
+                                               state.output.num_new)
+            chain, match = lookup_continuation(hist, hist_len, spec.tree.lookup,
+                                               spec.tree.lookup_ngram)
+            chained = (match >= spec.tree.lookup_min) & ~state.output.done
+            unchained = tree
+            tree = graft_chain(tree, chain, chained)
         shortlists = Shortlists(root_offer[0].ids[:, 0], root_offer[0].valid[:, 0],
                                 size_sum / calls.astype(jnp.float32), calls,
                                 tuple(records) if spec.record_top_l else None)
-    return (Draft(tree=tree, dcache=dcache, shortlists=shortlists),
+    return (Draft(tree=tree, dcache=dcache, shortlists=shortlists, unchained=unchained,
+                  chained=chained),
             dataclasses.replace(state, output=output))
 
 
@@ -268,7 +302,21 @@ def verify_phase(params: Params, dparams: Any, head: VocabHead, state: SpecState
     """Verify the tree with the target, accept, update both caches and the output.
 
     A stateful ``head`` then observes the step (:class:`~specjax.vocab.head.Feedback`).
+    When the draft carries the tree without its lookup chain (``draft.unchained``), a step
+    in which no row found a chain verifies that smaller tree instead (``lax.cond``: one
+    branch runs), so a chain costs verify rows only where the lookup matched.
     """
+    if draft.unchained is None:
+        return _verify_tree(params, dparams, head, state, draft, spec)
+    return jax.lax.cond(
+        jnp.any(draft.chained), lambda: _verify_tree(params, dparams, head, state, draft, spec),
+        lambda: _verify_tree(params, dparams, head, state,
+                             dataclasses.replace(draft, tree=draft.unchained,
+                                                 chained=jnp.zeros_like(draft.chained)), spec))
+
+
+def _verify_tree(params: Params, dparams: Any, head: VocabHead, state: SpecState, draft: Draft,
+                 spec: SpecConfig) -> SpecState:
     tree = draft.tree
     b, t = tree.tokens.shape
     dm = spec.drafter
@@ -319,7 +367,9 @@ def verify_phase(params: Params, dparams: Any, head: VocabHead, state: SpecState
             shortlist_size=st.shortlist_size + jnp.where(live, sl.mean_size, 0.0),
             shortlist_hits=st.shortlist_hits + (live & hit),
             tree_nodes=st.tree_nodes + jnp.where(live, jnp.sum(tree.valid, axis=1), 0),
-            drafter_calls=st.drafter_calls + jnp.where(live, sl.calls, 0))
+            drafter_calls=st.drafter_calls + jnp.where(live, sl.calls, 0),
+            chained_steps=st.chained_steps + (
+                0 if draft.chained is None else live & draft.chained))
     vocab = state.vocab
     if head.stateful:
         with jax.named_scope("observe"):
@@ -337,7 +387,7 @@ def verify_phase(params: Params, dparams: Any, head: VocabHead, state: SpecState
         root=jnp.where(live, acc.bonus, state.root),
         root_feat=jnp.where(live[:, None], _row_gather(feats, last[:, None])[:, 0],
                             state.root_feat),
-        stats=stats, vocab=vocab))
+        stats=stats, vocab=vocab, prompt=state.prompt))
 
 
 def spec_step(params: Params, dparams: Any, head: VocabHead, state: SpecState,

@@ -77,6 +77,13 @@ class TreeSpec:
       verify with the point-mass rule (EAGLE-2's), instead of drawing children without
       replacement and verifying by multi-draft rejection sampling. Both are exact; with a
       weak drafter and a peaked target the top-k children are accepted more often.
+    lookup: any kind; tokens of a chain copied from the committed text
+      (:mod:`specjax.tree.lookup`) grafted onto the drafter's tree every step, 0 = none.
+      They add ``lookup`` nodes to T and may reach depth ``lookup``.
+    lookup_ngram: the longest suffix of the committed text the lookup matches.
+    lookup_min: the shortest suffix match that grafts the chain. A step where no row
+      matched that many tokens verifies the tree without the chain's nodes (a smaller
+      verify forward); 1 grafts whenever the last token occurred before.
     """
 
     kind: str = "eagle2"
@@ -87,6 +94,9 @@ class TreeSpec:
     threshold: float = 0.0
     frontier: int = 0
     topk_children: bool = False
+    lookup: int = 0
+    lookup_ngram: int = 3
+    lookup_min: int = 1
 
     def __post_init__(self):
         if self.kind not in BUILDERS:
@@ -102,6 +112,13 @@ class TreeSpec:
         if self.frontier and self.kind != "dyspec-threshold":
             raise ValueError(f"only dyspec-threshold trees take a frontier cap; a {self.kind} "
                              f"tree got frontier={self.frontier}")
+        for name, least in (("lookup", 0), ("lookup_ngram", 1), ("lookup_min", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"tree {name} must be an int >= {least}, got {v!r}")
+        if self.lookup_min > self.lookup_ngram:
+            raise ValueError(f"tree lookup_min ({self.lookup_min}) cannot exceed lookup_ngram "
+                             f"({self.lookup_ngram}), the longest match the lookup tries")
         if not isinstance(self.topk_children, bool):
             raise ValueError(f"tree topk_children must be a bool, got {self.topk_children!r}")
         if self.topk_children and not self.kind.startswith("dyspec"):
@@ -116,12 +133,13 @@ class TreeSpec:
 
     @property
     def num_nodes(self) -> int:
-        """T, the tree's nodes including the root."""
-        return self.builder.num_nodes(self)
+        """T, the tree's nodes including the root (and the lookup chain's)."""
+        return self.builder.num_nodes(self) + self.lookup
 
     @property
     def max_depth(self) -> int:
-        return self.builder.max_depth(self)
+        """The deepest node: the longest path verification can accept."""
+        return max(self.builder.max_depth(self), self.lookup)
 
     @property
     def workspace(self) -> int:
@@ -156,6 +174,9 @@ class TreeSpec:
             d.pop("frontier")
         if not self.kind.startswith("dyspec"):
             d.pop("topk_children")
+        if not self.lookup:  # trees saved before lookup chains read and write unchanged
+            for name in ("lookup", "lookup_ngram", "lookup_min"):
+                d.pop(name)
         return d
 
     @classmethod

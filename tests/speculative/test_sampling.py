@@ -95,6 +95,10 @@ TREES = {
     "dyspec-topk": specjax.TreeSpec("dyspec", total_tokens=5, topk_children=True),
     "dyspec-threshold-topk": specjax.TreeSpec("dyspec-threshold", total_tokens=6, depth=3,
                                               threshold=0.05, frontier=2, topk_children=True),
+    # A chain copied from the prompt grafted on (specjax.tree.lookup): deterministic drafts,
+    # verified by the point-mass rule beside the drafter's top-k children.
+    "eagle2-topk-lookup": specjax.TreeSpec("eagle2", depth=2, top_k=3, total_tokens=5,
+                                           lookup=3),
 }
 
 

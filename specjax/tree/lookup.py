@@ -1,0 +1,139 @@
+"""Lookup drafts: a chain copied from the committed text, grafted onto the drafter's tree.
+
+Small targets copy their context. On the 24 Spec-Bench prompts, SmolLM2-135M's greedy
+answer continues a span that occurred earlier (prompt or answer) so often that copying the
+token that followed the longest matching suffix predicts the next token 46% of the time,
+against 34% for the trained one-layer drafter, and one of the two is right 65% of the
+time (docs/benchmarks.md). A one-layer drafter cannot copy: finding where the current
+token occurred before and reading the token after it takes an induction circuit, two
+attention layers in a row. So the draft step adds a chain found by lookup, as prompt
+lookup decoding (Saxena, 2023) and SAM-Decoding (Hu et al., 2024) do beside a drafter:
+
+* :func:`lookup_continuation` finds the latest earlier occurrence of the longest suffix
+  (up to ``ngram`` tokens) of the committed text and proposes the ``length`` tokens that
+  followed it. When the occurrence ends right before the suffix (a repetition loop), the
+  continuation repeats the period instead of running out of text.
+* :func:`graft_chain` merges that chain into the drafter's tree: it walks down existing
+  nodes while their tokens agree, and hangs the rest below the last one as new nodes, so
+  no node gains a child that repeats a sibling's token.
+
+Verification needs nothing new. Grafted nodes are deterministic drafts, so greedy
+verification accepts them by the target's argmax and sampling verification by the
+point-mass rule (exact for any fixed list of distinct children). A tree whose children were
+*sampled* from q is verified with q, which a copied token was not drawn from: such trees
+take no lookup chain at temperature > 0 (``SpecConfig`` refuses the combination).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+from specjax.loop import PAD  # the Output's empty slot; never a token id
+from specjax.tree.base import DraftTree, finish_tree
+
+
+def committed_history(prompt: Array, out_tokens: Array, num_new: Array) -> tuple[Array, Array]:
+    """Each row's committed text, prompt then output, left-aligned.
+
+    Args:
+      prompt: [B, P] int32 right-padded with PAD (-1) past each row's prompt.
+      out_tokens: [B, N] int32 the output (PAD past ``num_new``); its last committed token
+        is the step's root.
+      num_new: [B] int32 committed output tokens.
+    Returns:
+      (history [B, P + N] int32, PAD past ``lengths``; lengths [B] int32).
+    """
+    p = prompt.shape[1]
+    plen = jnp.sum(prompt != PAD, axis=1).astype(jnp.int32)
+    i = jnp.arange(p + out_tokens.shape[1])[None, :]
+    src = jnp.where(i < plen[:, None], i, p + i - plen[:, None])
+    both = jnp.concatenate([prompt, out_tokens], axis=1)
+    hist = jnp.take_along_axis(both, jnp.clip(src, 0, both.shape[1] - 1), axis=1)
+    lengths = plen + num_new
+    return jnp.where(i < lengths[:, None], hist, PAD), lengths
+
+
+def lookup_continuation(history: Array, lengths: Array, length: int,
+                        ngram: int) -> tuple[Array, Array]:
+    """The ``length`` tokens that followed the latest earlier occurrence of the longest
+    suffix of ``history`` (at most ``ngram`` tokens, at least one).
+
+    Args:
+      history: [B, N] int32, valid in ``[0, lengths[b])``.
+      lengths: [B] int32.
+      length: static, tokens to propose.
+      ngram: static, the longest suffix tried.
+    Returns:
+      (tokens [B, length] int32, match [B] int32 the suffix length matched, 0..ngram). Rows
+      where the last token never occurred before have ``match == 0`` (their tokens are
+      meaningless).
+    """
+    b, n = history.shape
+    j = jnp.arange(n)[None, :]  # where an earlier occurrence of the suffix ends
+    run = jnp.ones((b, n), bool)
+    match = jnp.zeros((b, n), jnp.int32)
+    for g in range(ngram):
+        at = lengths - 1 - g
+        s = jnp.take_along_axis(history, jnp.clip(at, 0, n - 1)[:, None], axis=1)  # [B, 1]
+        back = jnp.pad(history, ((0, 0), (g, 0)), constant_values=PAD)[:, :n]  # history[j - g]
+        run = run & (back == s) & (at >= 0)[:, None]
+        match = match + run
+    # Only occurrences that end before the last token count; their continuation starts at
+    # j + 1 <= lengths - 1.
+    match = jnp.where(j < (lengths - 1)[:, None], match, 0)
+    best = jnp.argmax(match * n + j, axis=1).astype(jnp.int32)  # longest, then latest
+    # history[best + 1 ..] continues the suffix; past the last token it continues with the
+    # proposal itself, whose period is lengths - 1 - best.
+    period = jnp.maximum(lengths - 1 - best, 1)
+    idx = best[:, None] + 1 + jnp.arange(length)[None, :] % period[:, None]
+    return (jnp.take_along_axis(history, jnp.clip(idx, 0, n - 1), axis=1),
+            jnp.max(match, axis=1))
+
+
+def graft_chain(tree: DraftTree, tokens: Array, found: Array) -> DraftTree:
+    """Merge a chain below each root into ``tree``; the result has ``T + K`` nodes.
+
+    The chain first follows existing nodes whose tokens agree (root's child, its child,
+    ...); its remaining tokens become nodes ``T, T+1, ..`` below the last node followed.
+    Nodes of the chain not needed (matched inside the tree) and rows with ``found ==
+    False`` are padding. Grafted nodes have ``draft_logp`` 0 (a point mass) and inherit
+    their parent's score; a grafted node has no draft distribution (zeros).
+
+    Args:
+      tree: the drafter's tree, T nodes.
+      tokens: [B, K] int32 the chain, first token the root's child.
+      found: [B] bool rows that have a chain.
+    """
+    b, t = tree.tokens.shape
+    k = tokens.shape[1]
+    cur = jnp.zeros((b,), jnp.int32)
+    matched = jnp.zeros((b,), jnp.int32)
+    following = found
+    for i in range(k):
+        hit = tree.valid & (tree.parent == cur[:, None]) & (tree.tokens == tokens[:, i:i + 1])
+        following = following & jnp.any(hit, axis=1)
+        cur = jnp.where(following, jnp.argmax(hit, axis=1).astype(jnp.int32), cur)
+        matched = matched + following
+    j = jnp.arange(k)[None, :]
+    new_valid = found[:, None] & (matched[:, None] + j < k)
+    new_tokens = jnp.take_along_axis(tokens, jnp.clip(matched[:, None] + j, 0, k - 1), axis=1)
+    new_parent = jnp.where(j == 0, cur[:, None], t + j - 1)
+    at_cur = lambda x: jnp.take_along_axis(x, cur[:, None], axis=1)  # noqa: E731
+    new_depth = at_cur(tree.depth) + 1 + j
+    # Ancestors of grafted node j: those of ``cur``, then grafted nodes 0..j.
+    cur_row = jnp.take_along_axis(tree.ancestors, cur[:, None, None], axis=1)  # [B, 1, T]
+    lower = jnp.concatenate([jnp.broadcast_to(cur_row, (b, k, t)),
+                             jnp.broadcast_to(jnp.asarray(np.tri(k, dtype=bool)), (b, k, k))],
+                            axis=2)
+    upper = jnp.pad(tree.ancestors, ((0, 0), (0, 0), (0, k)))
+    cat = lambda x, y: jnp.concatenate([x, y], axis=1)  # noqa: E731
+    dist = tree.draft_dist
+    if dist is not None:
+        dist = jnp.pad(dist, ((0, 0), (0, k), (0, 0)))
+    return finish_tree(
+        cat(tree.tokens, new_tokens), cat(tree.parent, new_parent), cat(tree.depth, new_depth),
+        cat(tree.valid, new_valid), cat(upper, lower),
+        cat(tree.draft_logp, jnp.zeros((b, k), tree.draft_logp.dtype)),
+        cat(tree.score, jnp.broadcast_to(at_cur(tree.score), (b, k))), dist, tree.sampled)

@@ -1,0 +1,178 @@
+"""Lookup chains: the continuation found, the graft's tree invariants, exact decoding."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import specjax
+from specjax.loop import PAD
+from specjax.sampling import SamplingConfig
+from specjax.speculative import SpecConfig
+from specjax.tree import TreeSpec, ancestors_from_parent
+from specjax.tree.base import DraftTree, finish_tree
+from specjax.tree.lookup import committed_history, graft_chain, lookup_continuation
+from tests.speculative.conftest import PROMPTS
+
+
+def reference_continuation(hist: list[int], length: int,
+                           ngram: int) -> tuple[list[int], int] | None:
+    """Plain Python: the latest earlier occurrence of the longest suffix (<= ngram), the
+    tokens after it (repeating the period when they run into the suffix itself), and the
+    suffix's length."""
+    n = len(hist)
+    for g in range(min(ngram, n - 1), 0, -1):
+        for end in range(n - 2, g - 2, -1):  # an occurrence ending at end < n - 1
+            if hist[end - g + 1:end + 1] == hist[n - g:]:
+                out, src = [], hist[:]
+                for _ in range(length):
+                    out.append(src[end + 1 + len(out)])
+                    src.append(out[-1])
+                return out, g
+    return None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=14), min_size=1, max_size=4),
+       st.integers(1, 5), st.integers(1, 4))
+def test_continuation_matches_a_plain_python_reference(rows, length, ngram):
+    n = 16
+    hist = np.full((len(rows), n), PAD, np.int32)
+    for b, r in enumerate(rows):
+        hist[b, :len(r)] = r
+    toks, match = lookup_continuation(jnp.asarray(hist), jnp.asarray([len(r) for r in rows]),
+                                      length, ngram)
+    for b, r in enumerate(rows):
+        want = reference_continuation(r, length, ngram)
+        assert int(match[b]) == (0 if want is None else want[1]), r
+        if want is not None:
+            assert np.asarray(toks[b]).tolist() == want[0], r
+
+
+def test_continuation_prefers_the_longest_suffix_then_the_latest():
+    # "1 2" occurred at 0-1 (then 7) and "2" alone at 4 (then 9): the two-token match wins.
+    hist = [1, 2, 7, 5, 2, 9, 1, 2]
+    toks, match = lookup_continuation(jnp.asarray([hist]), jnp.asarray([8]), 3, 2)
+    assert int(match[0]) == 2 and np.asarray(toks[0]).tolist() == [7, 5, 2]
+    # A repetition loop: the continuation repeats the period instead of running out.
+    toks, _ = lookup_continuation(jnp.asarray([[4, 8, 3, 8, 3]]), jnp.asarray([5]), 5, 3)
+    assert np.asarray(toks[0]).tolist() == [8, 3, 8, 3, 8]
+
+
+def test_history_is_prompt_then_output():
+    prompt = jnp.asarray([[5, 6, PAD], [7, 8, 9]])
+    out = jnp.asarray([[1, 2, PAD, PAD], [3, PAD, PAD, PAD]])
+    hist, lens = committed_history(prompt, out, jnp.asarray([2, 1]))
+    assert np.asarray(lens).tolist() == [4, 4]
+    assert np.asarray(hist).tolist() == [[5, 6, 1, 2, PAD, PAD, PAD],
+                                         [7, 8, 9, 3, PAD, PAD, PAD]]
+
+
+def small_tree() -> DraftTree:
+    """Root 0 -> {1: a=10, 2: b=11}; 1 -> {3: c=12}; one padding node 4."""
+    tokens = jnp.asarray([[99, 10, 11, 12, 0]])
+    parent = jnp.asarray([[-1, 0, 0, 1, 0]])
+    depth = jnp.asarray([[0, 1, 1, 2, 1]])
+    valid = jnp.asarray([[True, True, True, True, False]])
+    anc = ancestors_from_parent(parent, 2)
+    z = jnp.zeros((1, 5))
+    return finish_tree(tokens, parent, depth, valid, anc, z, z, None, False)
+
+
+def check_invariants(tree: DraftTree) -> None:
+    tok, par, dep, val = (np.asarray(x[0]) for x in (tree.tokens, tree.parent, tree.depth,
+                                                     tree.valid))
+    t = len(tok)
+    assert par[0] == -1 and all(par[i] < i for i in range(1, t))
+    for i in range(1, t):
+        if val[i]:
+            assert val[par[i]] and dep[i] == dep[par[i]] + 1
+    want = np.asarray(ancestors_from_parent(tree.parent, t))[0]
+    got = np.asarray(tree.ancestors[0])
+    assert (got[val] == want[val]).all()
+    # No node has two valid children with one token: verification tries distinct drafts.
+    kids = [(par[i], tok[i]) for i in range(1, t) if val[i]]
+    assert len(kids) == len(set(kids))
+
+
+@pytest.mark.parametrize("chain, grafted", [
+    ([10, 12, 13, 14], [(3, 13), (5, 14)]),  # follows a -> c, hangs 13, 14 below c
+    ([11, 15, 16, 17], [(2, 15), (5, 16), (6, 17)]),  # follows b, then three new nodes
+    ([20, 21, 22, 23], [(0, 20), (5, 21), (6, 22), (7, 23)]),  # a new branch of the root
+    ([10, 12, 99, 98], [(3, 99), (5, 98)]),
+])
+def test_graft_follows_the_tree_then_adds_the_rest(chain, grafted):
+    tree = graft_chain(small_tree(), jnp.asarray([chain]), jnp.asarray([True]))
+    assert tree.num_nodes == 9
+    check_invariants(tree)
+    new = [(int(p), int(t)) for p, t, v in zip(tree.parent[0, 5:], tree.tokens[0, 5:],
+                                               tree.valid[0, 5:], strict=True) if v]
+    assert new == grafted
+
+
+def test_a_row_without_a_chain_gets_padding():
+    tree = graft_chain(small_tree(), jnp.asarray([[20, 21, 22]]), jnp.asarray([False]))
+    assert not np.asarray(tree.valid[0, 5:]).any()
+    check_invariants(tree)
+
+
+def test_spec_json_keeps_old_trees_and_checks_sizes():
+    old = TreeSpec("chain", depth=2)
+    assert "lookup" not in old.to_json()
+    t = TreeSpec("chain", depth=2, lookup=5)
+    assert t.num_nodes == 3 + 5 and t.max_depth == 5
+    assert TreeSpec.from_json(t.to_json()) == t
+    with pytest.raises(ValueError, match="lookup must be an int >= 0"):
+        TreeSpec(lookup=-1)
+    with pytest.raises(ValueError, match="lookup_ngram must be an int >= 1"):
+        TreeSpec(lookup=2, lookup_ngram=0)
+    with pytest.raises(ValueError, match="cannot exceed lookup_ngram"):
+        TreeSpec(lookup=2, lookup_ngram=2, lookup_min=3)
+
+
+def test_sampled_children_refuse_a_lookup_chain(tiny_target, fitted_drafter):
+    sampled = SamplingConfig(temperature=1.0).static()
+    with pytest.raises(ValueError, match="lookup chain"):
+        SpecConfig(cfg=tiny_target.cfg, drafter=fitted_drafter.cfg,
+                   tree=TreeSpec("chain", depth=2, lookup=3), sampling=sampled)
+    for tree in (TreeSpec("eagle2", lookup=3), TreeSpec("dyspec", lookup=3, topk_children=True)):
+        SpecConfig(cfg=tiny_target.cfg, drafter=fitted_drafter.cfg, tree=tree, sampling=sampled)
+    SpecConfig(cfg=tiny_target.cfg, drafter=fitted_drafter.cfg,
+               tree=TreeSpec("chain", depth=2, lookup=3),
+               sampling=SamplingConfig(temperature=0.0).static())
+
+
+@pytest.mark.parametrize("tree", [TreeSpec("chain", depth=2, lookup=4),
+                                  TreeSpec("chain", depth=2, lookup=4, lookup_min=2),
+                                  TreeSpec("eagle2", depth=3, top_k=3, total_tokens=6, lookup=6),
+                                  TreeSpec("dyspec", total_tokens=6, lookup=3)])
+def test_greedy_equals_vanilla_and_the_chain_is_accepted(tiny_target, fitted_drafter, tree):
+    # A random target's greedy text falls into loops, which the lookup chain copies.
+    want = specjax.generate(tiny_target, PROMPTS, max_new_tokens=64, stop_on_eos=False)
+    got = specjax.generate(tiny_target, PROMPTS, max_new_tokens=64, stop_on_eos=False,
+                           drafter=fitted_drafter, tree=tree)
+    assert got.tokens == want.tokens
+    base = specjax.generate(tiny_target, PROMPTS, max_new_tokens=64, stop_on_eos=False,
+                            drafter=fitted_drafter,
+                            tree=TreeSpec.from_json({**tree.to_json(), "lookup": 0,
+                                                     "num_nodes": tree.num_nodes - tree.lookup}))
+    assert got.stats["mean_accepted_length"] > base.stats["mean_accepted_length"]
+    if tree.kind == "chain":  # a commit longer than the chain alone can make
+        assert max(n for row in got.stats["accept_lengths"] for n in row) > tree.depth + 1
+    if tree.lookup_min > 1:  # both branches of verify_phase's cond ran
+        assert 0 < got.stats["chained_fraction"] < 1
+    else:
+        assert got.stats["chained_fraction"] > 0.9
+
+
+def test_eager_takes_the_same_steps_as_compiled(tiny_target, fitted_drafter):
+    tree = TreeSpec("chain", depth=2, lookup=4, lookup_min=2)
+    runs = [specjax.generate(tiny_target, PROMPTS, max_new_tokens=40, stop_on_eos=False,
+                             drafter=fitted_drafter, tree=tree, mode=mode)
+            for mode in ("compiled", "eager")]
+    assert runs[0].tokens == runs[1].tokens
+    for key in ("accept_lengths", "chained_fraction"):
+        assert runs[0].stats[key] == runs[1].stats[key]
