@@ -99,6 +99,16 @@ DEFAULT_GRID = (
     TreeSpec("eagle2", depth=5, top_k=4, total_tokens=16),
     TreeSpec("eagle2", depth=6, top_k=6, total_tokens=24),
 )
+
+
+def with_lookup(grid: Sequence[TreeSpec], lookups: Sequence[int],
+                lookup_min: int = 1) -> tuple[TreeSpec, ...]:
+    """``grid``, then each of its trees with a chain of each length in ``lookups``, so the
+    calibration decides whether a chain pays for its verify rows."""
+    return (*grid, *(dataclasses.replace(t, lookup=k, lookup_min=lookup_min)
+                     for k in lookups for t in grid if not t.lookup))
+
+
 MAL_NOTE = ("MAL = tokens committed per target forward, the target's bonus token included "
             "(Spec-Bench / EAGLE convention; 1.0 means no draft token was ever accepted)")
 
@@ -116,7 +126,8 @@ def select_tree(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
 
     speed = MAL / (verify_latency(T) + draft_time), with MAL from one batched greedy run
     over the calibration prompts (MAL is per row, so batching does not change it and
-    costs one compile per tree), verify latency read off ``curve`` and draft time
+    costs one compile per tree), verify latency read off ``curve`` (for a tree with a
+    lookup chain, averaged over the calibration steps with and without the chain) and draft time
     measured on the jitted draft phase, with the cache that generating ``max_new_tokens``
     from a ``prompt_len``-token prompt allocates for that tree. Vanilla decoding is
     estimated as 1 / latency(1). ``head`` is the drafter's vocabulary head (default full).
@@ -134,11 +145,16 @@ def select_tree(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
         draft = draft_latency(target, drafter, tree, context=ctx,
                               capacity=cache_capacity(prompt_len, max_new_tokens, tree),
                               out_len=bucket(max_new_tokens), runs=runs, head=head)
-        verify_ms = interp_latency(curve, tree.num_nodes)
+        # A lookup chain is verified only on the steps that grafted it (TreeSpec.lookup_min);
+        # the others verify the tree without its rows.
+        chained = res.stats.get("chained_fraction", 0.0) if tree.lookup else 1.0
+        verify_ms = (chained * interp_latency(curve, tree.num_nodes)
+                     + (1 - chained) * interp_latency(curve, tree.num_nodes - tree.lookup))
         mal = res.stats["mean_accepted_length"]
         step_ms = verify_ms + draft["best_ms"]
         rows.append({"label": tree_label(tree), "tree": tree_dict(tree), "mal": mal,
                      "calib_target_forwards": res.stats["target_forwards"],
+                     "chained_fraction": chained if tree.lookup else None,
                      "draft_ms": draft["best_ms"], "draft_median_ms": draft["median_ms"],
                      "verify_ms": verify_ms, "step_ms": step_ms,
                      "est_tokens_per_s": 1e3 * mal / step_ms,
@@ -614,6 +630,11 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "the drafter's measured head, else full)")
     p.add_argument("--no-resume", action="store_true",
                    help="ignore and remove the partial results of an interrupted run")
+    p.add_argument("--grid-max-nodes", type=int, default=max(t.num_nodes for t in DEFAULT_GRID),
+                   help="--tree auto: calibrate only the grid's trees of at most this many "
+                        "nodes, root included, before any lookup chain (default: all; each "
+                        "tree compiles its own programs, and XLA:CPU runs out of mappings "
+                        "after ~50 trees with chains)")
     p.add_argument("--save-default-tree", action="store_true",
                    help="store the chosen tree and this run's head in the drafter's folder "
                         "(default_tree.json): generate then uses them when given none")
@@ -624,6 +645,9 @@ def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
     """The :class:`SpecBenchConfig` that :func:`add_spec_args`'s flags describe."""
     return SpecBenchConfig(resolve_model(args.model), args.drafter, per_task=args.per_task,
                            max_new_tokens=args.max_new_tokens, tree=tree_from_args(args),
+                           grid=with_lookup([t for t in DEFAULT_GRID
+                                             if t.num_nodes <= args.grid_max_nodes],
+                                            args.tree_lookup, args.tree_lookup_min),
                            questions=args.questions, out=Path(args.out),
                            tasks=[t for t in args.tasks.split(",") if t],
                            eager_per_task=args.eager_per_task, dtype=args.dtype,

@@ -23,6 +23,24 @@ def add_tree_args(p: argparse.ArgumentParser, *, auto: bool) -> None:
     p.add_argument("--tree-tokens", type=int, default=None,
                    help=f"EAGLE-2 draft tokens per step, root excluded (default "
                         f"{d.total_tokens})")
+    p.add_argument("--tree-lookup", type=lookup_sizes, default=(),
+                   help="graft a chain of this many tokens copied from the committed text "
+                        "onto the tree (prompt lookup); with auto, a comma list: the grid "
+                        "adds every tree with each size (default: none)")
+    p.add_argument("--tree-lookup-min", type=int, default=1,
+                   help="the shortest suffix match that grafts the lookup chain; a step with "
+                        "none verifies the tree alone (default 1)")
+
+
+def lookup_sizes(text: str) -> tuple[int, ...]:
+    """``--tree-lookup``'s value: comma-separated chain lengths >= 1."""
+    try:
+        sizes = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"want chain lengths >= 1 such as 4 or 4,8; got {text!r}")
+    return sizes
 
 
 def tree_from_args(args: argparse.Namespace) -> TreeSpec | None:
@@ -33,8 +51,11 @@ def tree_from_args(args: argparse.Namespace) -> TreeSpec | None:
         if given:
             raise ValueError("--tree-depth/--tree-top-k/--tree-tokens need --tree eagle2|chain")
         return None
+    if len(args.tree_lookup) > 1:
+        raise ValueError("a fixed --tree takes one --tree-lookup size; lists are for --tree auto")
     d = TreeSpec()
-    return TreeSpec(kind=args.tree,
+    return TreeSpec(kind=args.tree, lookup=args.tree_lookup[0] if args.tree_lookup else 0,
+                    lookup_min=args.tree_lookup_min,
                     depth=d.depth if args.tree_depth is None else args.tree_depth,
                     top_k=d.top_k if args.tree_top_k is None else args.tree_top_k,
                     total_tokens=d.total_tokens if args.tree_tokens is None
@@ -47,7 +68,16 @@ def tree_dict(tree: TreeSpec) -> dict[str, Any]:
 
 
 def tree_label(tree: TreeSpec) -> str:
-    """A short name that fixes the tree's shape: ``eagle2 d4 k4 n8``, ``dyspec n8``, ..."""
+    """A short name that fixes the tree's shape: ``eagle2 d4 k4 n8``, ``dyspec n8``, ...,
+    then `` +lookup4`` for a grafted lookup chain (``+lookup4 m2``: grafted on a match of
+    two tokens or more)."""
+    if not tree.lookup:
+        return _shape_label(tree)
+    least = f" m{tree.lookup_min}" if tree.lookup_min > 1 else ""
+    return f"{_shape_label(tree)} +lookup{tree.lookup}{least}"
+
+
+def _shape_label(tree: TreeSpec) -> str:
     if tree.kind == "chain":
         return f"chain d{tree.depth}"
     if tree.kind == "static":

@@ -105,7 +105,7 @@ def run_chat(args: argparse.Namespace) -> int:
     drafter = _resolve_drafter(args, target)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                  tree=None if drafter is None else _tree(args), vocab=args.vocab)
+                  tree=None if drafter is None else _tree(args, drafter), vocab=args.vocab)
     if drafter is None:
         kwargs.pop("tree")
         kwargs["vocab"] = "full"

@@ -79,6 +79,12 @@ def _add_tree(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-frontier", type=int, default=0,
                    help="dyspec-threshold: the most nodes expanded per layer, those of "
                         "highest value (default 0: every node of the layer)")
+    p.add_argument("--tree-lookup", type=int, default=0,
+                   help="graft a chain of this many tokens copied from the prompt and output "
+                        "(prompt lookup) onto the tree every step; alone, onto the default "
+                        "tree (default 0: none)")
+    p.add_argument("--tree-lookup-min", type=int, default=1,
+                   help="the shortest suffix match that grafts the lookup chain (default 1)")
     p.add_argument("--tree-topk-children", action="store_true",
                    help="dyspec trees, when sampling: draft children top-k and verify with "
                         "the point-mass rule (EAGLE-2's) instead of sampled children and "
@@ -173,7 +179,9 @@ def _resolve_drafter(args: argparse.Namespace, target: Any) -> Any:
     return specjax.load_drafter(path, target)
 
 
-def _tree(args: argparse.Namespace) -> Any:
+def _tree(args: argparse.Namespace, drafter: Any) -> Any:
+    import dataclasses
+
     from specjax.speculative import TreeSpec
 
     given = {"kind": args.tree, "depth": args.tree_depth, "top_k": args.tree_top_k,
@@ -182,8 +190,12 @@ def _tree(args: argparse.Namespace) -> Any:
         if args.tree_topk_children:
             raise ValueError("--tree-topk-children applies to --tree dyspec or "
                              "dyspec-threshold; name the tree")
+        if args.tree_lookup:  # the default tree, with the chain
+            return dataclasses.replace(drafter.default_tree or TreeSpec(),
+                                       lookup=args.tree_lookup, lookup_min=args.tree_lookup_min)
         return None  # the drafter's measured tree, else TreeSpec()
-    fields = {k: v for k, v in given.items() if v is not None}
+    fields = {k: v for k, v in given.items() if v is not None} | {
+        "lookup": args.tree_lookup, "lookup_min": args.tree_lookup_min}
     if args.tree == "dyspec-threshold":
         fields |= {"threshold": args.tree_threshold, "frontier": args.tree_frontier}
     if args.tree_topk_children:
@@ -229,7 +241,7 @@ def run_generate(args: argparse.Namespace) -> int:
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=not args.no_chat,
                   system=args.system, drafter=drafter,
-                  tree=None if drafter is None else _tree(args), vocab=args.vocab)
+                  tree=None if drafter is None else _tree(args, drafter), vocab=args.vocab)
     if args.stream:
         for chunk in specjax.stream(target, prompts, **kwargs):
             print(chunk.text, end="", flush=True)
