@@ -13,6 +13,13 @@ the loop. It is the held-out top-1 of training, measured on the evaluation promp
 
     python examples/first_draft_agreement.py --drafter A --drafter B [--max-new-tokens 128]
     python examples/first_draft_agreement.py --model gemma3-270m --drafter A
+
+It also scores the lookup chain's first token (:mod:`specjax.tree.lookup`: the token that
+followed the latest earlier occurrence of the longest suffix, up to ``--lookup-ngram``
+tokens and at least ``--lookup-min``, of the prompt + answer so far), alone and together
+with each drafter: "either"
+is the first-draft acceptance of a tree whose root has the drafter's top-1 and the lookup
+token as children.
 """
 
 from __future__ import annotations
@@ -29,11 +36,12 @@ from specjax.bench.questions import TASKS, spec_bench_prompts
 from specjax.defaults import resolve_model, shipped_drafter_for
 from specjax.loop import bucket
 from specjax.model import forward_hidden, init_cache
+from specjax.tree.lookup import lookup_continuation
 
 
-def agreement(target, drafter, seqs: list[tuple[list[int], list[int]]]) -> list[tuple[int, int]]:
-    """Per (prompt, answer) pair, (drafted positions the drafter's top-1 got right, drafted
-    positions): an answer of n tokens has n - 1 (its first token is the prefill's)."""
+def agreement(target, drafter, seqs: list[tuple[list[int], list[int]]]) -> list[np.ndarray]:
+    """Per (prompt, answer) pair, [n - 1] bool: the drafter's top-1 is the next token, at
+    each drafted position (an answer of n tokens has n - 1; its first is the prefill's)."""
     dm = drafter.cfg
     out = []
     for prompt, answer in seqs:
@@ -52,15 +60,32 @@ def agreement(target, drafter, seqs: list[tuple[list[int], list[int]]]) -> list[
         # Position t predicts token t + 1; score the answer's tokens after the first (the
         # first answer token is the prefill's, never drafted).
         lo, hi = len(prompt), len(ids) - 1
-        out.append((int(np.sum(pred[lo:hi] == np.asarray(ids[lo + 1:hi + 1]))), max(hi - lo, 0)))
+        out.append(pred[lo:hi] == np.asarray(ids[lo + 1:hi + 1]))
     return out
 
 
-def pooled(pairs: list[tuple[int, int]]) -> float | None:
+def lookup_hits(seqs: list[tuple[list[int], list[int]]], ngram: int,
+                least: int) -> list[np.ndarray]:
+    """Per pair, [n - 1] bool: the lookup matched >= ``least`` tokens and its chain's first
+    token is the answer's next token."""
+    out = []
+    for prompt, answer in seqs:
+        ids = prompt + answer
+        lo, hi = len(prompt), len(ids) - 1
+        ends = np.arange(lo, hi)  # history ids[:t + 1] predicts ids[t + 1]
+        hist = np.where(np.arange(len(ids))[None] <= ends[:, None], np.asarray(ids)[None], -1)
+        toks, match = lookup_continuation(jnp.asarray(hist, jnp.int32),
+                                          jnp.asarray(ends + 1, jnp.int32), 1, ngram)
+        out.append((np.asarray(match) >= least)
+                   & (np.asarray(toks[:, 0]) == np.asarray(ids[lo + 1:])))
+    return out
+
+
+def pooled(hits: list[np.ndarray]) -> float | None:
     """Hits over drafted positions, pooled (an answer that stopped at once adds nothing);
     None when no position was drafted."""
-    n = sum(c for _, c in pairs)
-    return sum(h for h, _ in pairs) / n if n else None
+    n = sum(len(h) for h in hits)
+    return sum(int(h.sum()) for h in hits) / n if n else None
 
 
 def main() -> None:
@@ -72,6 +97,10 @@ def main() -> None:
                     help="drafter folder (repeat; default: the one shipped for the target)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--per-task", type=int, default=4)
+    ap.add_argument("--lookup-ngram", type=int, default=3,
+                    help="the longest suffix the lookup matches (default 3, TreeSpec's)")
+    ap.add_argument("--lookup-min", type=int, default=1,
+                    help="the shortest match that counts (default 1, TreeSpec's)")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     args = ap.parse_args()
     target = specjax.load(resolve_model(args.model, progress=False))
@@ -82,22 +111,33 @@ def main() -> None:
     seqs = [(e["ids"], a) for e, a in zip(evals, answers, strict=True)]
     result = {"questions": str(qpath), "prompts": len(evals),
               "max_new_tokens": args.max_new_tokens, "drafters": {}}
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    by_task = lambda hits: {t: pooled([h for h, e in zip(hits, evals, strict=True)  # noqa: E731
+                                       if e["task"] == t]) for t in TASKS}
+    look = lookup_hits(seqs, args.lookup_ngram, args.lookup_min)
+    result["lookup"] = {"ngram": args.lookup_ngram, "min": args.lookup_min,
+                        "pooled": pooled(look),
+                        "per_task": by_task(look)}
+    print(f"lookup chain: first-token acceptance {fmt(pooled(look))} "
+          + " ".join(f"{t} {fmt(v)}" for t, v in by_task(look).items()), flush=True)
     shipped = shipped_drafter_for(target.cfg)
     if not args.drafter and shipped is None:
         raise SystemExit(f"no drafter ships for {args.model}; pass --drafter")
     for path in args.drafter or [str(shipped)]:
         drafter = specjax.load_drafter(Path(path), target)
         per = agreement(target, drafter, seqs)
-        by_task = {t: pooled([a for a, e in zip(per, evals, strict=True) if e["task"] == t])
-                   for t in TASKS}
-        overall, empty = pooled(per), sum(c == 0 for _, c in per)
-        result["drafters"][path] = {"pooled": overall, "per_task": by_task,
-                                    "positions": sum(c for _, c in per),
-                                    "empty_answers": empty}
-        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        either = [a | b for a, b in zip(per, look, strict=True)]
+        overall, empty = pooled(per), sum(len(h) == 0 for h in per)
+        result["drafters"][path] = {"pooled": overall, "per_task": by_task(per),
+                                    "positions": sum(len(h) for h in per),
+                                    "empty_answers": empty,
+                                    "either_with_lookup": pooled(either),
+                                    "either_per_task": by_task(either)}
         print(f"{path}: first-draft acceptance {fmt(overall)} "
-              + " ".join(f"{t} {fmt(v)}" for t, v in by_task.items())
-              + f" ({empty} answers with nothing drafted)", flush=True)
+              + " ".join(f"{t} {fmt(v)}" for t, v in by_task(per).items())
+              + f" ({empty} answers with nothing drafted); either it or the lookup "
+              + f"{fmt(pooled(either))} "
+              + " ".join(f"{t} {fmt(v)}" for t, v in by_task(either).items()), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 
