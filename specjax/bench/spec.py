@@ -147,7 +147,7 @@ def select_tree(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
                               out_len=bucket(max_new_tokens), runs=runs, head=head)
         # A lookup chain is verified only on the steps that grafted it (TreeSpec.lookup_min);
         # the others verify the tree without its rows.
-        chained = res.stats.get("chained_fraction", 0.0) if tree.lookup else 1.0
+        chained = res.stats["chained_fraction"] if tree.lookup else 1.0
         verify_ms = (chained * interp_latency(curve, tree.num_nodes)
                      + (1 - chained) * interp_latency(curve, tree.num_nodes - tree.lookup))
         mal = res.stats["mean_accepted_length"]
@@ -633,8 +633,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grid-max-nodes", type=int, default=max(t.num_nodes for t in DEFAULT_GRID),
                    help="--tree auto: calibrate only the grid's trees of at most this many "
                         "nodes, root included, before any lookup chain (default: all; each "
-                        "tree compiles its own programs, and XLA:CPU runs out of mappings "
-                        "after ~50 trees with chains)")
+                        "tree compiles its own programs, and XLA:CPU ran out of memory "
+                        "mappings after ~25 trees with gated chains here)")
     p.add_argument("--save-default-tree", action="store_true",
                    help="store the chosen tree and this run's head in the drafter's folder "
                         "(default_tree.json): generate then uses them when given none")
