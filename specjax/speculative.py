@@ -100,12 +100,6 @@ class SpecConfig:
     attention: str = "dense"
 
     def __post_init__(self):
-        if (self.tree.lookup and self.tree.samples_children and not self.sampling.greedy
-                and not self.assume_q_one):
-            raise ValueError(f"a {self.tree.kind} tree samples its children from the drafter's "
-                             f"q when sampling, and verifies them against q, which a lookup "
-                             f"chain's copied tokens were not drawn from: use lookup with "
-                             f"temperature 0, an eagle2 tree, or topk_children=True")
         if self.record_top_l and self.tree.skips_expansions:
             raise ValueError(f"router data (record_top_l) is recorded from every expansion; a "
                              f"{self.tree.kind} tree skips some at run time: collect with an "
@@ -338,7 +332,7 @@ def _verify_tree(params: Params, dparams: Any, head: VocabHead, state: SpecState
             probs = target_probs(logits, spec.sampling, limits.temperature, limits.top_p)
             acc = verify_sampling(sub, tree.tokens, tree.parent, tree.valid, probs,
                                   tree.draft_dist, sampled=tree.sampled,
-                                  assume_q_one=spec.assume_q_one)
+                                  assume_q_one=spec.assume_q_one, fixed_from=tree.fixed_from)
         k = acc.num_accepted
         last = _row_gather(acc.path, k[:, None])[:, 0]
     with jax.named_scope("compact"):

@@ -120,7 +120,7 @@ def _zero_at(x: Array, tok: Array) -> Array:
 
 def verify_sampling(key: Array, tree_tokens: Array, parent: Array, valid: Array,
                     target_probs: Array, draft_dist: Array | None, *, sampled: bool,
-                    assume_q_one: bool = False) -> Acceptance:
+                    assume_q_one: bool = False, fixed_from: int | None = None) -> Acceptance:
     """Multi-draft rejection sampling over a tree (SpecInfer / Sequoia); lossless.
 
     At the current node u with target distribution p = target_probs[u], the valid children
@@ -145,6 +145,11 @@ def verify_sampling(key: Array, tree_tokens: Array, parent: Array, valid: Array,
     When no child of u is accepted (or u is a leaf), the bonus is drawn from the current p,
     the residual after u's rejected children (p itself at a leaf).
 
+    Nodes from ``fixed_from`` on are deterministic drafts (a grafted lookup chain) and take
+    the point-mass rule in either mode. They must come after all their siblings that take
+    the q-aware rule: by then p is the law of the next token given the rejections so far,
+    and a point-mass step on it is exact for any token fixed before the coins are drawn.
+
     Args:
       key: PRNG key (one for the whole batch).
       tree_tokens: [B, T] int32.
@@ -155,6 +160,7 @@ def verify_sampling(key: Array, tree_tokens: Array, parent: Array, valid: Array,
         outside a shortlist is fine). Required iff ``sampled and not assume_q_one``.
       sampled: static; whether children were sampled without replacement from draft_dist.
       assume_q_one: static; use the point-mass rule even for sampled children (see above).
+      fixed_from: static; the first node index of the deterministic drafts (None: none).
     Returns:
       The accepted path, its length, and the bonus token.
     """
@@ -172,24 +178,24 @@ def verify_sampling(key: Array, tree_tokens: Array, parent: Array, valid: Array,
         cur, path, n, p, q = carry
         tok = tree_tokens[:, i]
         tried = valid[:, i] & (parent[:, i] == cur)
+        fixed = False if fixed_from is None else i >= fixed_from
         if use_q:
             # DySpec's algorithm 3: once the draft residual is all zeros, no sibling is left
-            # that q could have drawn; stop trying children of this node.
-            tried = tried & (jnp.sum(q, axis=-1) > 0)
+            # that q could have drawn; stop trying the sampled children of this node.
+            tried = tried & ((jnp.sum(q, axis=-1) > 0) | fixed)
         px = _pick(p, tok)
+        accept_prob = px
+        p_rej = _normalize(_zero_at(p, tok), p)  # zero mass iff p was a point mass on x
+        q_rej = q
         if use_q:
             qx = _pick(q, tok)
             # q(x) = 0 only if the caller's q is not the law x was drawn from; keep it finite.
             ratio = jnp.where(qx > 0, px / jnp.where(qx > 0, qx, 1.0), (px > 0).astype(p.dtype))
-            accept_prob = jnp.minimum(ratio, 1.0)
+            accept_prob = jnp.where(fixed, accept_prob, jnp.minimum(ratio, 1.0))
             # Zero residual mass means p <= q everywhere, i.e. p == q and a rejection had
             # probability 0; keep p rather than dividing by zero.
-            p_rej = _normalize(jnp.maximum(p - q, 0.0), p)
-            q_rej = _normalize(_zero_at(q, tok), jnp.zeros_like(q))
-        else:
-            accept_prob = px
-            p_rej = _normalize(_zero_at(p, tok), p)  # zero mass iff p was a point mass on x
-            q_rej = q
+            p_rej = jnp.where(fixed, p_rej, _normalize(jnp.maximum(p - q, 0.0), p))
+            q_rej = jnp.where(fixed, q_rej, _normalize(_zero_at(q, tok), jnp.zeros_like(q)))
         accept = tried & (coins[:, i] < accept_prob)
         reject = tried & ~accept
         cur, path, n = _accept(i, accept, cur, path, n)

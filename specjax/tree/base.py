@@ -65,6 +65,9 @@ class DraftTree:
         children were drawn from (zeros for nodes that were never expanded); else None.
       sampled: static; children were drawn by sampling without replacement from q
         (stochastic drafting) rather than taken in deterministic top-k order.
+      fixed_from: static; nodes from this index on are deterministic drafts whatever
+        ``sampled`` says (a grafted lookup chain, :mod:`specjax.tree.lookup`), each after
+        all its drafted siblings; None: no such nodes.
     """
 
     tokens: Array
@@ -76,6 +79,7 @@ class DraftTree:
     score: Array
     draft_dist: Array | None = None
     sampled: bool = pytree.static_field(default=False)
+    fixed_from: int | None = pytree.static_field(default=None)
 
     @property
     def num_nodes(self) -> int:

@@ -18,6 +18,8 @@ from tests.tiny import make_hf_checkpoint
 
 V = 24
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+# Every token occurs in it, so the lookup finds a chain after any first token.
+LOOKUP_PROMPT = PROMPT + [(7 * i) % V for i in range(V)]
 N = 20_000
 TEMP = 1.0
 
@@ -39,7 +41,12 @@ def exact(small_vocab) -> np.ndarray:
     return exact_second_third(small_vocab[0])
 
 
-def exact_second_third(target) -> np.ndarray:
+@pytest.fixture(scope="module")
+def exact_lookup(small_vocab) -> np.ndarray:
+    return exact_second_third(small_vocab[0], LOOKUP_PROMPT)
+
+
+def exact_second_third(target, prompt: list[int] = PROMPT) -> np.ndarray:
     """P(x2, x3) [V, V] after the prompt, marginalising the first generated token x1."""
     cfg, params = target.cfg, target.params
 
@@ -51,9 +58,9 @@ def exact_second_third(target) -> np.ndarray:
         z = np.exp(z - z.max(-1, keepdims=True))
         return z / z.sum(-1, keepdims=True)
 
-    p1 = next_probs(np.asarray([PROMPT]))[0]
-    p2 = next_probs(np.asarray([PROMPT + [a] for a in range(V)]))  # [x1, x2]
-    pairs = np.asarray([PROMPT + [a, b] for a, b in itertools.product(range(V), range(V))])
+    p1 = next_probs(np.asarray([prompt]))[0]
+    p2 = next_probs(np.asarray([prompt + [a] for a in range(V)]))  # [x1, x2]
+    pairs = np.asarray([prompt + [a, b] for a, b in itertools.product(range(V), range(V))])
     p3 = next_probs(pairs).reshape(V, V, V)  # [x1, x2, x3]
     return np.einsum("a,ab,abc->bc", p1, p2, p3)
 
@@ -66,8 +73,9 @@ def pair_counts(tokens: list[list[int]]) -> np.ndarray:
     return counts
 
 
-def sample_second_third(target, drafter, tree, vocab="full") -> tuple[np.ndarray, float]:
-    res = specjax.generate(target, [PROMPT] * N, max_new_tokens=3, temperature=TEMP,
+def sample_second_third(target, drafter, tree, vocab="full",
+                        prompt: list[int] = PROMPT) -> tuple[np.ndarray, float]:
+    res = specjax.generate(target, [prompt] * N, max_new_tokens=3, temperature=TEMP,
                            stop_on_eos=False, drafter=drafter, tree=tree, seed=7, vocab=vocab)
     return pair_counts(res.tokens), res.stats["mean_accepted_length"]
 
@@ -95,10 +103,16 @@ TREES = {
     "dyspec-topk": specjax.TreeSpec("dyspec", total_tokens=5, topk_children=True),
     "dyspec-threshold-topk": specjax.TreeSpec("dyspec-threshold", total_tokens=6, depth=3,
                                               threshold=0.05, frontier=2, topk_children=True),
-    # A chain copied from the prompt grafted on (specjax.tree.lookup): deterministic drafts,
-    # verified by the point-mass rule beside the drafter's top-k children.
+}
+# A chain copied from the prompt grafted on (specjax.tree.lookup): deterministic drafts,
+# verified by the point-mass rule beside top-k children, and beside sampled children that
+# are verified against q (each grafted node is tried after its sampled siblings, on their
+# residual). Run on LOOKUP_PROMPT, where every step grafts a chain.
+LOOKUP_TREES = {
     "eagle2-topk-lookup": specjax.TreeSpec("eagle2", depth=2, top_k=3, total_tokens=5,
                                            lookup=3),
+    "chain-sampled-lookup": specjax.TreeSpec("chain", depth=2, lookup=3),
+    "dyspec-lookup": specjax.TreeSpec("dyspec", total_tokens=5, lookup=3),
 }
 
 
@@ -120,6 +134,13 @@ def test_two_tokens_follow_the_target(small_vocab, exact, name):
     counts, mal = sample_second_third(target, drafter, TREES[name])
     assert mal > 1.2, "drafts must be accepted for the test to mean anything"
     assert pvalue(counts, exact) > 1e-3
+
+
+@pytest.mark.parametrize("name", list(LOOKUP_TREES))
+def test_a_lookup_chain_keeps_the_target_distribution(small_vocab, exact_lookup, name):
+    target, drafter = small_vocab
+    counts, _ = sample_second_third(target, drafter, LOOKUP_TREES[name], prompt=LOOKUP_PROMPT)
+    assert pvalue(counts, exact_lookup) > 1e-3
 
 
 def test_a_shortlist_head_keeps_the_target_distribution(small_vocab, exact):
@@ -211,3 +232,23 @@ def test_a_verifier_with_the_wrong_q_fails(small_vocab, exact, monkeypatch):
     finally:
         jax.clear_caches()
     assert pvalue(counts, exact) < 1e-6
+
+
+def test_a_verifier_that_treats_grafted_nodes_as_sampled_fails(small_vocab, exact_lookup,
+                                                              monkeypatch):
+    """A lookup chain's tokens were not drawn from q: verifying them with the q-aware rule
+    (q(x) = 0, so they are accepted whenever p(x) > 0) must show up as a biased output."""
+    target, drafter = small_vocab
+    right = spec_mod.verify_sampling
+
+    def no_fixed(*args, fixed_from=None, **kw):
+        return right(*args, **kw)
+
+    monkeypatch.setattr(spec_mod, "verify_sampling", no_fixed)
+    jax.clear_caches()
+    try:
+        counts, _ = sample_second_third(target, drafter, LOOKUP_TREES["chain-sampled-lookup"],
+                                        prompt=LOOKUP_PROMPT)
+    finally:
+        jax.clear_caches()
+    assert pvalue(counts, exact_lookup) < 1e-6

@@ -10,8 +10,6 @@ from hypothesis import strategies as st
 
 import specjax
 from specjax.loop import PAD
-from specjax.sampling import SamplingConfig
-from specjax.speculative import SpecConfig
 from specjax.tree import TreeSpec, ancestors_from_parent
 from specjax.tree.base import DraftTree, finish_tree
 from specjax.tree.lookup import committed_history, graft_chain, lookup_continuation
@@ -133,18 +131,6 @@ def test_spec_json_keeps_old_trees_and_checks_sizes():
         TreeSpec(lookup=2, lookup_ngram=2, lookup_min=3)
 
 
-def test_sampled_children_refuse_a_lookup_chain(tiny_target, fitted_drafter):
-    sampled = SamplingConfig(temperature=1.0).static()
-    with pytest.raises(ValueError, match="lookup chain"):
-        SpecConfig(cfg=tiny_target.cfg, drafter=fitted_drafter.cfg,
-                   tree=TreeSpec("chain", depth=2, lookup=3), sampling=sampled)
-    for tree in (TreeSpec("eagle2", lookup=3), TreeSpec("dyspec", lookup=3, topk_children=True)):
-        SpecConfig(cfg=tiny_target.cfg, drafter=fitted_drafter.cfg, tree=tree, sampling=sampled)
-    SpecConfig(cfg=tiny_target.cfg, drafter=fitted_drafter.cfg,
-               tree=TreeSpec("chain", depth=2, lookup=3),
-               sampling=SamplingConfig(temperature=0.0).static())
-
-
 @pytest.mark.parametrize("tree", [TreeSpec("chain", depth=2, lookup=4),
                                   TreeSpec("chain", depth=2, lookup=4, lookup_min=2),
                                   TreeSpec("eagle2", depth=3, top_k=3, total_tokens=6, lookup=6),
@@ -162,10 +148,8 @@ def test_greedy_equals_vanilla_and_the_chain_is_accepted(tiny_target, fitted_dra
     assert got.stats["mean_accepted_length"] > base.stats["mean_accepted_length"]
     if tree.kind == "chain":  # a commit longer than the chain alone can make
         assert max(n for row in got.stats["accept_lengths"] for n in row) > tree.depth + 1
-    if tree.lookup_min > 1:  # both branches of verify_phase's cond ran
-        assert 0 < got.stats["chained_fraction"] < 1
-    else:
-        assert got.stats["chained_fraction"] > 0.9
+    # Both branches of verify_phase's cond ran (early steps find no earlier occurrence).
+    assert 0 < got.stats["chained_fraction"] < 1
 
 
 def test_eager_takes_the_same_steps_as_compiled(tiny_target, fitted_drafter):
