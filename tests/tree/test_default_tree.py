@@ -75,10 +75,10 @@ def test_default_head_is_stored_only_when_it_travels_with_the_folder(tmp_path):
         read_default_vocab(tmp_path)
 
 
-def _cli_tree(*flags: str):
+def _cli_tree(*flags: str, drafter=None):
     p = argparse.ArgumentParser()
     _add_tree(p)
-    return _tree(p.parse_args(list(flags)))
+    return _tree(p.parse_args(list(flags)), drafter)
 
 
 def test_generate_uses_the_drafters_default_tree(tiny_target, tmp_path):
@@ -107,6 +107,10 @@ def test_generate_uses_the_drafters_default_tree(tiny_target, tmp_path):
                                                          frontier=3)
     assert _cli_tree("--tree", "dyspec", "--tree-topk-children") == TreeSpec(
         "dyspec", topk_children=True)
+    # --tree-lookup alone adds the chain to the drafter's default tree.
+    assert _cli_tree("--tree-lookup", "4", drafter=d) == TreeSpec("chain", depth=2, lookup=4)
+    assert _cli_tree("--tree", "chain", "--tree-lookup", "3", "--tree-lookup-min", "2") == (
+        TreeSpec("chain", lookup=3, lookup_min=2))
     with pytest.raises(ValueError, match="name the tree"):
         _cli_tree("--tree-topk-children")
     with pytest.raises(ValueError, match="only dyspec trees"):
