@@ -178,24 +178,29 @@ def verify_sampling(key: Array, tree_tokens: Array, parent: Array, valid: Array,
         cur, path, n, p, q = carry
         tok = tree_tokens[:, i]
         tried = valid[:, i] & (parent[:, i] == cur)
-        fixed = False if fixed_from is None else i >= fixed_from
+        fixed = None if fixed_from is None else i >= fixed_from
+        px = _pick(p, tok)
         if use_q:
             # DySpec's algorithm 3: once the draft residual is all zeros, no sibling is left
             # that q could have drawn; stop trying the sampled children of this node.
-            tried = tried & ((jnp.sum(q, axis=-1) > 0) | fixed)
-        px = _pick(p, tok)
-        accept_prob = px
-        p_rej = _normalize(_zero_at(p, tok), p)  # zero mass iff p was a point mass on x
-        q_rej = q
-        if use_q:
+            has_q = jnp.sum(q, axis=-1) > 0
+            tried = tried & (has_q if fixed is None else has_q | fixed)
             qx = _pick(q, tok)
             # q(x) = 0 only if the caller's q is not the law x was drawn from; keep it finite.
             ratio = jnp.where(qx > 0, px / jnp.where(qx > 0, qx, 1.0), (px > 0).astype(p.dtype))
-            accept_prob = jnp.where(fixed, accept_prob, jnp.minimum(ratio, 1.0))
+            accept_prob = jnp.minimum(ratio, 1.0)
             # Zero residual mass means p <= q everywhere, i.e. p == q and a rejection had
             # probability 0; keep p rather than dividing by zero.
-            p_rej = jnp.where(fixed, p_rej, _normalize(jnp.maximum(p - q, 0.0), p))
-            q_rej = jnp.where(fixed, q_rej, _normalize(_zero_at(q, tok), jnp.zeros_like(q)))
+            p_rej = _normalize(jnp.maximum(p - q, 0.0), p)
+            q_rej = _normalize(_zero_at(q, tok), jnp.zeros_like(q))
+            if fixed is not None:  # grafted nodes: the point-mass rule below
+                accept_prob = jnp.where(fixed, px, accept_prob)
+                p_rej = jnp.where(fixed, _normalize(_zero_at(p, tok), p), p_rej)
+                q_rej = jnp.where(fixed, q, q_rej)
+        else:
+            accept_prob = px
+            p_rej = _normalize(_zero_at(p, tok), p)  # zero mass iff p was a point mass on x
+            q_rej = q
         accept = tried & (coins[:, i] < accept_prob)
         reject = tried & ~accept
         cur, path, n = _accept(i, accept, cur, path, n)

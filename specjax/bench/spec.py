@@ -147,14 +147,16 @@ def select_tree(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
                               out_len=bucket(max_new_tokens), runs=runs, head=head)
         # A lookup chain is verified only on the steps that grafted it (TreeSpec.lookup_min);
         # the others verify the tree without its rows.
-        chained = res.stats["chained_fraction"] if tree.lookup else 1.0
-        verify_ms = (chained * interp_latency(curve, tree.num_nodes)
-                     + (1 - chained) * interp_latency(curve, tree.num_nodes - tree.lookup))
+        chained = res.stats["chained_fraction"] if tree.lookup else None
+        verify_ms = interp_latency(curve, tree.num_nodes)
+        if tree.lookup:
+            verify_ms = (chained * verify_ms + (1 - chained)
+                         * interp_latency(curve, tree.num_nodes - tree.lookup))
         mal = res.stats["mean_accepted_length"]
         step_ms = verify_ms + draft["best_ms"]
         rows.append({"label": tree_label(tree), "tree": tree_dict(tree), "mal": mal,
                      "calib_target_forwards": res.stats["target_forwards"],
-                     "chained_fraction": chained if tree.lookup else None,
+                     "chained_fraction": chained,
                      "draft_ms": draft["best_ms"], "draft_median_ms": draft["median_ms"],
                      "verify_ms": verify_ms, "step_ms": step_ms,
                      "est_tokens_per_s": 1e3 * mal / step_ms,
