@@ -11,6 +11,13 @@ outputs a predicted feature for position t, which the target's LM head turns
 into a distribution over x_{t+1}. Deeper draft steps feed the drafter's own
 predicted feature in place of the target's.
 
+Tapped features (``taps``, EAGLE-3's idea on EAGLE-1's drafter): the target feature may
+also carry the outputs of earlier target layers, ``f_t + sum_i rms(tap_i_t) @ tap_fc_i``.
+Low layers keep what the last one has traded for its prediction (which token stands at t,
+and the one before), which a one-layer drafter needs to copy from its context. ``tap_fc``
+starts at zero, so a tapped drafter grown from an untapped one predicts exactly as it did;
+deeper draft steps feed the drafter's own output, as before (it has no taps).
+
 The embedding and the LM head are the target's, frozen and never stored in a
 drafter checkpoint. Training uses the Flax NNX module :class:`EagleDrafter`;
 inference uses the pure functions over :class:`DrafterParams` split out of it.
@@ -61,12 +68,21 @@ class DrafterConfig:
     input_norm: bool = False  # EAGLE-1 drops the first layer's input RMSNorm
     fc_bias: bool = True
     num_layers: int = 1  # the drafter's own decoder layers (EAGLE: 1)
+    # Target layers whose outputs are added to the feature through ``tap_fc`` (() = EAGLE-1).
+    taps: tuple[int, ...] = ()
 
     def __post_init__(self):
         n = self.num_layers
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"a drafter needs at least one decoder layer: num_layers must be "
                              f"an integer >= 1, got {n!r}")
+        taps = self.taps
+        if (not isinstance(taps, tuple) or any(isinstance(i, bool) or not isinstance(i, int)
+                                               for i in taps)
+                or list(taps) != sorted(set(taps))
+                or any(not 0 <= i < self.target.num_layers for i in taps)):
+            raise ValueError(f"drafter taps must be increasing target layer indices in "
+                             f"[0, {self.target.num_layers}), got {taps!r}")
 
     def check_target(self, cfg: ModelConfig, what: str = "drafter") -> None:
         """Refuse a target whose width, vocabulary or family differs, naming each field."""
@@ -85,11 +101,11 @@ class DrafterConfig:
         return self.target.hidden_size
 
     def tap_layers(self, target_cfg: ModelConfig) -> tuple[int, ...]:
-        return ()  # EAGLE-1/2 read the target's final-norm hidden state
+        return self.taps  # () for EAGLE-1/2: the target's final-norm hidden state only
 
     def target_features(self, params: DrafterParams, hidden: Array,
                         taps: tuple[Array, ...]) -> Array:
-        return hidden
+        return tapped_features(params, hidden, taps)
 
     def forward(self, params: DrafterParams, embed: Array, tokens: Array, features: Array,
                 positions: Array, cache: KVCache, block_mask: Array | None = None,
@@ -107,8 +123,9 @@ class DrafterConfig:
         return jnp.concatenate([embed[tokens].astype(features.dtype), features], axis=-1)
 
     def to_json(self) -> dict:
-        return {"target": self.target.to_json(), "input_norm": self.input_norm,
-                "fc_bias": self.fc_bias, "num_layers": self.num_layers}
+        d = {"target": self.target.to_json(), "input_norm": self.input_norm,
+             "fc_bias": self.fc_bias, "num_layers": self.num_layers}
+        return d | ({"taps": list(self.taps)} if self.taps else {})
 
     @classmethod
     def from_json(cls, d: dict) -> DrafterConfig:
@@ -119,10 +136,13 @@ class DrafterConfig:
             if not isinstance(d.get(name), bool):
                 raise ValueError(f"drafter config field {name} must be true or false, got "
                                  f"{d.get(name)!r}")
-        # Absent in folders written before deeper drafters: EAGLE's one layer. The value is
-        # checked by __post_init__.
+        taps = d.get("taps", [])
+        if not isinstance(taps, list):
+            raise ValueError(f"drafter config field taps must be a list, got {taps!r}")
+        # Absent in folders written before deeper (tapped) drafters: EAGLE's one layer (no
+        # taps). The values are checked by __post_init__.
         return cls(target=ModelConfig.from_json(d.get("target")), input_norm=d["input_norm"],
-                   fc_bias=d["fc_bias"], num_layers=d.get("num_layers", 1))
+                   fc_bias=d["fc_bias"], num_layers=d.get("num_layers", 1), taps=tuple(taps))
 
 
 @pytree.dataclass
@@ -132,6 +152,25 @@ class DrafterParams:
     # cfg.input_norm (deeper layers always keep theirs: their input is a residual stream).
     layers: tuple[LayerParams, ...]
     fc_bias: Array | None = None  # [d]
+    tap_fc: Array | None = None  # [len(cfg.taps) * d, d]; None when cfg.taps is ()
+
+
+def tapped_features(dp: DrafterParams, hidden: Array, taps: tuple[Array, ...]) -> Array:
+    """The drafter's input feature at each position the target ran: [B, T, d].
+
+    hidden: [B, T, d] the target's final-norm states; taps: the outputs of ``cfg.taps``
+    layers, each [B, T, d] (residual streams: RMS-normalised here, without a weight, since
+    their scale grows with depth). Without taps the feature is ``hidden`` itself.
+    """
+    if dp.tap_fc is None:
+        return hidden
+    x = jnp.concatenate([_unit_rms(t) for t in taps], axis=-1)
+    return hidden + (x @ dp.tap_fc.astype(jnp.float32)).astype(hidden.dtype)
+
+
+def _unit_rms(x: Array) -> Array:
+    xf = x.astype(jnp.float32)
+    return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-6)
 
 
 def drafter_hidden(dp: DrafterParams, cfg: DrafterConfig, embed: Array, tokens: Array,
@@ -206,6 +245,8 @@ class EagleDrafter(nnx.Module):
         init = nnx.initializers.normal(0.02)
         self.fc = nnx.Param(init(rngs.params(), (2 * d, d)))
         self.fc_bias = nnx.Param(jnp.zeros((d,))) if cfg.fc_bias else None
+        # Zero: the taps add nothing until training finds a use for them.
+        self.tap_fc = nnx.Param(jnp.zeros((len(cfg.taps) * d, d))) if cfg.taps else None
 
         def random_layer() -> LayerParams:
             shapes = dict(wq=(d, q), wk=(d, kv), wv=(d, kv), wo=(q, d), w_gate=(d, f),
@@ -244,7 +285,8 @@ class EagleDrafter(nnx.Module):
                                       for f in dataclasses.fields(LayerParams)})
                        for layer in self.layers)
         return DrafterParams(fc=self.fc[...], layers=layers,
-                             fc_bias=None if self.fc_bias is None else self.fc_bias[...])
+                             fc_bias=None if self.fc_bias is None else self.fc_bias[...],
+                             tap_fc=None if self.tap_fc is None else self.tap_fc[...])
 
     def __call__(self, embed: Array, tokens: Array, features: Array) -> Array:
         """Teacher-forced training pass over whole sequences: [B, T] -> hidden [B, T, d]."""
@@ -271,6 +313,8 @@ def save_drafter(out: Path, cfg: DrafterConfig, dp: DrafterParams, *, meta: dict
                  for f in dataclasses.fields(LayerParams) if getattr(layer, f.name) is not None}
     if dp.fc_bias is not None:
         flat["fc_bias"] = dp.fc_bias
+    if dp.tap_fc is not None:
+        flat["tap_fc"] = dp.tap_fc
     return ckpt.write_checkpoint(out, flat, FORMAT, cfg.to_json(), meta=meta,
                                  overwrite=overwrite)
 
@@ -280,6 +324,8 @@ def drafter_dims(cfg: DrafterConfig) -> dict[str, tuple]:
     dims = {"fc": ((2, "hidden_size"), ("hidden_size",))}
     if cfg.fc_bias:
         dims["fc_bias"] = (("hidden_size",),)
+    if cfg.taps:
+        dims["tap_fc"] = ((len(cfg.taps), "hidden_size"), ("hidden_size",))
     for i in range(cfg.num_layers):
         dims |= {f"{_layer_prefix(i)}.{k}": v for k, v in ckpt.layer_dims(
             cfg.target, input_norm=cfg.input_norm or i > 0).items()}
@@ -313,6 +359,6 @@ def read_drafter(path: Path, target_cfg: ModelConfig | None = None,
     layers = tuple(LayerParams(**{f.name: flat.get(f"{_layer_prefix(i)}.{f.name}")
                                   for f in dataclasses.fields(LayerParams)})
                    for i in range(cfg.num_layers))
-    return cfg, DrafterParams(fc=flat["fc"], layers=layers, fc_bias=flat.get("fc_bias")), \
-        manifest.get("meta") or {}
+    return cfg, DrafterParams(fc=flat["fc"], layers=layers, fc_bias=flat.get("fc_bias"),
+                              tap_fc=flat.get("tap_fc")), manifest.get("meta") or {}
 

@@ -61,6 +61,11 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-layers", type=int, default=1, metavar="N",
                    help="decoder layers of the drafter (EAGLE: 1); with --init-from a "
                         "shallower drafter, the added layers start as the identity")
+    p.add_argument("--drafter-taps", type=_tap_list, default=(), metavar="I,J",
+                   help="target layers whose outputs the drafter's feature adds (EAGLE-3's "
+                        "low/mid features on an EAGLE-1 drafter; e.g. 1,14 on SmolLM2's 30). "
+                        "The cache stores them (use a new --cache-dir); with --init-from an "
+                        "untapped drafter they start at zero weight (default: none)")
     p.add_argument("--ce-weight", type=float, default=0.1,
                    help="weight of the CE term next to the smooth-L1 (EAGLE: 0.1)")
     p.add_argument("--train-vocab", default=None, metavar="fr:N[:PATH]",
@@ -230,6 +235,19 @@ def _cache_summary(cache_dir: Path) -> dict:
             "tokens": {k: v["tokens"] for k, v in m["splits"].items()}}
 
 
+def _tap_list(text: str) -> tuple[int, ...]:
+    """``--drafter-taps 1,14`` -> (1, 14); argparse reports the ValueError's message."""
+    try:
+        taps = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated layer indices, got {text!r}") from None
+    if list(taps) != sorted(set(taps)) or any(i < 0 for i in taps):
+        raise argparse.ArgumentTypeError(f"taps must be increasing non-negative layer indices, "
+                                         f"got {text!r}")
+    return taps
+
+
 def run_train_drafter(args: argparse.Namespace) -> int:
     """Run ``specjax train drafter``; returns the exit code (1 if training stopped early)."""
     from specjax.train.data import (
@@ -272,7 +290,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     manifest = cache_hidden_states(target.cfg, target.params, examples, cache_dir,
                                    heldout_fraction=args.heldout_fraction,
                                    token_budget=args.cache_batch_tokens, info=info,
-                                   progress=progress)
+                                   taps=args.drafter_taps, progress=progress)
     cache_s = time.time() - t0
     splits = manifest["splits"]
     print(f"hidden states in {cache_dir}: train {splits['train']['examples']} conv / "
@@ -294,6 +312,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
                      max_eval_tokens=args.max_eval_tokens, ce_weight=args.ce_weight,
                      train_vocab=args.train_vocab, ttt_steps=args.ttt_steps,
                      ttt_decay=args.ttt_decay, drafter_layers=args.drafter_layers,
+                     drafter_taps=args.drafter_taps,
                      init_from=str(Path(args.init_from).resolve()) if args.init_from else None)
     train_ids = None if args.train_vocab is None else train_shortlist(args.train_vocab, target)
     result = train_drafter(target.cfg, target.params, train, heldout, tc, ckpt_dir,

@@ -363,19 +363,23 @@ def row_loss_mask(assistant: np.ndarray, length: int) -> np.ndarray:
 # --------------------------------------------------------------------------- hidden-state cache
 
 
-@partial(jax.jit, static_argnames=("cfg", "out_dtype"))
+@partial(jax.jit, static_argnames=("cfg", "out_dtype", "taps"))
 def target_hidden(params: Params, cfg: ModelConfig, tokens: Array,
-                  out_dtype: str = "float32") -> Array:
-    """Teacher-forced final-norm hidden states of right-padded rows.
+                  out_dtype: str = "float32", taps: tuple[int, ...] = ()) -> tuple[Array, Array]:
+    """Teacher-forced final-norm hidden states of right-padded rows, and tapped layers.
 
-    tokens: [B, T] int32 -> [B, T, d] in ``out_dtype``. Causal attention means
-    right padding never changes the states of the real tokens before it.
+    tokens: [B, T] int32 -> (hidden [B, T, d], taps [B, T, len(taps), d]: the outputs of
+    target layers ``taps``), both in ``out_dtype``. Causal attention means right padding
+    never changes the states of the real tokens before it.
     """
     b, t = tokens.shape
     cache = init_cache(cfg, b, t, params.embed.dtype)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    hidden, _, _ = forward_hidden(params, cfg, tokens, positions, cache)
-    return hidden.astype(jnp.dtype(out_dtype))
+    hidden, _, tapped = forward_hidden(params, cfg, tokens, positions, cache, tap_layers=taps)
+    stacked = (jnp.stack(tapped, axis=2) if taps
+               else jnp.zeros((b, t, 0, hidden.shape[-1]), hidden.dtype))
+    dt = jnp.dtype(out_dtype)
+    return hidden.astype(dt), stacked.astype(dt)
 
 
 def target_fingerprint(cfg: ModelConfig, params: Params) -> str:
@@ -433,7 +437,8 @@ def cache_hidden_states(cfg: ModelConfig, params: Params, examples: Sequence[Exa
                         cache_dir: Path, *, heldout_fraction: float = 0.02,
                         token_budget: int = 2048, buckets: Sequence[int] | None = None,
                         batches_per_shard: int = 16, hidden_dtype: str = "float16",
-                        info: dict | None = None, progress: bool = True) -> dict:
+                        taps: tuple[int, ...] = (), info: dict | None = None,
+                        progress: bool = True) -> dict:
     """Compute and store the target's hidden states for ``examples``; returns the manifest.
 
     Layout: ``cache_dir/manifest.json`` and ``cache_dir/{train,heldout}/shard_NNNNN.npz``,
@@ -447,6 +452,8 @@ def cache_hidden_states(cfg: ModelConfig, params: Params, examples: Sequence[Exa
       token_budget: padded tokens per forward call (rows = budget // bucket length).
       hidden_dtype: "float16" halves the disk and RAM of float32; the states are
         checked to be finite after the cast (fp16 overflows past 65504).
+      taps: target layers whose outputs are stored too (``taps [N, len(taps), d]`` in each
+        shard), for drafters that read them (``DrafterConfig.taps``); () stores none.
       info: extra JSON stored in the manifest (tokenizer name, data source...).
     """
     from tqdm.auto import tqdm
@@ -461,11 +468,19 @@ def cache_hidden_states(cfg: ModelConfig, params: Params, examples: Sequence[Exa
                    "examples": examples_fingerprint(examples), "buckets": list(buckets),
                    "token_budget": token_budget, "batches_per_shard": batches_per_shard,
                    "hidden_dtype": hidden_dtype, "heldout": len(held_idx)}
+    if taps:  # absent when empty, so caches written before taps keep their plan hash
+        fingerprint["taps"] = list(taps)
     plan_hash = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
 
     manifest_path = cache_dir / MANIFEST
     if manifest_path.exists():
         old = json.loads(manifest_path.read_text())
+        old_taps = tuple(old.get("taps", ()))
+        if old_taps != tuple(taps) and old.get("fingerprint", {}).get("examples") == \
+                fingerprint["examples"]:
+            raise ValueError(f"{cache_dir} holds the target's states with taps "
+                             f"{list(old_taps)}, and this run needs taps {list(taps)}; choose "
+                             "another --cache-dir (caching again stores the taps)")
         if old.get("plan_hash") != plan_hash:
             raise ValueError(f"{cache_dir} holds hidden states of other data or another target "
                              f"(plan {old.get('plan_hash')} vs {plan_hash}); choose another "
@@ -484,7 +499,7 @@ def cache_hidden_states(cfg: ModelConfig, params: Params, examples: Sequence[Exa
                          for s in range(0, len(batches), batches_per_shard)]
     manifest = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "plan_hash": plan_hash,
                 "complete": False, "fingerprint": fingerprint, "hidden_size": cfg.hidden_size,
-                "max_len": max_len, "info": info or {}, "splits": {}}
+                "max_len": max_len, "taps": list(taps), "info": info or {}, "splits": {}}
     for split, idx in (("train", train_idx), ("heldout", held_idx)):
         manifest["splits"][split] = {
             "examples": len(idx), "tokens": int(sum(len(examples[i].tokens) for i in idx)),
@@ -499,13 +514,14 @@ def cache_hidden_states(cfg: ModelConfig, params: Params, examples: Sequence[Exa
                dynamic_ncols=True)
     for split, k, shard in todo:
         (cache_dir / split).mkdir(exist_ok=True)
-        toks, asst, hid, lens, index = [], [], [], [], []
+        toks, asst, hid, tap, lens, index = [], [], [], [], [], []
         for t, rows in shard:
             batch = np.zeros((rows_for(t, token_budget), t), np.int32)  # pad id 0, masked out
             for r, i in enumerate(rows):
                 batch[r, : len(examples[i].tokens)] = examples[i].tokens
-            h = np.asarray(target_hidden(params, cfg, jnp.asarray(batch), out_dtype=hidden_dtype))
-            if not np.isfinite(h).all():
+            h, tp = (np.asarray(a) for a in target_hidden(params, cfg, jnp.asarray(batch),
+                                                            hidden_dtype, tuple(taps)))
+            if not (np.isfinite(h).all() and np.isfinite(tp).all()):
                 raise FloatingPointError(f"non-finite hidden states in {hidden_dtype}; "
                                          "use hidden_dtype='float32'")
             for r, i in enumerate(rows):
@@ -513,12 +529,14 @@ def cache_hidden_states(cfg: ModelConfig, params: Params, examples: Sequence[Exa
                 toks.append(examples[i].tokens)
                 asst.append(examples[i].assistant)
                 hid.append(h[r, :n])
+                tap.append(tp[r, :n])
                 lens.append(n)
                 index.append(i)
                 bar.update(n)
         _atomic_savez(cache_dir / split / f"shard_{k:05d}.npz", tokens=np.concatenate(toks),
                       assistant=np.concatenate(asst), hidden=np.concatenate(hid),
-                      lengths=np.asarray(lens, np.int32), index=np.asarray(index, np.int64))
+                      lengths=np.asarray(lens, np.int32), index=np.asarray(index, np.int64),
+                      **({"taps": np.concatenate(tap)} if taps else {}))
     bar.close()
     manifest["complete"] = True
     write_json_atomic(manifest_path, manifest)
@@ -535,6 +553,8 @@ class HiddenSplit:
     lengths: np.ndarray  # [n] int32
     offsets: np.ndarray  # [n] int64 start of each sequence in the flat arrays
     index: np.ndarray  # [n] position of each sequence in the source examples
+    taps: np.ndarray | None = None  # [N, k, d] outputs of the cache's tapped target layers
+    tap_layers: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -546,19 +566,25 @@ class HiddenSplit:
     def batch(self, t: int, rows: Sequence[int], num_rows: int) -> dict[str, np.ndarray]:
         """A right-padded batch of ``num_rows`` rows of length ``t`` (missing rows are empty).
 
-        Returns tokens [R, T] int32, hidden [R, T, d] float32 (f_t) and
-        loss_mask [R, T] bool (row t scored when x_{t+1} is an assistant token).
+        Returns tokens [R, T] int32, hidden [R, T, d] float32 (f_t), loss_mask [R, T] bool
+        (row t scored when x_{t+1} is an assistant token) and, when the cache holds taps,
+        taps [R, T, k, d] float32.
         """
         d = self.hidden.shape[1]
         tokens = np.zeros((num_rows, t), np.int32)
         hidden = np.zeros((num_rows, t, d), np.float32)
         mask = np.zeros((num_rows, t), bool)
+        taps = None if self.taps is None else np.zeros((num_rows, t) + self.taps.shape[1:],
+                                                       np.float32)
         for r, i in enumerate(rows):
             s, n = int(self.offsets[i]), int(self.lengths[i])
             tokens[r, :n] = self.tokens[s:s + n]
             hidden[r, :n] = self.hidden[s:s + n]
             mask[r, :n] = row_loss_mask(self.assistant[s:s + n], n)
-        return {"tokens": tokens, "hidden": hidden, "loss_mask": mask}
+            if taps is not None:
+                taps[r, :n] = self.taps[s:s + n]
+        out = {"tokens": tokens, "hidden": hidden, "loss_mask": mask}
+        return out | ({} if taps is None else {"taps": taps})
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:
@@ -588,11 +614,14 @@ def load_split(cache_dir: Path, split: str) -> HiddenSplit:
                            np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64))
     lengths = np.concatenate([p["lengths"] for p in parts])
     offsets = _offsets(lengths)
+    tap_layers = tuple(manifest.get("taps", ()))
     return HiddenSplit(tokens=np.concatenate([p["tokens"] for p in parts]),
                        assistant=np.concatenate([p["assistant"] for p in parts]),
                        hidden=np.concatenate([p["hidden"] for p in parts]),
                        lengths=lengths, offsets=offsets,
-                       index=np.concatenate([p["index"] for p in parts]))
+                       index=np.concatenate([p["index"] for p in parts]),
+                       taps=np.concatenate([p["taps"] for p in parts]) if tap_layers else None,
+                       tap_layers=tap_layers)
 
 
 def check_same_target(cache_dir: Path, other: Path) -> None:
@@ -604,6 +633,9 @@ def check_same_target(cache_dir: Path, other: Path) -> None:
                          "cache its data again for this target")
     if a["hidden_size"] != b["hidden_size"]:
         raise ValueError(f"{other} has width {b['hidden_size']}, {cache_dir} {a['hidden_size']}")
+    if a.get("taps", []) != b.get("taps", []):
+        raise ValueError(f"{other} stores taps {b.get('taps', [])}, {cache_dir} "
+                         f"{a.get('taps', [])}; cache both with the same --drafter-taps")
 
 
 def concat_splits(a: HiddenSplit, b: HiddenSplit) -> HiddenSplit:
@@ -613,4 +645,7 @@ def concat_splits(a: HiddenSplit, b: HiddenSplit) -> HiddenSplit:
     return HiddenSplit(tokens=np.concatenate([a.tokens, b.tokens]),
                        assistant=np.concatenate([a.assistant, b.assistant]),
                        hidden=np.concatenate([a.hidden, b.hidden.astype(a.hidden.dtype)]),
-                       lengths=lengths, offsets=offsets, index=np.concatenate([a.index, b.index]))
+                       lengths=lengths, offsets=offsets, index=np.concatenate([a.index, b.index]),
+                       taps=None if a.taps is None else np.concatenate(
+                           [a.taps, b.taps.astype(a.taps.dtype)]),
+                       tap_layers=a.tap_layers)

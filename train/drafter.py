@@ -85,13 +85,19 @@ class TrainConfig:
     # Decoder layers of the drafter (EAGLE: 1). With init_from a shallower drafter, its
     # layers are loaded and the new ones start as the identity (its predictions unchanged).
     drafter_layers: int = 1
+    # Target layers whose outputs the drafter's feature adds (DrafterConfig.taps); the
+    # hidden-state cache must hold them. () = EAGLE-1.
+    drafter_taps: tuple[int, ...] = ()
     seed: int = 0
     checkpoint_every: int = 50
     eval_every: int = 0  # 0: evaluate only before and after training
     max_eval_tokens: int | None = None  # cap the held-out tokens evaluated (None: all)
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        # Absent when empty, so checkpoints written before taps resume with the same settings.
+        taps = d.pop("drafter_taps")
+        return d | ({"drafter_taps": list(taps)} if taps else {})
 
 
 # --------------------------------------------------------------------------- model and loss
@@ -129,7 +135,7 @@ def init_drafter(target_cfg: ModelConfig, target_params: Params,
     if tc.init not in INIT_MODES:
         raise ValueError(f"init must be one of {INIT_MODES}, not {tc.init!r}")
     cfg = DrafterConfig(target=target_cfg, input_norm=False, fc_bias=True,
-                        num_layers=tc.drafter_layers)
+                        num_layers=tc.drafter_layers, taps=tuple(tc.drafter_taps))
     init_layer = None
     if tc.init != "random":
         init_layer = unfuse_layer(target_params.layers[-1])  # [in, out], whatever the load
@@ -269,7 +275,8 @@ def unrolled_features(model: EagleDrafter, embed: Array, tokens: Array, feats: A
 def eagle_loss(model: EagleDrafter, embed: Array, head: Array, tokens: Array, hidden: Array,
                loss_mask: Array, noise_key: Array | None, noise: float,
                ce_weight: float, cap: int | None = None, ttt_steps: int = 1,
-               ttt_decay: float = 1.0) -> tuple[Array, dict[str, Array]]:
+               ttt_decay: float = 1.0, taps: Array | None = None
+               ) -> tuple[Array, dict[str, Array]]:
     """EAGLE-1 loss over masked rows (optionally unrolled), plus agreement statistics.
 
     Args:
@@ -282,12 +289,18 @@ def eagle_loss(model: EagleDrafter, embed: Array, head: Array, tokens: Array, hi
         all B*T rows.
       ttt_steps: draft steps unrolled (:func:`unrolled_features`); 1 is EAGLE-1.
       ttt_decay: step k's loss is weighted ``ttt_decay ** (k - 1)``.
+      taps: [B, T, k, d] the outputs of the drafter's tapped target layers (None for a
+        drafter without taps); they enter the input feature, never the regression target.
     Returns:
       (loss, stats) with stats sums over masked rows: reg, ce, top1 (argmax
       of drafter logits == argmax of teacher logits over ``head``) and n (rows), for
       step 1; top1_k for the unrolled steps k >= 2.
     """
-    feats = jnp.pad(hidden[:, :-1], ((0, 0), (1, 0), (0, 0)))  # f_{t-1}, zeros at t = 0
+    feats = hidden
+    if model.cfg.taps:
+        feats = model.cfg.target_features(model.params(), hidden,
+                                          tuple(taps[:, :, i] for i in range(taps.shape[2])))
+    feats = jnp.pad(feats[:, :-1], ((0, 0), (1, 0), (0, 0)))  # f_{t-1}, zeros at t = 0
     if noise_key is not None and noise > 0:
         # EAGLE perturbs the input features so the drafter tolerates its own
         # imperfect predictions at deeper draft steps.
@@ -345,21 +358,22 @@ def compiled_steps(graphdef: nnx.GraphDef, tc: TrainConfig, total_steps: int):
 def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, tc: TrainConfig):
     """Jitted (train_step, eval_step) over pure pytrees; one compile per bucket shape."""
 
-    def loss_fn(params, embed, head, tokens, hidden, mask, key, cap=None):
+    def loss_fn(params, embed, head, tokens, hidden, mask, key, cap=None, taps=None):
         return eagle_loss(nnx.merge(graphdef, params), embed, head, tokens, hidden, mask, key,
-                          tc.noise, tc.ce_weight, cap, tc.ttt_steps, tc.ttt_decay)
+                          tc.noise, tc.ce_weight, cap, tc.ttt_steps, tc.ttt_decay, taps)
 
     @partial(jax.jit, donate_argnums=(0, 1), static_argnames=("cap",))
-    def train_step(params, opt_state, embed, head, tokens, hidden, mask, key, cap=None):
+    def train_step(params, opt_state, embed, head, tokens, hidden, mask, key, cap=None,
+                   taps=None):
         (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, embed, head, tokens, hidden, mask, key, cap)
+            params, embed, head, tokens, hidden, mask, key, cap, taps)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, loss, stats | {"grad_norm": optax.tree.norm(grads)}
 
     @jax.jit
-    def eval_step(params, embed, head, tokens, hidden, mask):
-        return loss_fn(params, embed, head, tokens, hidden, mask, None)[1]
+    def eval_step(params, embed, head, tokens, hidden, mask, taps=None):
+        return loss_fn(params, embed, head, tokens, hidden, mask, None, taps=taps)[1]
 
     return train_step, eval_step
 
@@ -380,7 +394,8 @@ def evaluate(eval_step: Callable, params: Any, embed: Array, head: Array, split:
     for t, rows in plan_batches(lengths, buckets, token_budget):
         b = split.batch(t, rows, rows_for(t, token_budget))
         s = eval_step(params, embed, head, jnp.asarray(b["tokens"]), jnp.asarray(b["hidden"]),
-                      jnp.asarray(b["loss_mask"]))
+                      jnp.asarray(b["loss_mask"]),
+                      taps=jnp.asarray(b["taps"]) if "taps" in b else None)
         for k, v in s.items():
             tot[k] = tot.get(k, 0.0) + float(v)
     n = max(tot.get("n", 0.0), 1.0)
@@ -440,9 +455,15 @@ def _load_into(model: EagleDrafter, path: Path, target_cfg: ModelConfig) -> None
         raise ValueError(f"{path} has {cfg.num_layers} decoder layers and this run trains "
                          f"{model.cfg.num_layers}; pass --drafter-layers {cfg.num_layers} or "
                          "more to start from it")
+    if cfg.taps and cfg.taps != model.cfg.taps:
+        raise ValueError(f"{path} reads target layers {list(cfg.taps)} and this run's drafter "
+                         f"{list(model.cfg.taps)}; pass --drafter-taps "
+                         f"{','.join(map(str, cfg.taps))} to start from it")
     model.fc[...] = jnp.asarray(dp.fc, jnp.float32)
     if model.fc_bias is not None:
         model.fc_bias[...] = jnp.asarray(dp.fc_bias, jnp.float32)
+    if dp.tap_fc is not None:  # else a tapped run from an untapped drafter: tap_fc stays 0
+        model.tap_fc[...] = jnp.asarray(dp.tap_fc, jnp.float32)
     # The folder's layers, in order; the model may have more.
     for layer, loaded in zip(model.layers[:cfg.num_layers], dp.layers, strict=True):
         for name in layer:
@@ -498,6 +519,11 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
     if latest is not None and not resume:
         raise FileExistsError(f"{ckpt_dir} already holds checkpoints (step {latest}); pass "
                               "--resume to continue, or choose another checkpoint folder")
+    # An untapped drafter ignores any taps the cache holds; a tapped one reads them all, in order.
+    if tc.drafter_taps and tuple(tc.drafter_taps) != tuple(train.tap_layers):
+        raise ValueError(f"the drafter reads target layers {list(tc.drafter_taps)} but the "
+                         f"hidden-state cache stores {list(train.tap_layers)}; cache the data "
+                         "again with the same --drafter-taps (another --cache-dir)")
     model = init_drafter(target_cfg, target_params, tc)
     if tc.init_from is not None and latest is None:
         _load_into(model, Path(tc.init_from), target_cfg)
@@ -586,7 +612,8 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
         cap = score_cap(int(batch["loss_mask"].sum()), batch["loss_mask"].size)
         params, opt_state, loss, stats = train_step(
             params, opt_state, embed, train_head, jnp.asarray(batch["tokens"]),
-            jnp.asarray(batch["hidden"]), jnp.asarray(batch["loss_mask"]), key, cap=cap)
+            jnp.asarray(batch["hidden"]), jnp.asarray(batch["loss_mask"]), key, cap=cap,
+            taps=jnp.asarray(batch["taps"]) if tc.drafter_taps else None)
         step += 1
         tokens_seen += int(train.lengths[rows].sum())
         if step % log_every == 0 or step == end:

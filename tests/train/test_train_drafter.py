@@ -516,3 +516,54 @@ def test_last_layer_init_of_a_sandwich_norm_target_is_the_identity_with_a_smooth
     for name in ("wo", "w_down", "post_attn_norm", "post_mlp_norm"):
         gn = float(jnp.linalg.norm(getattr(g.layers[0], name)))
         assert np.isfinite(gn) and gn < 100 * scale, (name, gn, scale)
+
+
+def test_tapped_cache_stores_the_layers_and_a_tapped_run_grows_from_an_untapped_drafter(
+        target, cache, tmp_path):
+    """Taps (DrafterConfig.taps): the cache stores the tapped layers' outputs, a tapped run
+    started from an untapped drafter begins exactly where it ended (zero tap weight) and then
+    trains the taps, and mismatched caches and drafters are refused by name."""
+    ex = _examples()
+    tapped = tmp_path / "tapped"
+    kw = dict(heldout_fraction=0.2, token_budget=128, batches_per_shard=2,
+              hidden_dtype="float32", progress=False)
+    manifest = cache_hidden_states(target.cfg, target.params, ex, tapped, taps=(0,), **kw)
+    assert manifest["taps"] == [0]
+    train, held = load_split(tapped, "train"), load_split(tapped, "heldout")
+    assert train.tap_layers == (0,) and train.taps.shape == train.hidden.shape[:1] + (1, 64)
+    np.testing.assert_array_equal(train.hidden, load_split(cache, "train").hidden)
+    i = 0
+    o, n = int(train.offsets[i]), int(train.lengths[i])
+    toks = jnp.asarray(ex[int(train.index[i])].tokens)[None]
+    _, _, (layer0,) = forward_hidden(target.params, target.cfg, toks, jnp.arange(n)[None],
+                                     init_cache(target.cfg, 1, n), tap_layers=(0,))
+    np.testing.assert_allclose(train.taps[o:o + n, 0], np.asarray(layer0[0]), atol=2e-5,
+                               rtol=2e-5)
+    assert train.batch(32, [0, 1], 3)["taps"].shape == (3, 32, 1, 64)
+    with pytest.raises(ValueError, match=r"taps \[0\], and this run needs taps \[1\]"):
+        cache_hidden_states(target.cfg, target.params, ex, tapped, taps=(1,), **kw)
+
+    plain_train, plain_held = load_split(cache, "train"), load_split(cache, "heldout")
+    first = train_drafter(target.cfg, target.params, plain_train, plain_held, _tc(steps=10),
+                          tmp_path / "a", progress=False)
+    src = write_drafter(tmp_path / "d1", first, {})
+    grown = train_drafter(target.cfg, target.params, train, held,
+                          _tc(steps=5, init_from=str(src), drafter_taps=(0,)), tmp_path / "b",
+                          progress=False)
+    ev, ev_src = ({r["tag"]: r for r in res.log["eval"]} for res in (grown, first))
+    assert ev["initial"]["loss"] == pytest.approx(ev_src["final"]["loss"], rel=1e-5)
+    assert grown.cfg.taps == (0,) and float(jnp.abs(grown.params.tap_fc).sum()) > 0
+    out = write_drafter(tmp_path / "d2", grown, {})
+    assert read_drafter(out, target.cfg)[0].taps == (0,)
+    assert grown.log["train_config"]["drafter_taps"] == [0]
+    assert "drafter_taps" not in first.log["train_config"]  # older logs resume unchanged
+    with pytest.raises(ValueError, match=r"reads target layers \[0\] but the hidden-state "
+                                         r"cache stores \[\]"):
+        train_drafter(target.cfg, target.params, plain_train, plain_held,
+                      _tc(steps=5, drafter_taps=(0,)), tmp_path / "c", progress=False)
+    with pytest.raises(ValueError, match=r"pass --drafter-taps 0 to start from it"):
+        train_drafter(target.cfg, target.params, train, held, _tc(steps=5, init_from=str(out)),
+                      tmp_path / "e", progress=False)
+    for bad in ("2,1", "a", "-1"):
+        with pytest.raises(SystemExit):
+            train_main(["drafter", "--data", "x", "--drafter-taps", bad])
