@@ -102,11 +102,12 @@ DEFAULT_GRID = (
 
 
 def with_lookup(grid: Sequence[TreeSpec], lookups: Sequence[int],
-                lookup_min: int = 1) -> tuple[TreeSpec, ...]:
-    """``grid``, then each of its trees with a chain of each length in ``lookups``, so the
-    calibration decides whether a chain pays for its verify rows."""
-    return (*grid, *(dataclasses.replace(t, lookup=k, lookup_min=lookup_min)
-                     for k in lookups for t in grid if not t.lookup))
+                lookup_mins: Sequence[int] = (1,)) -> tuple[TreeSpec, ...]:
+    """``grid``, then each of its trees with a chain of each length in ``lookups`` grafted on
+    a match of each length in ``lookup_mins``, so the calibration decides whether (and when)
+    a chain pays for its verify rows."""
+    return (*grid, *(dataclasses.replace(t, lookup=k, lookup_min=m)
+                     for m in lookup_mins for k in lookups for t in grid if not t.lookup))
 
 
 MAL_NOTE = ("MAL = tokens committed per target forward, the target's bonus token included "

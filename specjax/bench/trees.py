@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from typing import Any
 
 from specjax.speculative import TreeSpec
@@ -27,19 +28,21 @@ def add_tree_args(p: argparse.ArgumentParser, *, auto: bool) -> None:
                    help="graft a chain of this many tokens copied from the committed text "
                         "onto the tree (prompt lookup); with auto, a comma list: the grid "
                         "adds every tree with each size (default: none)")
-    p.add_argument("--tree-lookup-min", type=int, default=1,
+    p.add_argument("--tree-lookup-min", type=partial(lookup_sizes, what="match lengths"),
+                   default=(1,),
                    help="the shortest suffix match that grafts the lookup chain; a step with "
-                        "none verifies the tree alone (default 1)")
+                        "none verifies the tree alone; with auto, a comma list: the grid adds "
+                        "every chain with each (default 1)")
 
 
-def lookup_sizes(text: str) -> tuple[int, ...]:
-    """``--tree-lookup``'s value: comma-separated chain lengths >= 1."""
+def lookup_sizes(text: str, what: str = "chain lengths") -> tuple[int, ...]:
+    """``--tree-lookup``'s (``--tree-lookup-min``'s) value: comma-separated integers >= 1."""
     try:
         sizes = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
         sizes = ()
     if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"want chain lengths >= 1 such as 4 or 4,8; got {text!r}")
+        raise argparse.ArgumentTypeError(f"want {what} >= 1 such as 4 or 4,8; got {text!r}")
     return sizes
 
 
@@ -51,11 +54,12 @@ def tree_from_args(args: argparse.Namespace) -> TreeSpec | None:
         if given:
             raise ValueError("--tree-depth/--tree-top-k/--tree-tokens need --tree eagle2|chain")
         return None
-    if len(args.tree_lookup) > 1:
-        raise ValueError("a fixed --tree takes one --tree-lookup size; lists are for --tree auto")
+    if len(args.tree_lookup) > 1 or len(args.tree_lookup_min) > 1:
+        raise ValueError("a fixed --tree takes one --tree-lookup size and one "
+                         "--tree-lookup-min; lists are for --tree auto")
     d = TreeSpec()
     return TreeSpec(kind=args.tree, lookup=args.tree_lookup[0] if args.tree_lookup else 0,
-                    lookup_min=args.tree_lookup_min,
+                    lookup_min=args.tree_lookup_min[0],
                     depth=d.depth if args.tree_depth is None else args.tree_depth,
                     top_k=d.top_k if args.tree_top_k is None else args.tree_top_k,
                     total_tokens=d.total_tokens if args.tree_tokens is None

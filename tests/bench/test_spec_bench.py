@@ -28,7 +28,7 @@ from specjax.bench.questions import (
     resolve_questions,
     select_questions,
 )
-from specjax.bench.spec import SpecBenchConfig, add_spec_args, run_spec_bench
+from specjax.bench.spec import SpecBenchConfig, add_spec_args, run_spec_bench, with_lookup
 from specjax.bench.timing import monotone_fit, warmup_tokens
 from specjax.bench.trees import tree_dict, tree_from_args
 from specjax.loop import bucket
@@ -91,6 +91,19 @@ def test_helpers(tmp_path, monkeypatch):
     assert tree_from_args(a) == TreeSpec("chain", depth=3) and a.per_task == 2
     with pytest.raises(ValueError, match="need --tree"):
         tree_from_args(p.parse_args(["--tree-depth", "3"]))
+    # Lookup chains: a fixed tree takes one size and one least match; auto crosses the lists.
+    c = p.parse_args(["--tree", "chain", "--tree-lookup", "8", "--tree-lookup-min", "3"])
+    assert tree_from_args(c) == TreeSpec("chain", lookup=8, lookup_min=3)
+    with pytest.raises(ValueError, match="one --tree-lookup size and one --tree-lookup-min"):
+        tree_from_args(p.parse_args(["--tree", "chain", "--tree-lookup", "8",
+                                     "--tree-lookup-min", "2,3"]))
+    d = p.parse_args(["--tree-lookup", "4,8", "--tree-lookup-min", "2,3"])
+    grid = with_lookup([TreeSpec("chain", depth=1)], d.tree_lookup, d.tree_lookup_min)
+    assert [(t.kind, t.depth, t.lookup, t.lookup_min) for t in grid] == [
+        ("chain", 1, 0, 1), ("chain", 1, 4, 2), ("chain", 1, 8, 2), ("chain", 1, 4, 3),
+        ("chain", 1, 8, 3)]
+    with pytest.raises(SystemExit):
+        p.parse_args(["--tree-lookup-min", "0"])
     b = argparse.ArgumentParser()
     add_breakdown_args(b)
     assert tree_from_args(b.parse_args([])) == TreeSpec()
