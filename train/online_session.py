@@ -38,20 +38,23 @@ from specjax.train.online import (
 
 
 def _teacher_forced(target: Target, dp: Any, cfg: Any, ids: list[int], k: int):
-    """(target features [T, d], target top-K ids/logits [T, K], drafter logits [T, V])."""
+    """(drafter input features [T, d] (the target's final-norm states, plus the drafter's
+    tapped layers when it has any), target top-K ids/logits [T, K], drafter logits [T, V])."""
     from specjax.drafter import drafter_hidden, init_drafter_cache
 
     n = bucket(len(ids))
     toks = jnp.asarray([ids + [0] * (n - len(ids))], jnp.int32)
     pos = jnp.arange(n, dtype=jnp.int32)[None]
-    hidden, _, _ = forward_hidden(target.params, target.cfg, toks, pos,
-                                  init_cache(target.cfg, 1, n))
+    hidden, _, taps = forward_hidden(target.params, target.cfg, toks, pos,
+                                     init_cache(target.cfg, 1, n),
+                                     tap_layers=cfg.tap_layers(target.cfg))
     top = jax.lax.top_k(lm_head(target.params, hidden)[0].astype(jnp.float32), k)
-    shifted = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
+    feats = cfg.target_features(dp, hidden, taps)
+    shifted = jnp.concatenate([jnp.zeros_like(feats[:, :1]), feats[:, :-1]], axis=1)
     h, _ = drafter_hidden(dp, cfg, target.params.embed, toks, shifted, pos,
                           init_drafter_cache(cfg, 1, n, hidden.dtype))
     t = len(ids)
-    return (np.asarray(hidden[0, :t], np.float32), np.asarray(top[1][:t]),
+    return (np.asarray(feats[0, :t], np.float32), np.asarray(top[1][:t]),
             np.asarray(top[0][:t]), h[0, :t] @ target.params.head.T)
 
 
