@@ -88,6 +88,9 @@ class DrafterConfig:
         """Refuse a target whose width, vocabulary or family differs, naming each field."""
         bad = [f"{f}: {what} {getattr(self.target, f)} vs target {getattr(cfg, f)}"
                for f in MATCH_FIELDS if getattr(self.target, f) != getattr(cfg, f)]
+        if self.taps and max(self.taps) >= cfg.num_layers:
+            bad.append(f"taps: {what} reads target layer {max(self.taps)}, the target has "
+                       f"{cfg.num_layers} layers")
         if bad:
             raise DrafterMismatchError(
                 f"the {what} was built for a different target ({'; '.join(bad)}); use a "

@@ -12,7 +12,13 @@ from flax import nnx
 
 import specjax
 from specjax.checkpoint import MANIFEST, CheckpointError
-from specjax.drafter import DrafterConfig, EagleDrafter, read_drafter, save_drafter
+from specjax.drafter import (
+    DrafterConfig,
+    DrafterMismatchError,
+    EagleDrafter,
+    read_drafter,
+    save_drafter,
+)
 from specjax.loaded import Drafter
 from specjax.tree import TreeSpec
 from tests.drafter.test_drafter import TARGET
@@ -25,6 +31,8 @@ def test_taps_are_checked_and_start_at_zero_weight():
             DrafterConfig(TARGET, taps=bad)
     cfg = DrafterConfig(TARGET, taps=(0, 1))
     assert cfg.tap_layers(TARGET) == (0, 1)
+    with pytest.raises(DrafterMismatchError, match="reads target layer 1, the target has 1"):
+        cfg.check_target(dataclasses.replace(TARGET, num_layers=1))
     dp = EagleDrafter(cfg, rngs=nnx.Rngs(0)).params()
     d = TARGET.hidden_size
     assert dp.tap_fc.shape == (2 * d, d) and not np.asarray(dp.tap_fc).any()
