@@ -21,6 +21,7 @@ from tqdm import tqdm
 import specjax
 from specjax.bench.questions import TASKS, spec_bench_prompts
 from specjax.defaults import resolve_model, shipped_drafter_for
+from specjax.tree import TreeSpec
 
 
 def main() -> None:
@@ -30,17 +31,23 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--per-task", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tree-json", default=None, metavar="JSON",
+                    help="a TreeSpec as JSON, e.g. '{\"kind\": \"eagle2\", \"depth\": 1, "
+                         "\"top_k\": 1, \"total_tokens\": 1}' (default: the drafter's "
+                         "shipped tree)")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     args = ap.parse_args()
     target = specjax.load(resolve_model(None, progress=False))
     drafter = specjax.load_drafter(shipped_drafter_for(target.cfg), target)
     evals, _ = spec_bench_prompts(target, questions=None, tasks=TASKS, per_task=args.per_task)
+    tree = TreeSpec.from_json(json.loads(args.tree_json)) if args.tree_json else None
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
               stop_on_eos=False)
     rows = []
     for i, e in enumerate(tqdm(evals, desc=f"T={args.temperature}")):
         van = specjax.generate(target, [e["ids"]], seed=args.seed + i, **kw)
-        spec = specjax.generate(target, [e["ids"]], drafter=drafter, seed=args.seed + i, **kw)
+        spec = specjax.generate(target, [e["ids"]], drafter=drafter, tree=tree,
+                                seed=args.seed + i, **kw)
         # The first new token is the prefill's; decode time leaves compiles out.
         n = spec.stats["new_tokens"] - 1
         rows.append({"task": e["task"], "tokens": n,
@@ -57,7 +64,8 @@ def main() -> None:
                 "mal": sum(r["mal"] for r in rs) / len(rs)}
 
     result = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
-              "tree": drafter.default_tree.to_json() if drafter.default_tree else None,
+              "tree": (tree or drafter.default_tree).to_json() if (tree or drafter.default_tree)
+              else None,
               "per_task": {t: pooled([r for r in rows if r["task"] == t]) for t in TASKS},
               "overall": pooled(rows), "per_prompt": rows}
     for name, p in [*result["per_task"].items(), ("overall", result["overall"])]:

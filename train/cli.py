@@ -66,6 +66,9 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
                         "low/mid features on an EAGLE-1 drafter; e.g. 1,14 on SmolLM2's 30). "
                         "The cache stores them (use a new --cache-dir); with --init-from an "
                         "untapped drafter they start at zero weight (default: none)")
+    p.add_argument("--tap-lr-scale", type=float, default=1.0, metavar="K",
+                   help="the tap weights' learning rate as K x --lr (they start at zero under "
+                        "a trained drafter; default 1)")
     p.add_argument("--ce-weight", type=float, default=0.1,
                    help="weight of the CE term next to the smooth-L1 (EAGLE: 0.1)")
     p.add_argument("--train-vocab", default=None, metavar="fr:N[:PATH]",
@@ -312,7 +315,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
                      max_eval_tokens=args.max_eval_tokens, ce_weight=args.ce_weight,
                      train_vocab=args.train_vocab, ttt_steps=args.ttt_steps,
                      ttt_decay=args.ttt_decay, drafter_layers=args.drafter_layers,
-                     drafter_taps=args.drafter_taps,
+                     drafter_taps=args.drafter_taps, tap_lr_scale=args.tap_lr_scale,
                      init_from=str(Path(args.init_from).resolve()) if args.init_from else None)
     train_ids = None if args.train_vocab is None else train_shortlist(args.train_vocab, target)
     result = train_drafter(target.cfg, target.params, train, heldout, tc, ckpt_dir,

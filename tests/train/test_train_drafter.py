@@ -567,3 +567,25 @@ def test_tapped_cache_stores_the_layers_and_a_tapped_run_grows_from_an_untapped_
     for bad in ("2,1", "a", "-1"):
         with pytest.raises(SystemExit):
             train_main(["drafter", "--data", "x", "--drafter-taps", bad])
+
+
+def test_tap_lr_scale_scales_the_tap_weights_updates_only(target):
+    from specjax.train.drafter import make_optimizer
+
+    model = init_drafter(target.cfg, target.params, _tc(drafter_taps=(0,)))
+    _, params = nnx.split(model, nnx.Param)
+    grads = jax.tree.map(jnp.ones_like, params)
+    ups = []
+    for k in (1.0, 10.0):
+        tx = make_optimizer(_tc(tap_lr_scale=k), 30)
+        state = tx.init(params)
+        for _ in range(2):  # the warm-up's first step has lr 0
+            up, state = tx.update(grads, state, params)
+        ups.append(up)
+    assert float(jnp.abs(ups[0]["tap_fc"][...]).min()) > 0
+    for path, a in jax.tree_util.tree_leaves_with_path(ups[0]):
+        b = dict(jax.tree_util.tree_leaves_with_path(ups[1]))[path]
+        k = 10.0 if "tap_fc" in jax.tree_util.keystr(path) else 1.0
+        np.testing.assert_allclose(np.asarray(b), k * np.asarray(a), rtol=1e-6)
+    assert _tc(tap_lr_scale=10.0).to_json()["tap_lr_scale"] == 10.0
+    assert "tap_lr_scale" not in _tc().to_json()
