@@ -393,6 +393,7 @@ def run_self_distill(args: argparse.Namespace) -> int:
 def _mixed_prompts(args: argparse.Namespace, tokenizer: Any) -> tuple[list, list, str]:
     """``--mix``: prompts of several kinds, none sharing text with the excluded questions."""
     from specjax.bench.questions import resolve_questions
+    from specjax.train.data import CALIBRATION_START
     from specjax.train.prompts import DEFAULT_WEIGHTS, load_exclusions, prompt_mix
 
     if args.mix == "default":
@@ -409,13 +410,19 @@ def _mixed_prompts(args: argparse.Namespace, tokenizer: Any) -> tuple[list, list
             excl_paths = [resolve_questions(None)]
         except FileNotFoundError:
             excl_paths = []
+    # Only ShareGPT records before the calibration range (a custom --prompts file: all).
+    end = CALIBRATION_START if str(args.prompts) == "sharegpt" else None
+    if end is not None and args.skip >= end:
+        raise ValueError(f"--skip {args.skip}: ShareGPT records from {end} on are bench "
+                         f"spec's calibration prompts, never training data; use --skip < {end}")
     prompts, kinds, stats = prompt_mix(tokenizer, num=args.num_prompts, skip=args.skip,
                                        max_prompt_tokens=args.max_prompt_tokens,
                                        weights=weights, source=args.prompts,
-                                       exclude=load_exclusions(excl_paths))
+                                       exclude=load_exclusions(excl_paths), end=end)
     print(f"prompt mix: {stats}", file=sys.stderr)
     source = (f"{args.prompts} mix {sorted(weights.items())}, skip {args.skip}, "
-              f"<= {args.max_prompt_tokens} tokens, excluding {[str(p) for p in excl_paths]}")
+              + (f"records < {end}, " if end is not None else "")
+              + f"<= {args.max_prompt_tokens} tokens, excluding {[str(p) for p in excl_paths]}")
     return prompts, kinds, source
 
 

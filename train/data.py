@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -261,6 +262,12 @@ def example_from_tokens(record: dict, vocab_size: int, max_len: int) -> Example:
     return Example(toks[:max_len].astype(np.int32), mask[:max_len])
 
 
+# ShareGPT records from here on are `bench spec`'s calibration prompts
+# (specjax.bench.questions.CALIB_SKIP): no training data (drafter conversations,
+# self-distillation prompts, router prompts) is read from them.
+CALIBRATION_START = 16_000
+
+
 def load_examples(source: str | Path | Iterable[Any], *, tokenizer: Any | None,
                   vocab_size: int, max_len: int, max_conversations: int | None = None,
                   min_tokens: int = 16) -> tuple[list[Example], ReadStats]:
@@ -270,12 +277,15 @@ def load_examples(source: str | Path | Iterable[Any], *, tokenizer: Any | None,
     ``{"messages": [{"role", "content"}]}`` (both rendered with the tokenizer's
     chat template) or pre-tokenised ``{"tokens": [...]}`` / raw id lists (for
     targets without a tokenizer). Reading stops after ``max_conversations``
-    usable records, so the order of the source fixes which ones are used.
+    usable records, so the order of the source fixes which ones are used, and, from
+    ShareGPT itself, at record :data:`CALIBRATION_START`.
     """
     stats = ReadStats()
     if isinstance(source, str | Path):
-        records = iter_records(sharegpt_path() if str(source) == "sharegpt" else Path(source),
-                               stats)
+        sharegpt = str(source) == "sharegpt"
+        records = iter_records(sharegpt_path() if sharegpt else Path(source), stats)
+        if sharegpt:
+            records = itertools.islice(records, CALIBRATION_START)
     else:
         records = iter(source)
     out: list[Example] = []

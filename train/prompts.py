@@ -147,8 +147,13 @@ def encode_user_turn(tokenizer: Any, text: str) -> list[int]:
 def prompt_mix(tokenizer: Any, *, num: int, skip: int = 2000, max_prompt_tokens: int = 320,
                weights: Mapping[str, float] | None = None, source: str | Path = "sharegpt",
                exclude: set[tuple[str, ...]] | None = None, block: int = 192,
-               seed: int = 0) -> tuple[list[list[int]], list[str], dict]:
+               seed: int = 0, end: int | None = None) -> tuple[list[list[int]], list[str], dict]:
     """``num`` chat-templated prompts drawn from ``source`` after ``skip`` records.
+
+    A kind whose candidates are rare (translate) keeps the scan going after the others are
+    full, so without ``end`` it reads to the end of the source; ``end`` stops it there
+    (training data passes :data:`specjax.train.data.CALIBRATION_START`, so it never takes
+    a prompt from the records `bench spec` calibrates on).
 
     Args:
       weights: share of each kind (default :data:`DEFAULT_WEIGHTS`); a kind that runs
@@ -168,6 +173,8 @@ def prompt_mix(tokenizer: Any, *, num: int, skip: int = 2000, max_prompt_tokens:
     stats = {"records": 0, "excluded": 0, "too_long": 0}
     path = sharegpt_path() if str(source) == "sharegpt" else Path(source)
     for i, rec in enumerate(iter_records(path)):
+        if end is not None and i >= end:
+            break
         if i < skip:
             continue
         stats["records"] += 1

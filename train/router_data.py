@@ -34,7 +34,12 @@ from specjax.speculative import (
     spec_prefill,
     verify_phase_jit,
 )
-from specjax.train.data import iter_records, normalize_messages, sharegpt_path
+from specjax.train.data import (
+    CALIBRATION_START,
+    iter_records,
+    normalize_messages,
+    sharegpt_path,
+)
 from specjax.train.prompts import encode_user_turn
 from specjax.train.router import write_router_meta, write_router_shard
 from specjax.vocab.head import full_head
@@ -44,9 +49,16 @@ from specjax.vocab.router import fingerprint
 def first_user_prompts(source: str | Path, tokenizer: Any, *, skip: int,
                        max_prompt_tokens: int) -> Iterator[list[int]]:
     """First user turns of a ShareGPT-style file, after ``skip`` records: chat-templated,
-    or as plain text (BOS first) for a base model's tokenizer, which has no template."""
-    path = sharegpt_path() if str(source) == "sharegpt" else Path(source)
+    or as plain text (BOS first) for a base model's tokenizer, which has no template.
+
+    Training data: from ShareGPT itself, records past :data:`CALIBRATION_START` (the
+    prompts `bench spec` calibrates on) are never read.
+    """
+    sharegpt = str(source) == "sharegpt"
+    path = sharegpt_path() if sharegpt else Path(source)
     for i, rec in enumerate(iter_records(path)):
+        if sharegpt and i >= CALIBRATION_START:
+            return
         if i < skip:
             continue
         msgs = normalize_messages(rec)

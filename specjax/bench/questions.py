@@ -118,7 +118,7 @@ def spec_bench_prompts(target: Any, *, questions: str | Path | None, tasks: Sequ
 # trained on (stage 1 read records < 600, stage 2's self-distillation prompts start at
 # 2000, the mixed-prompt fine-tunes used records 600..8784), with any prompt that shares
 # an 8-word shingle with a Spec-Bench question dropped.
-CALIB_SKIP = 16_000
+CALIB_SKIP = 16_000  # = specjax.train.data.CALIBRATION_START (training stops there)
 CALIB_PROMPTS = 6
 
 

@@ -76,3 +76,23 @@ def test_prompt_mix_interleaves_kinds_and_drops_evaluation_questions(tmp_path):
         assert lens == sorted(lens)
     with pytest.raises(ValueError, match="unknown prompt kinds"):
         prompt_mix(WordTokenizer(), num=4, source=src, weights={"poetry": 1.0})
+
+
+def test_prompt_mix_stops_at_end_so_training_never_reads_the_calibration_records(tmp_path):
+    """A rare kind (translate) keeps the scan going after the others are full; ``end`` stops
+    it, so self-distillation never takes a prompt from `bench spec`'s calibration records."""
+    from specjax.bench.questions import CALIB_SKIP
+    from specjax.train.data import CALIBRATION_START
+
+    assert CALIBRATION_START == CALIB_SKIP
+    records = [_conv(("human", f"Question {i}: how does the water cycle work?"),
+                     ("gpt", PROSE)) for i in range(6)]
+    records.append(_conv(("human", "Schreib etwas"), ("gpt", GERMAN)))  # record 6
+    src = tmp_path / "sg.json"
+    src.write_text(json.dumps(records))
+    kw = dict(num=4, skip=0, source=src, max_prompt_tokens=10_000,
+              weights={"chat": 1.0, "translate": 1.0})
+    _, kinds, stats = prompt_mix(WordTokenizer(), **kw)
+    assert "translate" in kinds and stats["records"] == 7
+    _, kinds, stats = prompt_mix(WordTokenizer(), **kw, end=6)
+    assert "translate" not in kinds and stats["records"] == 6

@@ -96,3 +96,23 @@ def test_prompts_are_plain_text_for_a_base_model(tmp_path):
     assert base == [[2, ord("h"), ord("i")]]
     chat = list(first_user_prompts(data, _Tokenizer("{{ x }}"), skip=1, max_prompt_tokens=8))
     assert chat == [[9, ord("h"), ord("i"), 9]]
+
+
+def test_sharegpt_prompts_stop_before_the_calibration_records(tmp_path, monkeypatch):
+    """Training prompts (self-distillation, router data) never come from the ShareGPT
+    records `bench spec` calibrates on; a file the user names is read whole."""
+    import json
+
+    from specjax.train import router_data
+
+    data = tmp_path / "sg.jsonl"
+    data.write_text("\n".join(json.dumps({"conversations": [
+        {"from": "human", "value": q}, {"from": "gpt", "value": "ok"}]})
+        for q in ("a", "b", "c", "d")) + "\n")
+    monkeypatch.setattr(router_data, "sharegpt_path", lambda: data)
+    monkeypatch.setattr(router_data, "CALIBRATION_START", 2)
+    tok = _Tokenizer(None)
+    assert len(list(router_data.first_user_prompts("sharegpt", tok, skip=0,
+                                                   max_prompt_tokens=8))) == 2
+    assert len(list(router_data.first_user_prompts(data, tok, skip=0,
+                                                   max_prompt_tokens=8))) == 4

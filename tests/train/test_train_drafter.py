@@ -589,3 +589,16 @@ def test_tap_lr_scale_scales_the_tap_weights_updates_only(target):
         np.testing.assert_allclose(np.asarray(b), k * np.asarray(a), rtol=1e-6)
     assert _tc(tap_lr_scale=10.0).to_json()["tap_lr_scale"] == 10.0
     assert "tap_lr_scale" not in _tc().to_json()
+
+
+def test_sharegpt_conversations_stop_before_the_calibration_records(tmp_path, monkeypatch):
+    from specjax.train import data
+
+    path = tmp_path / "sg.jsonl"
+    path.write_text("".join(json.dumps({"tokens": list(range(i, i + 20))}) + "\n"
+                            for i in range(5)))
+    monkeypatch.setattr(data, "sharegpt_path", lambda: path)
+    monkeypatch.setattr(data, "CALIBRATION_START", 3)
+    got, stats = load_examples("sharegpt", tokenizer=None, vocab_size=256, max_len=32)
+    assert len(got) == 3 and stats.records == 3
+    assert len(load_examples(path, tokenizer=None, vocab_size=256, max_len=32)[0]) == 5
