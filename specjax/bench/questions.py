@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import specjax
+from specjax.train.data import CALIBRATION_START
 
 MT_BENCH_CATEGORIES = frozenset({"writing", "roleplay", "reasoning", "math", "coding",
                                  "extraction", "stem", "humanities"})
@@ -114,11 +115,11 @@ def spec_bench_prompts(target: Any, *, questions: str | Path | None, tasks: Sequ
 
 
 # Calibration (choosing a tree, a threshold) must not tune on Spec-Bench, which is the
-# evaluation: its prompts come from ShareGPT records past every range the drafters were
-# trained on (stage 1 read records < 600, stage 2's self-distillation prompts start at
-# 2000, the mixed-prompt fine-tunes used records 600..8784), with any prompt that shares
-# an 8-word shingle with a Spec-Bench question dropped.
-CALIB_SKIP = 16_000  # = specjax.train.data.CALIBRATION_START (training stops there)
+# evaluation: its prompts come from ShareGPT records that no training data reads
+# (self-distillation, router prompts and `--data sharegpt` stop at CALIBRATION_START; the
+# shipped drafter read records < 600 and first user turns from 2000), with any prompt that
+# shares an 8-word shingle with a Spec-Bench question dropped.
+CALIB_SKIP = CALIBRATION_START
 CALIB_PROMPTS = 6
 
 
