@@ -40,7 +40,8 @@ def main() -> None:
     target = specjax.load(resolve_model(None, progress=False))
     drafter = specjax.load_drafter(shipped_drafter_for(target.cfg), target)
     evals, _ = spec_bench_prompts(target, questions=None, tasks=TASKS, per_task=args.per_task)
-    tree = TreeSpec.from_json(json.loads(args.tree_json)) if args.tree_json else None
+    tree = (TreeSpec.from_json(json.loads(args.tree_json)) if args.tree_json
+            else drafter.default_tree)  # None: generate's own default (TreeSpec())
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
               stop_on_eos=False)
     rows = []
@@ -64,8 +65,7 @@ def main() -> None:
                 "mal": sum(r["mal"] for r in rs) / len(rs)}
 
     result = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
-              "tree": (tree or drafter.default_tree).to_json() if (tree or drafter.default_tree)
-              else None,
+              "tree": tree.to_json() if tree else None,
               "per_task": {t: pooled([r for r in rows if r["task"] == t]) for t in TASKS},
               "overall": pooled(rows), "per_prompt": rows}
     for name, p in [*result["per_task"].items(), ("overall", result["overall"])]:

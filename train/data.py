@@ -539,7 +539,8 @@ def cache_hidden_states(cfg: ModelConfig, params: Params, examples: Sequence[Exa
                 toks.append(examples[i].tokens)
                 asst.append(examples[i].assistant)
                 hid.append(h[r, :n])
-                tap.append(tp[r, :n])
+                if taps:
+                    tap.append(tp[r, :n])
                 lens.append(n)
                 index.append(i)
                 bar.update(n)
