@@ -10,7 +10,12 @@ The mix below derives those prompt kinds from ShareGPT's own text:
 * ``summarize``: an English prose answer from ShareGPT as the text to summarise;
 * ``passage_qa``: an English prose answer as the passage, the user turn that asked
   for it as the question (so the question is answerable from the passage);
-* ``translate``: a German / French / Spanish / Italian / Portuguese turn, to English.
+* ``translate``: a German / French / Spanish / Italian / Portuguese turn, to English;
+* ``summarize_long`` / ``passage_qa_long``: the same two tasks over a long text, the prose
+  answers of one conversation joined (350-750 words, as passages for the question). Spec-Bench's
+  summarization and RAG prompts run 650-750 tokens, past every position a drafter trained on
+  the short kinds (<= 320 prompt tokens) has seen. Off by default (weight 0): ask for them
+  with ``--mix summarize_long=W,passage_qa_long=W --max-prompt-tokens 1024``.
 
 Spec-Bench's questions are the evaluation and never training data: any prompt that
 shares an 8-word shingle with one of them is dropped (:func:`load_exclusions`).
@@ -32,7 +37,7 @@ from typing import Any
 
 from specjax.train.data import iter_records, normalize_messages, sharegpt_path
 
-KINDS = ("chat", "summarize", "passage_qa", "translate")
+KINDS = ("chat", "summarize", "passage_qa", "translate", "summarize_long", "passage_qa_long")
 DEFAULT_WEIGHTS = {"chat": 0.45, "summarize": 0.2, "passage_qa": 0.2, "translate": 0.15}
 
 _SUMMARIZE = ("Summarize: {text}",
@@ -41,6 +46,9 @@ _SUMMARIZE = ("Summarize: {text}",
 _PASSAGE_QA = ("{text}\n\nQuestion: {q}",
                "Answer the question using the passage below.\n\nPassage: {text}\n\nQuestion: {q}",
                "Read the text and answer the question.\n\n{text}\n\n{q}")
+_PASSAGES_QA = ("{text}\n\nQuestion: {q}",
+                "Answer the question using the passages below.\n\n{text}\n\nQuestion: {q}")
+LONG_WORDS = (350, 750)  # words of a long text: ~450-1,000 tokens
 _TRANSLATE = ("Translate {lang} to English: {text}",
               "Translate the following {lang} text into English.\n\n{text}")
 
@@ -121,6 +129,7 @@ def candidates(messages: list[dict[str, str]]) -> dict[str, str]:
         else:
             out["summarize"] = _SUMMARIZE[h % len(_SUMMARIZE)].format(text=answer.strip())
         break
+    out.update(_long_candidate(pairs))
     # Translation: a non-English paragraph of any turn (answers in German, French, ... are
     # far more common in ShareGPT than short non-English questions).
     for m in messages:
@@ -132,6 +141,34 @@ def candidates(messages: list[dict[str, str]]) -> dict[str, str]:
                     out["translate"] = template.format(lang=lang, text=para.strip())
                     return out
     return out
+
+
+def _long_candidate(pairs: list[tuple[str, str]]) -> dict[str, str]:
+    """``summarize_long`` or ``passage_qa_long`` (never both) from a conversation's first
+    consecutive prose answers, joined while they fit in :data:`LONG_WORDS` (two at least)."""
+    lo, hi = LONG_WORDS
+    taken: list[tuple[str, str]] = []  # a run of consecutive prose answers
+    for question, answer in pairs:
+        n = len(answer.split())
+        if not _is_prose(answer, 60, 600):
+            if sum(len(a.split()) for _, a in taken) >= lo:
+                break
+            taken = []
+            continue
+        if sum(len(a.split()) for _, a in taken) + n > hi:
+            break
+        taken.append((question.strip(), answer.strip()))
+    words = sum(len(a.split()) for _, a in taken)
+    if len(taken) < 2 or words < lo:
+        return {}
+    h = zlib.crc32("".join(a for _, a in taken).encode())
+    questions = [q for q, _ in taken if 3 <= len(q.split()) <= 40 and "\n" not in q]
+    if h % 2 and questions:
+        text = "\n\n".join(f"Passage {i + 1}: {a}" for i, (_, a) in enumerate(taken))
+        return {"passage_qa_long": _PASSAGES_QA[h % len(_PASSAGES_QA)].format(
+            text=text, q=questions[h % len(questions)])}
+    text = "\n\n".join(a for _, a in taken)
+    return {"summarize_long": _SUMMARIZE[h % len(_SUMMARIZE)].format(text=text)}
 
 
 def encode_user_turn(tokenizer: Any, text: str) -> list[int]:

@@ -96,3 +96,54 @@ def test_prompt_mix_stops_at_end_so_training_never_reads_the_calibration_records
     assert "translate" in kinds and stats["records"] == 7
     _, kinds, stats = prompt_mix(WordTokenizer(), **kw, end=6)
     assert "translate" not in kinds and stats["records"] == 6
+
+
+def _long_conv(n_answers: int, tag: str = "") -> list[dict[str, str]]:
+    """A multi-turn conversation whose answers are distinct ~70-word prose passages."""
+    msgs = []
+    for i in range(n_answers):
+        msgs.append({"role": "user", "content": f"Tell me more about the water cycle, part {i}?"})
+        msgs.append({"role": "assistant", "content": PROSE.replace("sun", f"sun {tag}{i}")})
+    return msgs
+
+
+def test_long_kinds_join_a_run_of_prose_answers_within_the_word_range():
+    from specjax.train.prompts import LONG_WORDS
+
+    lo, hi = LONG_WORDS
+    per = len(PROSE.split()) + 1
+    short = candidates(_long_conv(lo // per - 1))
+    assert not {"summarize_long", "passage_qa_long"} & set(short)  # under lo words: none
+    seen = set()
+    for tag in "abcdefgh":
+        msgs = _long_conv(12, tag)  # more answers than fit: the first run that fits is taken
+        c = candidates(msgs)
+        (kind,) = {"summarize_long", "passage_qa_long"} & set(c)  # never both
+        seen.add(kind)
+        text = c[kind]
+        joined = [m["content"] for m in msgs[1::2] if m["content"] in text]
+        assert joined == [m["content"] for m in msgs[1::2]][:len(joined)]  # a prefix, in order
+        assert lo <= sum(len(a.split()) for a in joined) <= hi
+        assert len(joined) >= 2
+        if kind == "passage_qa_long":
+            assert "Passage 1:" in text and text.split("Question: ")[-1].startswith("Tell me")
+    assert seen == {"summarize_long", "passage_qa_long"}
+    # A code answer breaks the run: the texts on either side are never joined.
+    broken = _long_conv(3, "x") + [{"role": "user", "content": "code?"},
+                                   {"role": "assistant", "content": "```py\nx = 1\n```"}]
+    assert not {"summarize_long", "passage_qa_long"} & set(candidates(broken + _long_conv(2)))
+
+
+def test_long_kinds_are_off_in_the_default_mix(tmp_path):
+    records = [_conv(*[(w, v) for m in _long_conv(8, str(i)) for w, v in
+                       [("human" if m["role"] == "user" else "gpt", m["content"])]])
+               for i in range(6)]
+    src = tmp_path / "sg.json"
+    src.write_text(json.dumps(records))
+    _, kinds, _ = prompt_mix(WordTokenizer(), num=4, skip=0, source=src,
+                             max_prompt_tokens=10_000)
+    assert not {"summarize_long", "passage_qa_long"} & set(kinds)
+    _, kinds, _ = prompt_mix(WordTokenizer(), num=4, skip=0, source=src,
+                             max_prompt_tokens=10_000,
+                             weights={"summarize_long": 1.0, "passage_qa_long": 1.0})
+    assert set(kinds) <= {"summarize_long", "passage_qa_long"} and len(kinds) == 4
