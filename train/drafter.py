@@ -405,7 +405,7 @@ def evaluate(eval_step: Callable, params: Any, embed: Array, head: Array, split:
     if max_tokens is not None:  # a fixed prefix of the split, so every evaluation sees the same
         keep = int(np.searchsorted(np.cumsum(lengths), max_tokens, side="right"))
         lengths = lengths[: max(keep, 1)]
-    buckets = sorted({b for b in _split_buckets(split)})
+    buckets = training_buckets(split.lengths)
     tot: dict[str, float] = {}
     for t, rows in plan_batches(lengths, buckets, token_budget):
         b = split.batch(t, rows, rows_for(t, token_budget))
@@ -421,10 +421,14 @@ def evaluate(eval_step: Callable, params: Any, embed: Array, head: Array, split:
             "top1": tot.get("top1", 0.0) / n, "rows": int(tot.get("n", 0.0)), **deeper}
 
 
-def _split_buckets(split: HiddenSplit) -> tuple[int, ...]:
+def training_buckets(lengths: np.ndarray, width: int = 128) -> tuple[int, ...]:
+    """Padded lengths for sequences of ``lengths`` [n]: four up to 512 tokens (as every
+    cache so far), then one per ``width`` tokens, so that short conversations mixed with
+    long ones (1,200-token contexts) are not padded to a quarter of the longest."""
     from specjax.train.data import length_buckets
 
-    return length_buckets(int(split.lengths.max()) if len(split) else 16)
+    longest = int(lengths.max()) if len(lengths) else 16
+    return length_buckets(longest, n=max(4, math.ceil(longest / width)))
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -519,7 +523,7 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
     from tqdm.auto import tqdm
 
     ckpt_dir = Path(ckpt_dir)
-    buckets = _split_buckets(train)
+    buckets = training_buckets(train.lengths)
     # The batch plan of one epoch; the order is reshuffled every epoch from (seed, epoch), so
     # a step number alone fixes the data position and a resumed run sees the same batches.
     per_epoch = len(plan_batches(train.lengths, buckets, tc.token_budget))

@@ -33,6 +33,7 @@ from specjax.train.drafter import (
     init_drafter,
     lstsq_fc,
     train_drafter,
+    training_buckets,
     write_drafter,
 )
 from tests.tiny import make_hf_checkpoint
@@ -133,6 +134,15 @@ def test_cache_resumes_missing_shards_and_refuses_other_data(target, tmp_path):
 def test_row_loss_mask_is_shifted_to_the_predicted_token():
     asst = np.array([0, 0, 1, 1, 0, 1, 0, 0], bool)
     np.testing.assert_array_equal(row_loss_mask(asst, 6), [0, 1, 1, 0, 1, 0, 0, 0])
+
+
+def test_training_buckets_keep_short_splits_and_stay_fine_for_long_ones():
+    """Up to 512 tokens the four buckets every cache so far used; past that, no gap over 128
+    tokens, so a short conversation in a split with long ones is not padded to 300."""
+    assert training_buckets(np.array([20, 480])) == (128, 240, 368, 480)
+    long = training_buckets(np.array([20, 1184]))
+    assert long[:4] == (128, 240, 368, 480) and long[-1] == 1184
+    assert max(np.diff((0,) + long)) <= 128
 
 
 def test_truncated_json_array_yields_complete_records(tmp_path):
