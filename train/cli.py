@@ -114,7 +114,8 @@ def _add_self_distill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mix", default=None, metavar="KIND=W,...",
                    help="a prompt mix instead of first user turns: 'default' or weights such as "
                         "chat=0.45,summarize=0.2,passage_qa=0.2,translate=0.15 (kinds derived "
-                        "from --prompts; see specjax.train.prompts)")
+                        "from --prompts; see specjax.train.prompts); long contexts: "
+                        "summarize_long=0.5,passage_qa_long=0.5 --max-prompt-tokens 1024")
     p.add_argument("--exclude", action="append", default=None, metavar="QUESTIONS",
                    help="question.jsonl whose prompts must not be trained on (default with "
                         "--mix: the Spec-Bench questions, when found)")
