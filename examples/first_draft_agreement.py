@@ -13,6 +13,10 @@ the loop. It is the held-out top-1 of training, measured on the evaluation promp
 
     python examples/first_draft_agreement.py --drafter A --drafter B [--max-new-tokens 128]
     python examples/first_draft_agreement.py --model gemma3-270m --drafter A
+    python examples/first_draft_agreement.py --tasks summarization,rag --drafter-window 512
+
+``--drafter-window W`` lets each drafted position attend to its last W rows only (a
+diagnostic: does attention past the distances a drafter was trained on help or hurt?).
 
 It also scores the lookup chain's first token (:mod:`specjax.tree.lookup`: the token that
 followed the latest earlier occurrence of the longest suffix, up to ``--lookup-ngram``
@@ -39,9 +43,11 @@ from specjax.model import forward_hidden, init_cache
 from specjax.tree.lookup import lookup_continuation
 
 
-def agreement(target, drafter, seqs: list[tuple[list[int], list[int]]]) -> list[np.ndarray]:
+def agreement(target, drafter, seqs: list[tuple[list[int], list[int]]],
+              window: int = 0) -> list[np.ndarray]:
     """Per (prompt, answer) pair, [n - 1] bool: the drafter's top-1 is the next token, at
-    each drafted position (an answer of n tokens has n - 1; its first is the prefill's)."""
+    each drafted position (an answer of n tokens has n - 1; its first is the prefill's).
+    ``window`` > 0: each row attends to the last ``window`` rows only (itself included)."""
     dm = drafter.cfg
     out = []
     for prompt, answer in seqs:
@@ -54,8 +60,10 @@ def agreement(target, drafter, seqs: list[tuple[list[int], list[int]]]) -> list[
                                              target.cfg))
         feats = dm.target_features(drafter.params, hidden, taps)
         shifted = jnp.concatenate([jnp.zeros_like(feats[:, :1]), feats[:, :-1]], axis=1)
+        i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+        mask = (j <= i) & ((i - j < window) if window > 0 else True)
         h, _ = dm.forward(drafter.params, target.params.embed, toks, shifted, pos,
-                          dm.init_cache(1, n, target.params.embed.dtype))
+                          dm.init_cache(1, n, target.params.embed.dtype), block_mask=mask[None])
         pred = np.asarray(jnp.argmax(h @ target.params.head.T, -1))[0]
         # Position t predicts token t + 1; score the answer's tokens after the first (the
         # first answer token is the prefill's, never drafted).
@@ -97,6 +105,10 @@ def main() -> None:
                     help="drafter folder (repeat; default: the one shipped for the target)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--per-task", type=int, default=4)
+    ap.add_argument("--tasks", default=",".join(TASKS),
+                    help=f"comma-separated Spec-Bench tasks (default: all of {','.join(TASKS)})")
+    ap.add_argument("--drafter-window", type=int, default=0, metavar="W",
+                    help="drafter attention to the last W rows only (default 0: all rows)")
     ap.add_argument("--lookup-ngram", type=int, default=3,
                     help="the longest suffix the lookup matches (default 3, TreeSpec's)")
     ap.add_argument("--lookup-min", type=int, default=1,
@@ -104,16 +116,20 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     args = ap.parse_args()
     target = specjax.load(resolve_model(args.model, progress=False))
-    evals, qpath = spec_bench_prompts(target, questions=None, tasks=TASKS,
+    tasks = tuple(t for t in args.tasks.split(",") if t)
+    if unknown := set(tasks) - set(TASKS):
+        raise SystemExit(f"--tasks: unknown {sorted(unknown)}; known: {', '.join(TASKS)}")
+    evals, qpath = spec_bench_prompts(target, questions=None, tasks=tasks,
                                       per_task=args.per_task)
     answers = [specjax.generate(target, [e["ids"]], max_new_tokens=args.max_new_tokens).tokens[0]
                for e in evals]
     seqs = [(e["ids"], a) for e, a in zip(evals, answers, strict=True)]
-    result = {"questions": str(qpath), "prompts": len(evals),
+    result = {"questions": str(qpath), "prompts": len(evals), "tasks": list(tasks),
+              "drafter_window": args.drafter_window,
               "max_new_tokens": args.max_new_tokens, "drafters": {}}
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     by_task = lambda hits: {t: pooled([h for h, e in zip(hits, evals, strict=True)  # noqa: E731
-                                       if e["task"] == t]) for t in TASKS}
+                                       if e["task"] == t]) for t in tasks}
     look = lookup_hits(seqs, args.lookup_ngram, args.lookup_min)
     result["lookup"] = {"ngram": args.lookup_ngram, "min": args.lookup_min,
                         "pooled": pooled(look),
@@ -125,7 +141,7 @@ def main() -> None:
         raise SystemExit(f"no drafter ships for {args.model}; pass --drafter")
     for path in args.drafter or [str(shipped)]:
         drafter = specjax.load_drafter(Path(path), target)
-        per = agreement(target, drafter, seqs)
+        per = agreement(target, drafter, seqs, args.drafter_window)
         either = [a | b for a, b in zip(per, look, strict=True)]
         overall, empty = pooled(per), sum(len(h) == 0 for h in per)
         result["drafters"][path] = {"pooled": overall, "per_task": by_task(per),
