@@ -31,7 +31,7 @@ import json
 import random
 import re
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -109,8 +109,10 @@ def load_exclusions(paths: Iterable[str | Path]) -> set[tuple[str, ...]]:
     return out
 
 
-def candidates(messages: list[dict[str, str]]) -> dict[str, str]:
-    """The prompt of each kind that one conversation yields (a kind may be missing)."""
+def candidates(messages: list[dict[str, str]],
+               kinds: Collection[str] = KINDS) -> dict[str, str]:
+    """The prompt of each kind that one conversation yields (a kind may be missing); the
+    long kinds, which scan every answer, only when ``kinds`` asks for one of them."""
     out: dict[str, str] = {}
     user = messages[0]["content"] if messages[0]["role"] == "user" else None
     if user is not None:
@@ -129,7 +131,8 @@ def candidates(messages: list[dict[str, str]]) -> dict[str, str]:
         else:
             out["summarize"] = _SUMMARIZE[h % len(_SUMMARIZE)].format(text=answer.strip())
         break
-    out.update(_long_candidate(pairs))
+    if {"summarize_long", "passage_qa_long"} & set(kinds):
+        out.update(_long_candidate(pairs))
     # Translation: a non-English paragraph of any turn (answers in German, French, ... are
     # far more common in ShareGPT than short non-English questions).
     for m in messages:
@@ -147,18 +150,19 @@ def _long_candidate(pairs: list[tuple[str, str]]) -> dict[str, str]:
     """``summarize_long`` or ``passage_qa_long`` (never both) from a conversation's first
     consecutive prose answers, joined while they fit in :data:`LONG_WORDS` (two at least)."""
     lo, hi = LONG_WORDS
-    taken: list[tuple[str, str]] = []  # a run of consecutive prose answers
+    taken: list[tuple[str, str]] = []  # a run of consecutive prose answers, of `words` words
+    words = 0
     for question, answer in pairs:
         n = len(answer.split())
         if not _is_prose(answer, 60, 600):
-            if sum(len(a.split()) for _, a in taken) >= lo:
+            if words >= lo:
                 break
-            taken = []
+            taken, words = [], 0
             continue
-        if sum(len(a.split()) for _, a in taken) + n > hi:
+        if words + n > hi:
             break
         taken.append((question.strip(), answer.strip()))
-    words = sum(len(a.split()) for _, a in taken)
+        words += n
     if len(taken) < 2 or words < lo:
         return {}
     h = zlib.crc32("".join(a for _, a in taken).encode())
@@ -218,7 +222,7 @@ def prompt_mix(tokenizer: Any, *, num: int, skip: int = 2000, max_prompt_tokens:
         msgs = normalize_messages(rec)
         if not msgs:
             continue
-        for kind, text in candidates(msgs).items():
+        for kind, text in candidates(msgs, pools).items():
             if kind not in pools or len(pools[kind]) >= quota[kind]:
                 continue
             if shares_shingle(text, exclude):
