@@ -268,6 +268,15 @@ def example_from_tokens(record: dict, vocab_size: int, max_len: int) -> Example:
 CALIBRATION_START = 16_000
 
 
+def training_records(source: str | Path, stats: ReadStats | None = None) -> Iterator[Any]:
+    """The records of a training source: a JSON/JSONL file whole, or ``"sharegpt"`` up to
+    :data:`CALIBRATION_START` (drafter conversations and router prompts read it this way;
+    self-distillation's prompt mix passes the same bound to ``prompt_mix(end=)``)."""
+    if str(source) == "sharegpt":
+        return itertools.islice(iter_records(sharegpt_path(), stats), CALIBRATION_START)
+    return iter_records(Path(source), stats)
+
+
 def load_examples(source: str | Path | Iterable[Any], *, tokenizer: Any | None,
                   vocab_size: int, max_len: int, max_conversations: int | None = None,
                   min_tokens: int = 16) -> tuple[list[Example], ReadStats]:
@@ -281,13 +290,8 @@ def load_examples(source: str | Path | Iterable[Any], *, tokenizer: Any | None,
     ShareGPT itself, at record :data:`CALIBRATION_START`.
     """
     stats = ReadStats()
-    if isinstance(source, str | Path):
-        sharegpt = str(source) == "sharegpt"
-        records = iter_records(sharegpt_path() if sharegpt else Path(source), stats)
-        if sharegpt:
-            records = itertools.islice(records, CALIBRATION_START)
-    else:
-        records = iter(source)
+    records = (training_records(source, stats) if isinstance(source, str | Path)
+               else iter(source))
     out: list[Example] = []
     for rec in records:
         if max_conversations is not None and len(out) >= max_conversations:

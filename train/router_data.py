@@ -34,12 +34,7 @@ from specjax.speculative import (
     spec_prefill,
     verify_phase_jit,
 )
-from specjax.train.data import (
-    CALIBRATION_START,
-    iter_records,
-    normalize_messages,
-    sharegpt_path,
-)
+from specjax.train.data import normalize_messages, training_records
 from specjax.train.prompts import encode_user_turn
 from specjax.train.router import write_router_meta, write_router_shard
 from specjax.vocab.head import full_head
@@ -51,14 +46,10 @@ def first_user_prompts(source: str | Path, tokenizer: Any, *, skip: int,
     """First user turns of a ShareGPT-style file, after ``skip`` records: chat-templated,
     or as plain text (BOS first) for a base model's tokenizer, which has no template.
 
-    Training data: from ShareGPT itself, records past :data:`CALIBRATION_START` (the
-    prompts `bench spec` calibrates on) are never read.
+    Training data: read through :func:`specjax.train.data.training_records`, so ShareGPT's
+    records from ``CALIBRATION_START`` on (the prompts `bench spec` calibrates on) never are.
     """
-    sharegpt = str(source) == "sharegpt"
-    path = sharegpt_path() if sharegpt else Path(source)
-    for i, rec in enumerate(iter_records(path)):
-        if sharegpt and i >= CALIBRATION_START:
-            return
+    for i, rec in enumerate(training_records(source)):
         if i < skip:
             continue
         msgs = normalize_messages(rec)

@@ -103,14 +103,15 @@ def test_sharegpt_prompts_stop_before_the_calibration_records(tmp_path, monkeypa
     records `bench spec` calibrates on; a file the user names is read whole."""
     import json
 
+    from specjax.train import data as train_data
     from specjax.train import router_data
 
     data = tmp_path / "sg.jsonl"
     data.write_text("\n".join(json.dumps({"conversations": [
         {"from": "human", "value": q}, {"from": "gpt", "value": "ok"}]})
         for q in ("a", "b", "c", "d")) + "\n")
-    monkeypatch.setattr(router_data, "sharegpt_path", lambda: data)
-    monkeypatch.setattr(router_data, "CALIBRATION_START", 2)
+    monkeypatch.setattr(train_data, "sharegpt_path", lambda: data)
+    monkeypatch.setattr(train_data, "CALIBRATION_START", 2)
     tok = _Tokenizer(None)
     assert len(list(router_data.first_user_prompts("sharegpt", tok, skip=0,
                                                    max_prompt_tokens=8))) == 2
