@@ -16,9 +16,17 @@ from pathlib import Path
 from flax import nnx
 
 import specjax
+from specjax.checkpoint import read_manifest
 from specjax.defaults import resolve_model, shipped_drafter_for
+from specjax.drafter import FORMAT, DrafterConfig
 from specjax.train.data import load_split
-from specjax.train.drafter import TrainConfig, _load_into, compiled_steps, evaluate, init_drafter
+from specjax.train.drafter import (
+    TrainConfig,
+    compiled_steps,
+    evaluate,
+    init_drafter,
+    load_weights_into,
+)
 
 
 def main() -> None:
@@ -34,11 +42,11 @@ def main() -> None:
     splits = {c: load_split(Path(c), "heldout") for c in args.cache}
     result: dict[str, dict] = {}
     for path in args.drafter or [str(shipped_drafter_for(target.cfg))]:
-        config = json.loads((Path(path) / "specjax.json").read_text())["config"]
-        tc = TrainConfig(ce_weight=0.5, drafter_taps=tuple(config.get("taps") or ()),
-                         drafter_layers=config.get("num_layers", 1))
+        cfg = DrafterConfig.from_json(read_manifest(Path(path), FORMAT)["config"])
+        tc = TrainConfig(ce_weight=0.5, drafter_taps=tuple(cfg.taps),
+                         drafter_layers=cfg.num_layers)
         model = init_drafter(target.cfg, target.params, tc)
-        _load_into(model, Path(path), target.cfg)
+        load_weights_into(model, Path(path), target.cfg)
         graphdef, params = nnx.split(model, nnx.Param)
         eval_step = compiled_steps(graphdef, tc, 1)[2]
         for cache, split in splits.items():

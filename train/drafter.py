@@ -459,7 +459,7 @@ class TrainResult:
     meta: dict
 
 
-def _load_into(model: EagleDrafter, path: Path, target_cfg: ModelConfig) -> None:
+def load_weights_into(model: EagleDrafter, path: Path, target_cfg: ModelConfig) -> None:
     """Overwrite ``model``'s weights with those of the drafter folder ``path``.
 
     A folder with fewer layers than ``model`` fills its first layers; the rest keep their
@@ -546,7 +546,7 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
                          "again with the same --drafter-taps (another --cache-dir)")
     model = init_drafter(target_cfg, target_params, tc)
     if tc.init_from is not None and latest is None:
-        _load_into(model, Path(tc.init_from), target_cfg)
+        load_weights_into(model, Path(tc.init_from), target_cfg)
     elif tc.fc_init == "lstsq" and latest is None:  # a resumed run restores the params
         t0 = time.time()
         w, b = lstsq_fc(train, target_params.embed)
