@@ -90,6 +90,15 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=0,
                    help="held-out evaluation every N steps (default: before and after only)")
+    p.add_argument("--on-device", action="store_true",
+                   help="keep the training states in accelerator memory and score every row "
+                        "(one compiled step per bucket): for GPUs, where host batch copies "
+                        "bottleneck; same losses up to summation order")
+    p.add_argument("--bucket-width", type=int, default=128, metavar="W",
+                   help="padded lengths past 512 tokens every W tokens (default 128); wider "
+                        "means fewer compiled shapes and more padding")
+    p.add_argument("--log-every", type=int, default=1,
+                   help="read the loss back (a device sync) every N steps (default 1)")
     p.add_argument("--max-eval-tokens", type=int, default=None,
                    help="evaluate on at most this many held-out tokens")
     p.add_argument("--seed", type=int, default=0)
@@ -121,6 +130,10 @@ def _add_self_distill_args(p: argparse.ArgumentParser) -> None:
                         "--mix: the Spec-Bench questions, when found)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 answers greedily (default); > 0 samples the target's answers at "
+                        "this temperature (a second answer per prompt, for drafting at T>0)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature)")
     p.add_argument("--engine", default="transformers", choices=["transformers", "specjax"],
                    help="transformers (default; about 2x faster batched on CPU) or specjax")
     p.add_argument("--hf-source", default=None,
@@ -320,7 +333,9 @@ def run_train_drafter(args: argparse.Namespace) -> int:
                      init_from=str(Path(args.init_from).resolve()) if args.init_from else None)
     train_ids = None if args.train_vocab is None else train_shortlist(args.train_vocab, target)
     result = train_drafter(target.cfg, target.params, train, heldout, tc, ckpt_dir,
-                           train_ids=train_ids, resume=args.resume, progress=progress)
+                           train_ids=train_ids, resume=args.resume, progress=progress,
+                           log_every=args.log_every, on_device=args.on_device,
+                           bucket_width=args.bucket_width)
     summary = {"source": str(args.data), "conversations": {k: v["examples"]
                                                            for k, v in splits.items()},
                "tokens": {k: v["tokens"] for k, v in splits.items()},
@@ -386,7 +401,8 @@ def run_self_distill(args: argparse.Namespace) -> int:
         target, prompts, args.out, max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size, engine=args.engine,
         hf_source=Path(args.hf_source) if args.hf_source else None, threads=args.threads,
-        source=source, kinds=kinds, progress=progress)
+        source=source, kinds=kinds, temperature=args.temperature, seed=args.seed,
+        progress=progress)
     print(json.dumps(meta, indent=1))
     return 0
 

@@ -1,4 +1,4 @@
-"""Self-distillation data: the target's own greedy answers to ShareGPT prompts.
+"""Self-distillation data: the target's own answers (greedy, or sampled) to ShareGPT prompts.
 
 At inference the drafter drafts continuations of the *target's* text, not of the
 human/GPT text ShareGPT holds. Training it on the target's own generations (as
@@ -15,6 +15,11 @@ Two engines produce the same greedy answers (up to floating-point near-ties):
 checkpoint the target was converted from). On the 2-core development CPU,
 transformers' batched generation was about twice as fast (B=32: 104 against 56
 new tokens/s), so it is the default where torch is installed.
+
+Sampled answers (``temperature > 0``) are the target's own distribution too: a second,
+different answer per prompt for drafters that also draft at temperature 1, and more
+contexts from the same prompts. Each batch draws from a key fixed by (seed, its first
+prompt), so a resumed run samples what an uninterrupted one would.
 
 Resumable: records are appended a batch at a time; a rerun with the same
 settings (checked against ``FILE.meta.json``) skips the prompts already answered.
@@ -72,7 +77,8 @@ class _TransformersEngine:
         self.torch = torch
         self.model = load_hf_model(resolve_hf_source(Path(target.path), hf_source), "float32")
 
-    def __call__(self, prompts: Sequence[list[int]], max_new: int, eos: int) -> list[list[int]]:
+    def __call__(self, prompts: Sequence[list[int]], max_new: int, eos: int,
+                 temperature: float = 0.0, seed: int = 0) -> list[list[int]]:
         torch = self.torch
         width = max(map(len, prompts))
         ids = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -80,9 +86,13 @@ class _TransformersEngine:
         for i, p in enumerate(prompts):
             ids[i, width - len(p):] = torch.tensor(p)
             att[i, width - len(p):] = 1
+        sample = {"do_sample": False}
+        if temperature > 0:
+            torch.manual_seed(seed)
+            sample = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
         with torch.no_grad():
             out = self.model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new,
-                                      do_sample=False, eos_token_id=eos, pad_token_id=eos)
+                                      eos_token_id=eos, pad_token_id=eos, **sample)
         return [row.tolist() for row in out[:, width:]]
 
 
@@ -92,11 +102,12 @@ class _SpecjaxEngine:
     def __init__(self, target: Target):
         self.target = target
 
-    def __call__(self, prompts: Sequence[list[int]], max_new: int, eos: int) -> list[list[int]]:
+    def __call__(self, prompts: Sequence[list[int]], max_new: int, eos: int,
+                 temperature: float = 0.0, seed: int = 0) -> list[list[int]]:
         from specjax.api import generate
 
         return generate(self.target, [list(p) for p in prompts], max_new_tokens=max_new,
-                        temperature=0.0).tokens
+                        temperature=temperature, seed=seed).tokens
 
 
 def _answer(tokens: list[int], eos_ids: Sequence[int]) -> tuple[list[int], bool]:
@@ -111,8 +122,10 @@ def generate_self_distill(target: Target, prompts: Sequence[list[int]], out: str
                           max_new_tokens: int = 256, batch_size: int = 32,
                           engine: str = "transformers", hf_source: Path | None = None,
                           threads: int | None = None, source: str = "",
-                          kinds: Sequence[str] | None = None, progress: bool = True) -> dict:
-    """Answer every prompt greedily with the target and append the records to ``out``.
+                          kinds: Sequence[str] | None = None, temperature: float = 0.0,
+                          seed: int = 0, progress: bool = True) -> dict:
+    """Answer every prompt with the target (greedily by default) and append the records to
+    ``out``.
 
     Args:
       prompts: chat-templated prompt ids, each ending with the assistant header.
@@ -121,6 +134,8 @@ def generate_self_distill(target: Target, prompts: Sequence[list[int]], out: str
         was converted from) or "specjax".
       source: a description of where the prompts came from, stored in the meta.
       kinds: each prompt's kind (``specjax.train.prompts``), stored in its record.
+      temperature: 0 answers greedily; > 0 samples from the target's full distribution
+        at this temperature (no top-k/top-p), the batch at prompt i from key (seed, i).
     Returns:
       the meta dict: settings, records, answer tokens and how many hit EOS.
     """
@@ -128,12 +143,16 @@ def generate_self_distill(target: Target, prompts: Sequence[list[int]], out: str
         raise ValueError(f"engine must be one of {ENGINES}, not {engine!r}")
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError("max_new_tokens and batch_size must be >= 1")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, not {temperature}")
     out = Path(out)
     eos_ids = list(target.eos_ids)
     settings = {"format": "specjax-self-distill", "version": 1, "engine": engine,
-                "max_new_tokens": max_new_tokens, "greedy": True, "source": source,
+                "max_new_tokens": max_new_tokens, "greedy": temperature == 0, "source": source,
                 "target": Path(target.path).name, "num_prompts": len(prompts),
                 "prompts_sha256": _prompts_hash(prompts)}
+    if temperature > 0:  # absent when greedy, so greedy files written before still resume
+        settings |= {"temperature": temperature, "seed": seed}
     meta_path = _meta_path(out)
     records = _read_records(out)
     done = len(records)
@@ -154,7 +173,7 @@ def generate_self_distill(target: Target, prompts: Sequence[list[int]], out: str
                disable=not progress, dynamic_ncols=True)
     for start in range(done, len(prompts), batch_size):
         batch = list(prompts[start:start + batch_size])
-        rows = run(batch, max_new_tokens, eos_ids[0])
+        rows = run(batch, max_new_tokens, eos_ids[0], temperature, seed * 1_000_003 + start)
         lines = []
         for k, (p, row) in enumerate(zip(batch, rows, strict=True)):
             ans, finished = _answer(row, eos_ids)

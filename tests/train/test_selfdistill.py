@@ -51,3 +51,32 @@ def test_resume_skips_done_prompts_drops_a_torn_line_and_refuses_other_settings(
         _run(tiny_target, part, max_new_tokens=7)
     with pytest.raises(ValueError, match="engine"):
         _run(tiny_target, tmp_path / "x.jsonl", engine="vllm")
+
+
+def test_sampled_answers_are_the_targets_samples_and_resume_to_the_same_draws(tiny_target,
+                                                                              tmp_path):
+    full, part = tmp_path / "full.jsonl", tmp_path / "part.jsonl"
+    meta = _run(tiny_target, full, temperature=1.0, seed=3)
+    assert meta["settings"]["greedy"] is False and meta["settings"]["temperature"] == 1.0
+    recs = [json.loads(line) for line in full.read_text().splitlines()]
+    # The second batch starts at prompt 3: its key is (seed 3, prompt 3).
+    want = specjax.generate(tiny_target, PROMPTS[3:], max_new_tokens=6, temperature=1.0,
+                            seed=3 * 1_000_003 + 3).tokens
+    assert [r["tokens"][len(p):] for p, r in zip(PROMPTS[3:], recs[3:], strict=True)] == want
+    greedy = [json.loads(line) for line in _greedy(tiny_target, tmp_path)]
+    assert any(a["tokens"] != b["tokens"] for a, b in zip(recs, greedy, strict=True))
+    _run(tiny_target, part, temperature=1.0, seed=3)
+    lines = part.read_text().splitlines()
+    part.write_text("\n".join(lines[:3]) + "\n" + lines[3][:5])  # crash mid-second batch
+    _run(tiny_target, part, temperature=1.0, seed=3)
+    assert part.read_text() == full.read_text()
+    with pytest.raises(ValueError, match="other settings"):
+        _run(tiny_target, part, temperature=1.0, seed=4)
+    with pytest.raises(ValueError, match="temperature"):
+        _run(tiny_target, tmp_path / "neg.jsonl", temperature=-1.0)
+
+
+def _greedy(target, tmp_path):
+    out = tmp_path / "greedy.jsonl"
+    _run(target, out)
+    return out.read_text().splitlines()
