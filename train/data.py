@@ -578,28 +578,48 @@ class HiddenSplit:
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
 
-    def batch(self, t: int, rows: Sequence[int], num_rows: int) -> dict[str, np.ndarray]:
+    def batch(self, t: int, rows: Sequence[int], num_rows: int,
+              features: bool = True) -> dict[str, np.ndarray]:
         """A right-padded batch of ``num_rows`` rows of length ``t`` (missing rows are empty).
 
         Returns tokens [R, T] int32, hidden [R, T, d] float32 (f_t), loss_mask [R, T] bool
         (row t scored when x_{t+1} is an assistant token) and, when the cache holds taps,
-        taps [R, T, k, d] float32.
+        taps [R, T, k, d] float32. With ``features=False`` hidden and taps are left out and
+        ``index`` [R, T] int32 (each position's row in the flat arrays; 0 on padding) and
+        ``valid`` [R, T] bool take their place, for a copy of the split that lives in
+        accelerator memory (:func:`gather_rows`).
         """
         d = self.hidden.shape[1]
         tokens = np.zeros((num_rows, t), np.int32)
-        hidden = np.zeros((num_rows, t, d), np.float32)
         mask = np.zeros((num_rows, t), bool)
-        taps = None if self.taps is None else np.zeros((num_rows, t) + self.taps.shape[1:],
-                                                       np.float32)
+        out: dict[str, np.ndarray] = {"tokens": tokens, "loss_mask": mask}
+        if features:
+            out["hidden"] = np.zeros((num_rows, t, d), np.float32)
+            if self.taps is not None:
+                out["taps"] = np.zeros((num_rows, t) + self.taps.shape[1:], np.float32)
+        else:
+            out["index"] = np.zeros((num_rows, t), np.int32)
+            out["valid"] = np.zeros((num_rows, t), bool)
         for r, i in enumerate(rows):
             s, n = int(self.offsets[i]), int(self.lengths[i])
             tokens[r, :n] = self.tokens[s:s + n]
-            hidden[r, :n] = self.hidden[s:s + n]
             mask[r, :n] = row_loss_mask(self.assistant[s:s + n], n)
-            if taps is not None:
-                taps[r, :n] = self.taps[s:s + n]
-        out = {"tokens": tokens, "hidden": hidden, "loss_mask": mask}
-        return out | ({} if taps is None else {"taps": taps})
+            if features:
+                out["hidden"][r, :n] = self.hidden[s:s + n]
+                if "taps" in out:
+                    out["taps"][r, :n] = self.taps[s:s + n]
+            else:
+                out["index"][r, :n] = np.arange(s, s + n)
+                out["valid"][r, :n] = True
+        return out
+
+
+@jax.jit
+def gather_rows(flat: Array, index: Array, valid: Array) -> Array:
+    """``flat`` [N, ...] rows at ``index`` [R, T] as float32 [R, T, ...], zero where not
+    ``valid``: :meth:`HiddenSplit.batch`'s features, gathered where the split lives."""
+    x = jnp.take(flat, index, axis=0).astype(jnp.float32)
+    return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), x, 0.0)
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:

@@ -42,7 +42,7 @@ from specjax.drafter import (
     save_drafter,
 )
 from specjax.model import Params, unfuse_layer
-from specjax.train.data import HiddenSplit, plan_batches, row_loss_mask, rows_for
+from specjax.train.data import HiddenSplit, gather_rows, plan_batches, row_loss_mask, rows_for
 
 LOG_FILE = "training_log.json"
 PLOT_FILE = "loss.png"
@@ -395,7 +395,8 @@ def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, tc: Tra
 
 
 def evaluate(eval_step: Callable, params: Any, embed: Array, head: Array, split: HiddenSplit,
-             token_budget: int, ce_weight: float, max_tokens: int | None = None) -> dict:
+             token_budget: int, ce_weight: float, max_tokens: int | None = None,
+             bucket_width: int = 128) -> dict:
     """Held-out loss and top-1 agreement, averaged over every masked row of ``split``.
 
     With training-time test the result also has ``top1_k``: step k's agreement when the
@@ -405,7 +406,7 @@ def evaluate(eval_step: Callable, params: Any, embed: Array, head: Array, split:
     if max_tokens is not None:  # a fixed prefix of the split, so every evaluation sees the same
         keep = int(np.searchsorted(np.cumsum(lengths), max_tokens, side="right"))
         lengths = lengths[: max(keep, 1)]
-    buckets = training_buckets(split.lengths)
+    buckets = training_buckets(split.lengths, bucket_width)
     tot: dict[str, float] = {}
     for t, rows in plan_batches(lengths, buckets, token_budget):
         b = split.batch(t, rows, rows_for(t, token_budget))
@@ -503,7 +504,8 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
                   heldout: HiddenSplit | None, tc: TrainConfig, ckpt_dir: Path, *,
                   train_ids: np.ndarray | None = None, resume: bool = False,
                   stop_after: int | None = None, progress: bool = True,
-                  log_every: int = 1) -> TrainResult:
+                  log_every: int = 1, on_device: bool = False,
+                  bucket_width: int = 128) -> TrainResult:
     """Train an EAGLE drafter on cached hidden states, checkpointing as it goes.
 
     Args:
@@ -517,13 +519,21 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
         an existing checkpoint is refused rather than silently overwritten.
       stop_after: stop (after checkpointing) once this step is reached, as an
         interrupt would; the run can then be resumed.
+      log_every: read the step's loss back (a device sync) every this many steps.
+      on_device: keep the training split's states in accelerator memory and gather each
+        batch there (:func:`~specjax.train.data.gather_rows`), and score every row rather
+        than pack the scored ones (one compiled step per bucket instead of one per bucket
+        and packed size). For a GPU, where the host's batch copies would be the
+        bottleneck; the losses are the same up to summation order.
+      bucket_width: padded lengths past 512 come every this many tokens
+        (:func:`training_buckets`); wider means fewer compiled shapes, more padding.
     Returns:
       final params and config, the log, and the metadata for ``save_drafter``.
     """
     from tqdm.auto import tqdm
 
     ckpt_dir = Path(ckpt_dir)
-    buckets = training_buckets(train.lengths)
+    buckets = training_buckets(train.lengths, bucket_width)
     # The batch plan of one epoch; the order is reshuffled every epoch from (seed, epoch), so
     # a step number alone fixes the data position and a resumed run sees the same batches.
     per_epoch = len(plan_batches(train.lengths, buckets, tc.token_budget))
@@ -566,6 +576,10 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
         raise ValueError("train_vocab and train_ids go together: pass the shortlist's ids")
     # Pre-gathered once: the training step streams N contiguous rows, not a V-wide head.
     train_head = head if train_ids is None else jnp.take(head, jnp.asarray(train_ids), axis=0)
+    # On device: the flat fp16 states once (~1.1 KB per token and tap at d=576).
+    flat = None if not on_device else {
+        "hidden": jnp.asarray(train.hidden),
+        **({"taps": jnp.asarray(train.taps)} if tc.drafter_taps else {})}
 
     log: dict[str, Any] = {"train_config": tc.to_json(), "total_steps": total,
                            "batches_per_epoch": per_epoch, "train": [], "eval": [],
@@ -594,7 +608,7 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
             return
         t0 = time.time()
         r = evaluate(eval_step, params, embed, head, heldout, tc.token_budget, tc.ce_weight,
-                     tc.max_eval_tokens)
+                     tc.max_eval_tokens, bucket_width)
         r |= {"step": step, "tag": tag, "tokens_seen": tokens_seen,
               "eval_s": round(time.time() - t0, 1)}
         log["eval"].append(r)
@@ -627,13 +641,19 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
             rng = np.random.default_rng([tc.seed, epoch])
             plan, plan_epoch = plan_batches(train.lengths, buckets, tc.token_budget, rng), epoch
         t, rows = plan[b]
-        batch = train.batch(t, rows, rows_for(t, tc.token_budget))
+        batch = train.batch(t, rows, rows_for(t, tc.token_budget), features=flat is None)
         key = jax.random.fold_in(base_key, step)
-        cap = score_cap(int(batch["loss_mask"].sum()), batch["loss_mask"].size)
+        if flat is None:
+            cap = score_cap(int(batch["loss_mask"].sum()), batch["loss_mask"].size)
+            hidden = jnp.asarray(batch["hidden"])
+            taps = jnp.asarray(batch["taps"]) if tc.drafter_taps else None
+        else:
+            cap, index, valid = None, jnp.asarray(batch["index"]), jnp.asarray(batch["valid"])
+            hidden = gather_rows(flat["hidden"], index, valid)
+            taps = gather_rows(flat["taps"], index, valid) if tc.drafter_taps else None
         params, opt_state, loss, stats = train_step(
-            params, opt_state, embed, train_head, jnp.asarray(batch["tokens"]),
-            jnp.asarray(batch["hidden"]), jnp.asarray(batch["loss_mask"]), key, cap=cap,
-            taps=jnp.asarray(batch["taps"]) if tc.drafter_taps else None)
+            params, opt_state, embed, train_head, jnp.asarray(batch["tokens"]), hidden,
+            jnp.asarray(batch["loss_mask"]), key, cap=cap, taps=taps)
         step += 1
         tokens_seen += int(train.lengths[rows].sum())
         if step % log_every == 0 or step == end:

@@ -19,6 +19,7 @@ from specjax.train.data import (
     Example,
     ReadStats,
     cache_hidden_states,
+    gather_rows,
     iter_json_array,
     load_examples,
     load_split,
@@ -577,6 +578,34 @@ def test_tapped_cache_stores_the_layers_and_a_tapped_run_grows_from_an_untapped_
     for bad in ("2,1", "a", "-1"):
         with pytest.raises(SystemExit):
             train_main(["drafter", "--data", "x", "--drafter-taps", bad])
+
+
+def test_on_device_batches_gather_the_same_rows_and_train_the_same_drafter(target, tmp_path):
+    """--on-device: the split lives in accelerator memory, each batch is gathered there, and
+    every row is scored (no packing): the same batches, the same steps up to summation order,
+    with taps, and with buckets as wide as asked."""
+    d = tmp_path / "tapped"
+    cache_hidden_states(target.cfg, target.params, _examples(), d, heldout_fraction=0.2,
+                        token_budget=128, batches_per_shard=2, hidden_dtype="float16",
+                        taps=(0,), progress=False)
+    train, held = load_split(d, "train"), load_split(d, "heldout")
+    host = train.batch(32, [2, 0], 3)
+    dev = train.batch(32, [2, 0], 3, features=False)
+    assert set(dev) == {"tokens", "loss_mask", "index", "valid"}
+    for k in ("tokens", "loss_mask"):
+        np.testing.assert_array_equal(dev[k], host[k])
+    for k, flat in (("hidden", train.hidden), ("taps", train.taps)):
+        got = gather_rows(jnp.asarray(flat), jnp.asarray(dev["index"]), jnp.asarray(dev["valid"]))
+        np.testing.assert_array_equal(np.asarray(got), host[k])
+    tc = _tc(steps=6, drafter_taps=(0,))
+    a = train_drafter(target.cfg, target.params, train, held, tc, tmp_path / "a",
+                      progress=False)
+    b = train_drafter(target.cfg, target.params, train, held, tc, tmp_path / "b",
+                      progress=False, on_device=True, log_every=3, bucket_width=256)
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
+    assert [r["step"] for r in b.log["train"]] == [3, 6]
+    assert training_buckets(np.array([100, 1200]), 304) == (304, 608, 912, 1200)
 
 
 def test_tap_lr_scale_scales_the_tap_weights_updates_only(target):
