@@ -304,10 +304,17 @@ def save_gguf_tokenizer(path: str | os.PathLike, out_dir: str | os.PathLike) -> 
     but its GGUF reader imports torch, which is only a test dependency here.
     """
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-        GGUF_TOKENIZER_MAPPING,
-        convert_gguf_tokenizer,
-    )
+
+    try:  # where transformers 5.23 (the CPU pin) keeps them
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
+    except ImportError:  # 5.17 (the GPU machines' image) keeps them in integrations.ggml
+        from transformers.integrations.ggml import (  # type: ignore[no-redef]
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
 
     reader = _open(path)
     arch = _meta(reader, "general.architecture")

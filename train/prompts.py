@@ -52,6 +52,10 @@ LONG_WORDS = (350, 750)  # words of a long text: ~450-1,000 tokens
 _TRANSLATE = ("Translate {lang} to English: {text}",
               "Translate the following {lang} text into English.\n\n{text}")
 
+# Every request template ({text}, {q} and {lang} are the fields), e.g. to tell shingles that
+# every prompt of a kind shares from those of its text.
+TEMPLATES = _SUMMARIZE + _PASSAGE_QA + _PASSAGES_QA + _TRANSLATE
+
 # Stop-word rates tell the language of a short turn well enough to phrase a request.
 _STOPWORDS = {
     "German": "und der die das ist nicht ich wir mit für ein eine auf sie es zu den von",
@@ -87,7 +91,7 @@ def _is_prose(text: str, min_words: int, max_words: int) -> bool:
     return min_words <= n <= max_words and _language(text) == "English"
 
 
-def _shingles(text: str, n: int = 8) -> set[tuple[str, ...]]:
+def shingles(text: str, n: int = 8) -> set[tuple[str, ...]]:
     words = [w.lower() for w in _WORD.findall(text)]
     return {tuple(words[i:i + n]) for i in range(max(0, len(words) - n + 1))}
 
@@ -95,7 +99,7 @@ def _shingles(text: str, n: int = 8) -> set[tuple[str, ...]]:
 def shares_shingle(text: str, exclude: set[tuple[str, ...]]) -> bool:
     """Whether ``text`` shares an 8-word shingle with ``exclude`` (:func:`load_exclusions`):
     how Spec-Bench's questions are kept out of training data and calibration prompts."""
-    return bool(exclude) and not _shingles(text).isdisjoint(exclude)
+    return bool(exclude) and not shingles(text).isdisjoint(exclude)
 
 
 def load_exclusions(paths: Iterable[str | Path]) -> set[tuple[str, ...]]:
@@ -105,7 +109,7 @@ def load_exclusions(paths: Iterable[str | Path]) -> set[tuple[str, ...]]:
         for line in Path(path).read_text(encoding="utf-8").splitlines():
             if line.strip():
                 for turn in json.loads(line).get("turns", []):
-                    out |= _shingles(turn)
+                    out |= shingles(turn)
     return out
 
 
