@@ -1,0 +1,138 @@
+#!/bin/bash
+# The GPU drafter job in three calls of the device tool (the GGUF is sent in two slices; a
+# machine kept warm between calls keeps /root/stage). Run from the repository root there:
+#
+#   job.sh receive   # call 1: the first GGUF slice and the starting drafter -> /root/stage;
+#                    #   starts the Pallas kernel tests, compiled, in the background
+#   job.sh generate  # call 2: install, convert the target, answer the prompt stages (time
+#                    #   limited, resumable), cache the hidden states, time 20 training steps
+#   job.sh train     # call 3: train for STEPS steps (env), export the drafter into $OUT
+#
+# Sizes come from the environment: GEN_S (generation seconds), STAGES, STEPS, LR, TAP_LR,
+# BATCH (tokens per step), EVAL_EVERY, TRAIN_S (training's time limit); for toy runs LIMIT
+# (prompts per stage), GEN_BATCH, MAX_RECORDS, CACHE_TOKENS, KERNEL_TESTS=0. Everything the
+# job reads is prepared by prepare.py on the CPU. `train` caches the states itself if
+# `generate` did not get that far.
+# At toy size on a CPU: STAGE=/tmp/stage KERNEL_TESTS=0 LIMIT=8 GEN_BATCH=4 MAX_RECORDS=140
+# BATCH=4096 STEPS=6 EVAL_EVERY=3 (examples/gpu_drafter/README.md).
+set -uo pipefail
+STAGE=${STAGE:-/root/stage}
+OUT=${OUT:-$STAGE/out}
+GPU=${GPU:-.gpu}
+mkdir -p "$STAGE" "$OUT"
+export SPECJAX_HOME=$STAGE/home TQDM_MININTERVAL=${TQDM_MININTERVAL:-15} PYTHONUNBUFFERED=1
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site
+DRAFTER=specjax/assets/drafters/SmolLM2-135M-Instruct
+TARGET=$STAGE/SmolLM2-135M-Instruct
+# The hidden-state cache (~3.5 KB per token with two taps): in memory when /dev/shm has room.
+SHM_GB=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
+CACHE=${CACHE:-$( [ "${SHM_GB:-0}" -ge 60 ] && echo /dev/shm/specjax-cache || echo "$STAGE/cache" )}
+COMMON=(--target "$TARGET" --max-len 1216 --max-conversations 10000000 --cache-dir "$CACHE"
+        --drafter-taps 1,14 --cache-batch-tokens "${CACHE_TOKENS:-65536}" --on-device
+        --bucket-width 304
+        --log-every 10 --init-from "$STAGE/drafter0"
+        --ce-weight 0.5 --train-vocab "fr:8192:$STAGE/drafter0/freq_counts.npy")
+
+install() {
+  if [ -d "$GPU/whl" ] && ! python3 -c "import gguf" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site "$GPU"/whl/*.whl && export PYTHONPATH=/tmp/site
+  fi
+  python3 -c "import specjax.train" 2>/dev/null || python3 -m pip install -q --no-deps \
+    --no-build-isolation --ignore-requires-python -e . > "$STAGE/pip.log" 2>&1
+  python3 -c "import specjax.kernels, gguf, jax; print('jax', jax.__version__, jax.devices())"
+}
+
+case "${1:-}" in
+receive)
+  cp "$GPU"/gguf/part_* "$STAGE"/ && cp -r "$DRAFTER" "$STAGE/drafter0" || exit 1
+  ls -la "$STAGE"; nvidia-smi -L; df -h /dev/shm "$STAGE" | tail -2; free -g | head -2
+  install || exit 1
+  # The kernels' tests, compiled on the GPU (interpret mode is what the CPU runs), in the
+  # background: they finish while the next calls run, and `train` collects the log.
+  [ "${KERNEL_TESTS:-1}" = 1 ] && ( XLA_PYTHON_CLIENT_PREALLOCATE=false setsid nohup \
+      timeout 900 python3 -m pytest -q -p no:cacheprovider tests/kernels \
+      > "$STAGE/kernels.log" 2>&1 & ) ;;
+generate)
+  cp "$GPU"/gguf/part_* "$STAGE"/ 2>/dev/null
+  install || exit 1
+  cat "$STAGE"/part_* > "$STAGE/target.gguf" && sha256sum "$STAGE/target.gguf"
+  [ -e "$TARGET/specjax.json" ] || specjax convert "$STAGE/target.gguf" "$TARGET" || exit 1
+  mkdir -p "$STAGE/answers"
+  timeout "${GEN_S:-180}" python3 examples/gpu_drafter/generate.py --target "$TARGET" \
+    --prompts "$GPU/payload/prompts.json.xz" --out-dir "$STAGE/answers" \
+    --stages "${STAGES:-greedy_new,greedy_long,sampled_short}" \
+    ${LIMIT:+--limit "$LIMIT"} ${GEN_BATCH:+--batch "$GEN_BATCH"} 2>&1 | tr '\r' '\n' \
+    | grep -v '%|' 
+  # One data file: the prepared records (held-out first), then every complete new answer.
+  python3 - "$GPU/payload" "$STAGE" "${MAX_RECORDS:-}" "$OUT/answers.npz" <<'EOF'
+import json, lzma, sys
+from pathlib import Path
+payload, stage = Path(sys.argv[1]), Path(sys.argv[2])
+n, cap = 0, int(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[3] else None
+with open(stage / "data.jsonl", "w") as out:
+    for line in lzma.open(payload / "data.jsonl.xz", "rt"):
+        if cap is not None and n >= cap:
+            break  # toy runs: the held-out records and a few more
+        out.write(line); n += 1
+    new = 0
+    for f in sorted((stage / "answers").glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # the line a time limit cut
+            out.write(json.dumps({"tokens": r["tokens"], "assistant": r["assistant"]}) + "\n")
+            new += 1
+# The new answers, compactly, for $OUT: uint16 ids (vocab < 65,536) and each record's
+# stage, prompt index, answer length and whether it hit EOS (prompts: the payload's pool).
+import numpy as np
+rows, toks = [], []
+for k, f in enumerate(sorted((stage / "answers").glob("*.jsonl"))):
+    for line in f.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        ans = r["tokens"][r["assistant"].index(1):]
+        rows.append((k, r["prompt_index"], len(ans), int(r["finished"])))
+        toks.extend(ans)
+np.savez_compressed(sys.argv[4], tokens=np.asarray(toks, np.uint16),
+                    records=np.asarray(rows, np.int32).reshape(-1, 4),
+                    stages=np.asarray([f.stem for f in
+                                       sorted((stage / "answers").glob("*.jsonl"))]))
+meta = json.loads((payload / "data.json").read_text())
+frac = (meta["heldout"] - 0.5) / (n + new)
+(stage / "heldout_fraction").write_text(f"{frac!r}")
+print(json.dumps({"prepared": n, "new": new, "heldout": meta["heldout"]}))
+EOF
+  cp "$STAGE"/answers/*.meta.json "$OUT"/ 2>/dev/null
+  HF=$(cat "$STAGE/heldout_fraction")
+  specjax train drafter --data "$STAGE/data.jsonl" --heldout-fraction "$HF" "${COMMON[@]}" \
+    --cache-only --out "$STAGE/unused" --no-progress || exit 1
+  # 20 timed steps (compiles included) over the whole cache: the rate `train` sizes from.
+  rm -rf "$STAGE/calib-ckpt"
+  specjax train drafter --data "$STAGE/data.jsonl" --heldout-fraction "$HF" "${COMMON[@]}" \
+    --steps 20 --batch-size "${BATCH:-65536}" --lr 1e-4 --log-every 1 --checkpoint-every 1000 \
+    --ckpt-dir "$STAGE/calib-ckpt" --out "$STAGE/calib" --overwrite --no-progress \
+    --max-eval-tokens 20000 > "$STAGE/calib.log" 2>&1; tail -3 "$STAGE/calib.log"
+  python3 -c "
+import json; t = json.load(open('$STAGE/calib/training_log.json'))['train']
+w = [r['wall_s'] for r in t]; print('calib wall_s', w[0], w[9], w[-1],
+      'step_s(10-20)', round((w[-1] - w[9]) / (len(w) - 10), 3), 'tokens', t[-1]['tokens_seen'])"
+  ;;
+train)
+  HF=$(cat "$STAGE/heldout_fraction")
+  timeout "${TRAIN_S:-420}" specjax train drafter --data "$STAGE/data.jsonl" \
+    --heldout-fraction "$HF" "${COMMON[@]}" --steps "${STEPS:?}" --batch-size "${BATCH:-65536}" \
+    --lr "${LR:-5e-4}" --warmup 0.03 --tap-lr-scale "${TAP_LR:-4}" \
+    --eval-every "${EVAL_EVERY:-250}" \
+    --checkpoint-every 250 --ckpt-dir "$STAGE/ckpt" --out "$STAGE/drafter" --overwrite \
+    --no-progress --resume 2>&1 | tail -40
+  cp "$STAGE/kernels.log" "$OUT/" 2>/dev/null
+  # Files come back at <= 16 MiB each: the drafter (~19 MB in float32) in slices.
+  [ -d "$STAGE/drafter" ] && tar -C "$STAGE" -cf - drafter | xz -T0 \
+    | split -b 15000000 - "$OUT/drafter.tar.xz.part_"
+  ls -la "$OUT" ;;
+*) echo "usage: $0 receive|generate|train" >&2; exit 2 ;;
+esac

@@ -1,0 +1,214 @@
+"""Prepare, on the CPU, a drafter-training job for a GPU machine that has no network.
+
+The GPU machine gets the repository and at most 64 MiB per call, so this writes what the
+job needs into one folder (``--out``, default ``.gpu/``, git-ignored), in pieces that
+fit:
+
+* ``payload/data.jsonl.xz``: the self-distilled records trained on so far (pre-tokenised),
+  the held-out conversations of the given hidden-state caches FIRST, so that
+  ``--heldout-fraction`` (``payload/data.json``) holds out exactly those and the GPU run's
+  held-out top-1 is the CPU runs' number;
+* ``payload/prompts.json.xz``: a pool of chat-templated prompts and the generation stages
+  over it (``generate.py``): fresh prompt-mix prompts no record has answered, the long
+  prompts a long run left unanswered, and the whole pool again, sampled at T=1;
+* ``gguf/part_NN``: the target's GGUF in slices of ``--part-mb`` (one slice per call).
+
+No prompt shares an 8-word shingle with Spec-Bench (the evaluation) or with a held-out
+conversation's prompt, and every prompt comes from ShareGPT records before the
+calibration range, as for ``specjax train self-distill --mix``.
+
+    python examples/gpu_drafter/prepare.py --records sd/sd-clean.jsonl sd/sd-new.jsonl \\
+        sd/sd-long.jsonl --heldout-cache cache6-clean cache7-new cache7-long --out .gpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import random
+import sys
+from pathlib import Path
+
+import specjax
+from specjax.bench.questions import resolve_questions
+from specjax.defaults import resolve_model, smollm2_gguf_path
+from specjax.train.data import (
+    CALIBRATION_START,
+    example_from_tokens,
+    load_split,
+    read_cache_manifest,
+)
+from specjax.train.prompts import (
+    DEFAULT_WEIGHTS,
+    TEMPLATES,
+    load_exclusions,
+    prompt_mix,
+    shares_shingle,
+    shingles,
+)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def usable_positions(records: list[dict], vocab: int, max_len: int) -> list[int]:
+    """Positions of the records ``load_examples`` keeps at ``max_len`` (pre-tokenised
+    records: >= 16 tokens and an assistant token past the first): a cache's ``index``."""
+    keep = []
+    for i, r in enumerate(records):
+        ex = example_from_tokens(r, vocab, max_len)
+        if len(ex.tokens) >= 16 and ex.assistant[1:].any():
+            keep.append(i)
+    return keep
+
+
+def heldout_records(cache: Path, root: Path, vocab: int) -> list[dict]:
+    """The records a cache holds out, read back from its source file and checked."""
+    m = read_cache_manifest(cache)
+    src, max_len = root / m["info"]["data"], m["info"]["max_len"]
+    records = read_jsonl(src)
+    pos = usable_positions(records, vocab, max_len)
+    held = load_split(cache, "heldout")
+    out = []
+    for k, i in enumerate(held.index):
+        rec = records[pos[int(i)]]
+        s, n = int(held.offsets[k]), int(held.lengths[k])
+        if rec["tokens"][:n] != held.tokens[s:s + n].tolist():
+            raise ValueError(f"{cache}: held-out conversation {i} is not record {pos[int(i)]} "
+                             f"of {src}")
+        out.append(rec)
+    return out
+
+
+def prompt_of(rec: dict) -> tuple[int, ...]:
+    """The prompt of a self-distilled record: its tokens before the first answer token."""
+    return tuple(rec["tokens"][:rec["assistant"].index(1)])
+
+
+def user_text(tok, prompt) -> str:
+    """The user turn of a chat-templated prompt (without the system turn and markers)."""
+    text = tok.decode(list(prompt), skip_special_tokens=False)
+    return text.split("<|im_start|>user\n")[-1].split("<|im_end|>")[0]
+
+
+def boilerplate_shingles() -> set[tuple[str, ...]]:
+    """Shingles of the prompt mix's request templates with their fields empty (and with the
+    first of several passages' label, which the long question-answering prompts start with)."""
+    return set().union(*(shingles(t.format(text=text, q="", lang=""))
+                         for t in TEMPLATES for text in ("", "Passage 1:")))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--records", nargs="+", type=Path, required=True,
+                    help="self-distilled JSONL files trained on so far")
+    ap.add_argument("--heldout-cache", nargs="*", type=Path, default=[],
+                    help="hidden-state caches whose held-out conversations stay held out")
+    ap.add_argument("--root", type=Path, default=Path.cwd(),
+                    help="folder the caches' data paths are relative to (default: cwd)")
+    ap.add_argument("--out", type=Path, default=Path(".gpu"))
+    ap.add_argument("--num-prompts", type=int, default=40000,
+                    help="prompt-mix prompts asked for (records 0..calibration)")
+    ap.add_argument("--long-records", type=Path, default=None,
+                    help="a long-context self-distill file whose unanswered prompts to add")
+    ap.add_argument("--part-mb", type=float, default=46.0, help="GGUF slice size (MB)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    target = specjax.load(resolve_model(None, progress=False))
+    tok, vocab = target.tokenizer, target.cfg.vocab_size
+    held = [r for c in args.heldout_cache for r in heldout_records(c, args.root, vocab)]
+    held_keys = {tuple(r["tokens"]) for r in held}
+    seen, train = set(held_keys), []
+    for path in args.records:
+        for r in read_jsonl(path):
+            if (key := tuple(r["tokens"])) not in seen:
+                seen.add(key)
+                train.append(r)
+    answered = {prompt_of(r) for r in held + train}
+    held_prompts = {prompt_of(r) for r in held}
+    print(f"records: {len(held)} held out, {len(train)} train", file=sys.stderr)
+
+    # Prompts: never Spec-Bench's, never a held-out conversation's (shingles of its text).
+    excl = load_exclusions([resolve_questions(None)])
+    held_shingles: set[tuple[str, ...]] = set()
+    for p in held_prompts:
+        held_shingles |= shingles(user_text(tok, p))
+    held_shingles -= boilerplate_shingles()  # the request templates every prompt shares
+    excl |= held_shingles
+
+    def fresh(prompts: list[list[int]]) -> list[list[int]]:
+        return [p for p in prompts if tuple(p) not in answered]
+
+    short, kinds, stats = prompt_mix(tok, num=args.num_prompts, skip=0, max_prompt_tokens=320,
+                                     weights=DEFAULT_WEIGHTS, exclude=excl, end=CALIBRATION_START)
+    print(f"short mix: {stats}", file=sys.stderr)
+    new_short = fresh(short)
+    long_meta = None
+    long_all: list[list[int]] = []
+    if args.long_records is not None:
+        long_meta = json.loads(args.long_records.with_name(
+            args.long_records.name + ".meta.json").read_text())
+        weights = {"summarize_long": 0.5, "passage_qa_long": 0.5}
+        long_all, _, lstats = prompt_mix(tok, num=long_meta["settings"]["num_prompts"],
+                                         skip=3200, max_prompt_tokens=1024, weights=weights,
+                                         exclude=excl, end=CALIBRATION_START)
+        print(f"long mix: {lstats}", file=sys.stderr)
+    new_long = fresh(long_all)
+    old_short = [p for p in sorted({prompt_of(r) for r in train if len(prompt_of(r)) <= 320})
+                 if not shares_shingle(user_text(tok, p), held_shingles)]
+    pool: list[list[int]] = []
+    index: dict[tuple[int, ...], int] = {}
+
+    def ids(prompts) -> list[int]:
+        out = []
+        for p in prompts:
+            if tuple(p) not in index:
+                index[tuple(p)] = len(pool)
+                pool.append(list(p))
+            out.append(index[tuple(p)])
+        random.Random(args.seed).shuffle(out)  # every batch meets the longest bucket: 1 shape
+        return out
+
+    stages = [
+        {"name": "greedy_new", "prompts": ids(new_short), "temperature": 0.0, "batch": 512},
+        {"name": "greedy_long", "prompts": ids(new_long), "temperature": 0.0, "batch": 128},
+        {"name": "sampled_short", "prompts": ids(new_short + [list(p) for p in old_short]),
+         "temperature": 1.0, "batch": 512},
+        {"name": "sampled_long", "prompts": ids(long_all), "temperature": 1.0, "batch": 128},
+    ]
+    for s in stages:
+        s |= {"max_new_tokens": 160, "seed": 1}
+        print(f"stage {s['name']}: {len(s['prompts'])} prompts", file=sys.stderr)
+
+    out = args.out
+    (out / "payload").mkdir(parents=True, exist_ok=True)
+    with lzma.open(out / "payload" / "data.jsonl.xz", "wt") as f:
+        for r in held + train:
+            f.write(json.dumps({"tokens": r["tokens"], "assistant": r["assistant"]}) + "\n")
+    n = len(held) + len(train)
+    (out / "payload" / "data.json").write_text(json.dumps({
+        "records": n, "heldout": len(held),
+        # split_heldout holds out ceil(f * n): f a half record under len(held) / n.
+        "heldout_fraction": (len(held) - 0.5) / n,
+        "sources": [str(p) for p in args.records],
+        "heldout_caches": [str(c) for c in args.heldout_cache]}, indent=1))
+    with lzma.open(out / "payload" / "prompts.json.xz", "wt") as f:
+        json.dump({"pool": pool, "stages": stages,
+                   "source": "ShareGPT prompt mix (default weights, records < "
+                             f"{CALIBRATION_START}, <= 320 tokens) and long contexts, "
+                             "excluding Spec-Bench and the held-out prompts"}, f)
+    gguf = smollm2_gguf_path().read_bytes()
+    size = int(args.part_mb * 1e6)
+    (out / "gguf").mkdir(exist_ok=True)
+    for k in range(0, len(gguf), size):
+        (out / "gguf" / f"part_{k // size:02d}").write_bytes(gguf[k:k + size])
+    print(json.dumps({"records": n, "heldout": len(held), "pool": len(pool),
+                      "gguf_parts": -(-len(gguf) // size),
+                      "gguf_sha256_prefix": __import__("hashlib").sha256(gguf).hexdigest()[:16]}))
+
+
+if __name__ == "__main__":
+    main()
