@@ -24,6 +24,7 @@ calibration range, as for ``specjax train self-distill --mix``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import lzma
 import random
@@ -113,6 +114,8 @@ def main() -> None:
                     help="prompt-mix prompts asked for (records 0..calibration)")
     ap.add_argument("--long-records", type=Path, default=None,
                     help="a long-context self-distill file whose unanswered prompts to add")
+    ap.add_argument("--long-skip", type=int, default=3200,
+                    help="the --skip that long file's prompt mix was made with (default 3200)")
     ap.add_argument("--part-mb", type=float, default=46.0, help="GGUF slice size (MB)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -146,14 +149,14 @@ def main() -> None:
                                      weights=DEFAULT_WEIGHTS, exclude=excl, end=CALIBRATION_START)
     print(f"short mix: {stats}", file=sys.stderr)
     new_short = fresh(short)
-    long_meta = None
     long_all: list[list[int]] = []
     if args.long_records is not None:
         long_meta = json.loads(args.long_records.with_name(
             args.long_records.name + ".meta.json").read_text())
         weights = {"summarize_long": 0.5, "passage_qa_long": 0.5}
         long_all, _, lstats = prompt_mix(tok, num=long_meta["settings"]["num_prompts"],
-                                         skip=3200, max_prompt_tokens=1024, weights=weights,
+                                         skip=args.long_skip, max_prompt_tokens=1024,
+                                         weights=weights,
                                          exclude=excl, end=CALIBRATION_START)
         print(f"long mix: {lstats}", file=sys.stderr)
     new_long = fresh(long_all)
@@ -207,7 +210,7 @@ def main() -> None:
         (out / "gguf" / f"part_{k // size:02d}").write_bytes(gguf[k:k + size])
     print(json.dumps({"records": n, "heldout": len(held), "pool": len(pool),
                       "gguf_parts": -(-len(gguf) // size),
-                      "gguf_sha256_prefix": __import__("hashlib").sha256(gguf).hexdigest()[:16]}))
+                      "gguf_sha256_prefix": hashlib.sha256(gguf).hexdigest()[:16]}))
 
 
 if __name__ == "__main__":
