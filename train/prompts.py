@@ -92,6 +92,8 @@ def _is_prose(text: str, min_words: int, max_words: int) -> bool:
 
 
 def shingles(text: str, n: int = 8) -> set[tuple[str, ...]]:
+    """The ``n``-word shingles of ``text`` (lower-cased letter runs; digits and punctuation
+    dropped), the unit in which evaluation and held-out text is kept out of training."""
     words = [w.lower() for w in _WORD.findall(text)]
     return {tuple(words[i:i + n]) for i in range(max(0, len(words) - n + 1))}
 
