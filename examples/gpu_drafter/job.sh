@@ -68,43 +68,36 @@ generate)
   python3 - "$GPU/payload" "$STAGE" "${MAX_RECORDS:-}" "$OUT/answers.npz" <<'EOF'
 import json, lzma, sys
 from pathlib import Path
+import numpy as np
 payload, stage = Path(sys.argv[1]), Path(sys.argv[2])
-n, cap = 0, int(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[3] else None
+n, cap = 0, int(sys.argv[3]) if sys.argv[3] else None
+stages = sorted((stage / "answers").glob("*.jsonl"))
+# Each new answer is read once: into the training data, and compactly into $OUT (uint16 ids,
+# vocab < 65,536; per record its stage, prompt index, answer length and whether it hit EOS;
+# the prompts are the payload's pool).
+rows, toks = [], []
 with open(stage / "data.jsonl", "w") as out:
     for line in lzma.open(payload / "data.jsonl.xz", "rt"):
         if cap is not None and n >= cap:
             break  # toy runs: the held-out records and a few more
         out.write(line); n += 1
-    new = 0
-    for f in sorted((stage / "answers").glob("*.jsonl")):
+    for k, f in enumerate(stages):
         for line in f.read_text().splitlines():
             try:
                 r = json.loads(line)
             except json.JSONDecodeError:
                 continue  # the line a time limit cut
             out.write(json.dumps({"tokens": r["tokens"], "assistant": r["assistant"]}) + "\n")
-            new += 1
-# The new answers, compactly, for $OUT: uint16 ids (vocab < 65,536) and each record's
-# stage, prompt index, answer length and whether it hit EOS (prompts: the payload's pool).
-import numpy as np
-rows, toks = [], []
-for k, f in enumerate(sorted((stage / "answers").glob("*.jsonl"))):
-    for line in f.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        ans = r["tokens"][r["assistant"].index(1):]
-        rows.append((k, r["prompt_index"], len(ans), int(r["finished"])))
-        toks.extend(ans)
+            ans = r["tokens"][r["assistant"].index(1):]
+            rows.append((k, r["prompt_index"], len(ans), int(r["finished"])))
+            toks.extend(ans)
 np.savez_compressed(sys.argv[4], tokens=np.asarray(toks, np.uint16),
                     records=np.asarray(rows, np.int32).reshape(-1, 4),
-                    stages=np.asarray([f.stem for f in
-                                       sorted((stage / "answers").glob("*.jsonl"))]))
+                    stages=np.asarray([f.stem for f in stages]))
 meta = json.loads((payload / "data.json").read_text())
-frac = (meta["heldout"] - 0.5) / (n + new)
+frac = (meta["heldout"] - 0.5) / (n + len(rows))
 (stage / "heldout_fraction").write_text(f"{frac!r}")
-print(json.dumps({"prepared": n, "new": new, "heldout": meta["heldout"]}))
+print(json.dumps({"prepared": n, "new": len(rows), "heldout": meta["heldout"]}))
 EOF
   cp "$STAGE"/answers/*.meta.json "$OUT"/ 2>/dev/null
   HF=$(cat "$STAGE/heldout_fraction")
