@@ -277,6 +277,16 @@ def training_records(source: str | Path, stats: ReadStats | None = None) -> Iter
     return iter_records(Path(source), stats)
 
 
+def skip_reason(ex: Example, min_tokens: int = 16) -> str | None:
+    """Why :func:`load_examples` drops ``ex`` (None: kept). Its positions among the kept
+    examples are what a hidden-state cache's ``index`` counts."""
+    if len(ex.tokens) < min_tokens:
+        return f"shorter than {min_tokens} tokens"
+    if not ex.assistant[1:].any():
+        return "no assistant token within max_len"
+    return None
+
+
 def load_examples(source: str | Path | Iterable[Any], *, tokenizer: Any | None,
                   vocab_size: int, max_len: int, max_conversations: int | None = None,
                   min_tokens: int = 16) -> tuple[list[Example], ReadStats]:
@@ -310,11 +320,8 @@ def load_examples(source: str | Path | Iterable[Any], *, tokenizer: Any | None,
                 raise ValueError("this target has no tokenizer, so chat records cannot be "
                                  "rendered; pass pre-tokenised {\"tokens\": [...]} records")
             ex = render_example(tokenizer, msgs, max_len)
-        if len(ex.tokens) < min_tokens:
-            stats.skip(f"shorter than {min_tokens} tokens")
-            continue
-        if not ex.assistant[1:].any():
-            stats.skip("no assistant token within max_len")
+        if (why := skip_reason(ex, min_tokens)) is not None:
+            stats.skip(why)
             continue
         out.append(ex)
     stats.used = len(out)

@@ -39,6 +39,7 @@ from specjax.train.data import (
     example_from_tokens,
     load_split,
     read_cache_manifest,
+    skip_reason,
 )
 from specjax.train.prompts import (
     DEFAULT_WEIGHTS,
@@ -55,14 +56,10 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def usable_positions(records: list[dict], vocab: int, max_len: int) -> list[int]:
-    """Positions of the records ``load_examples`` keeps at ``max_len`` (pre-tokenised
-    records: >= 16 tokens and an assistant token past the first): a cache's ``index``."""
-    keep = []
-    for i, r in enumerate(records):
-        ex = example_from_tokens(r, vocab, max_len)
-        if len(ex.tokens) >= 16 and ex.assistant[1:].any():
-            keep.append(i)
-    return keep
+    """Positions of the pre-tokenised records ``load_examples`` keeps at ``max_len``: what
+    a cache's ``index`` counts."""
+    return [i for i, r in enumerate(records)
+            if skip_reason(example_from_tokens(r, vocab, max_len)) is None]
 
 
 def heldout_records(cache: Path, root: Path, vocab: int) -> list[dict]:
