@@ -59,13 +59,16 @@ def _teacher_forced(target: Target, dp: Any, cfg: Any, ids: list[int], k: int):
 
 
 def collect_samples(target: Target, dp: Any, cfg: Any, ids: list[int], prompt_len: int,
-                    active: np.ndarray, oc: OnlineConfig) -> Samples | None:
+                    active: np.ndarray, oc: OnlineConfig, *, mismatched_only: bool = True
+                    ) -> Samples | None:
     """Draft anchors of one verified sequence (the gate of the module doc), as numpy arrays.
 
     ids: prompt + output tokens; active: [V] bool the active vocabulary at the end of the
     request (EvoSpec's core and buffer). A row t predicts ids[t + 1]; anchors are the rows
     in the output's range with at least ``oc.context`` rows before them whose active-vocab
-    argmax misses an in-vocabulary target token.
+    argmax misses an in-vocabulary target token. ``mismatched_only=False`` keeps every such
+    row whose target token is in the vocabulary, hit or miss (an evaluation set, or
+    OSD-style distillation on the whole verified text).
     """
     feats, top_ids, top_logits, dlogits = _teacher_forced(target, dp, cfg, ids, oc.top_k)
     dlogits = np.asarray(jnp.where(jnp.asarray(active)[None], dlogits, -jnp.inf))
@@ -73,7 +76,10 @@ def collect_samples(target: Target, dp: Any, cfg: Any, ids: list[int], prompt_le
     nxt = np.asarray(ids[1:] + [-1])
     c, g = oc.context, oc.horizon
     rows = np.arange(max(prompt_len - 1, c), len(ids) - 1)
-    rows = rows[(pred[rows] != nxt[rows]) & active[nxt[rows]]]
+    keep = active[nxt[rows]]
+    if mismatched_only:
+        keep &= pred[rows] != nxt[rows]
+    rows = rows[keep]
     if rows.size == 0:
         return None
     d = feats.shape[1]

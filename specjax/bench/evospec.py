@@ -178,15 +178,18 @@ def step_cost(target: Any, drafter: Any, *, core: int = 8192, n_dyn: int = 256,
 def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
                       domains: Sequence[str] = ("code", "medical"), per_domain: int = 20,
                       max_new_tokens: int = 128, core: int = 8192, n_dyn: int = 256,
-                      lr: float = 1e-5, steps_per_update: int = 1, skip: int = 600,
+                      lr: float = 1e-5, steps_per_update: int = 1, context: int = 128,
+                      skip: int = 600,
                       configs: Sequence[str] = CONFIGS,
                       out: str | Path = "results/bench_evospec.json",
                       progress: bool = True) -> dict[str, Any]:
     """Run the topic-switch stream (``per_domain`` requests of each domain, in order)
     through ``configs`` and write ``out`` (JSON) and its plot; returns the JSON's dict.
 
-    ``lr`` and ``steps_per_update`` set the online LoRA (the paper's: 1e-5, one step per
-    full replay buffer). Raises ValueError for an unknown configuration or domain."""
+    ``lr``, ``steps_per_update`` and ``context`` set the online LoRA (the paper's: 1e-5, one
+    step per full replay buffer; ``context`` rows kept before each sample's anchor, which
+    also sets the first answer row that can be one). Raises ValueError for an unknown
+    configuration or domain."""
     import jax
     from tqdm.auto import tqdm
 
@@ -208,16 +211,19 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
         raise ValueError(f"unknown domains {unknown}; choose from {', '.join(DOMAINS)}")
     if steps_per_update < 1:
         raise ValueError(f"steps_per_update must be >= 1, got {steps_per_update}")
+    if context < 1:
+        raise ValueError(f"context must be >= 1 row, got {context}")
     out = Path(out)
     target = specjax.load(resolve_model(model, progress=progress))
     drafter, label = resolve_drafter(drafter_dir, target)
     exclude = load_exclusions([resolve_questions(None)])
     stream = [(d, p) for d in domains for p in domain_prompts(
         target.tokenizer, d, per_domain, skip=skip, max_tokens=256, exclude=exclude)]
-    oc = OnlineConfig(lr=lr, steps_per_update=steps_per_update)
+    oc = OnlineConfig(lr=lr, steps_per_update=steps_per_update, context=context)
     tree = TreeSpec()
     config = {"domains": list(domains), "per_domain": per_domain, "core": core,
               "n_dyn": n_dyn, "lr": lr, "steps_per_update": steps_per_update,
+              **({"context": context} if context != 128 else {}),
               "max_new_tokens": max_new_tokens, "drafter": label,
               "tree": dataclasses.asdict(tree), "configs": configs}
     config = json.loads(json.dumps(config))
@@ -305,6 +311,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--steps-per-update", type=int, default=1,
                    help="optax steps on each full replay buffer (default 1, the paper's)")
+    p.add_argument("--context", type=int, default=128,
+                   help="rows kept before each replay sample's anchor (an answer row needs "
+                        "this many rows before it to be a sample; default 128)")
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help=f"which configurations to run, of {', '.join(CONFIGS)} (default all)")
     p.add_argument("--out", default="results/bench_evospec.json")
@@ -334,7 +343,7 @@ def _run(args: argparse.Namespace) -> int:
     r = run_evospec_bench(args.model, args.drafter, domains=domains,
                           per_domain=args.per_domain, max_new_tokens=args.max_new_tokens,
                           core=args.core, n_dyn=args.n_dyn, lr=args.lr,
-                          steps_per_update=args.steps_per_update,
+                          steps_per_update=args.steps_per_update, context=args.context,
                           configs=[c.strip() for c in args.configs.split(",") if c.strip()],
                           out=args.out)
     print(json.dumps({k: r[k] for k in ("mean_before", "mean_after", "recovery_requests",

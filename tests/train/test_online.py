@@ -85,6 +85,26 @@ def test_samples_are_gated_on_misses_inside_the_vocabulary(tiny_target, fitted_d
         assert s.top_ids.shape == (len(roots), OC.horizon, OC.top_k)
 
 
+def test_without_the_mismatch_gate_every_in_vocabulary_row_is_an_anchor(tiny_target,
+                                                                          fitted_drafter):
+    ids, p = _sequence(tiny_target)
+    dp, cfg = fitted_drafter.params, fitted_drafter.cfg
+    v = tiny_target.cfg.vocab_size
+    every = collect_samples(tiny_target, dp, cfg, ids, p, np.ones(v, bool), OC,
+                            mismatched_only=False)
+    first = max(p - 1, OC.context)
+    # A row t (>= the context, in the output's range) anchors a draft of ids[t + 1].
+    assert len(every.tokens) == len(ids) - 1 - first
+    np.testing.assert_array_equal(every.tokens[:, OC.context], ids[first:len(ids) - 1])
+    missed = collect_samples(tiny_target, dp, cfg, ids, p, np.ones(v, bool), OC)
+    assert missed is None or len(missed.tokens) <= len(every.tokens)
+    # Only rows whose next token is active: drop one output token from the vocabulary.
+    active = np.ones(v, bool)
+    active[ids[first + 1]] = False
+    fewer = collect_samples(tiny_target, dp, cfg, ids, p, active, OC, mismatched_only=False)
+    assert len(fewer.tokens) == len(every.tokens) - ids[first + 1:].count(ids[first + 1])
+
+
 def test_updates_lower_the_loss_on_the_buffer(tiny_target, fitted_drafter):
     ids, p = _sequence(tiny_target)
     dp, cfg = fitted_drafter.params, fitted_drafter.cfg
