@@ -103,6 +103,9 @@ def main() -> None:
     ap.add_argument("--core", type=int, default=2048)
     ap.add_argument("--context", type=int, default=64, help="rows kept before each anchor")
     ap.add_argument("--gate", choices=("mismatched", "all"), default="mismatched")
+    ap.add_argument("--kd-temperature", type=float, default=1.0,
+                    help="T_KD of the loss (EvoSpec's 1; lower sharpens the target's "
+                         "distribution towards its argmax)")
     ap.add_argument("--lrs", default="1e-4,3e-4,1e-3")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--eval-every", type=int, default=25)
@@ -123,7 +126,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     seqs = _answers(target, prompts, args.max_new_tokens, out.with_suffix(".answers.json"))
-    oc = OnlineConfig(context=args.context)
+    oc = OnlineConfig(context=args.context, kd_temperature=args.kd_temperature)
     pool, _ = _pool(target, drafter, seqs[:args.train], active, oc, args.gate == "mismatched")
     held, request = _pool(target, drafter, seqs[args.train:], active, oc, False)
     held = jax.tree.map(jnp.asarray, held)
