@@ -51,12 +51,11 @@ from specjax.vocab import resolve_head
 
 def _pool(target, drafter, seqs, active, oc, mismatched_only) -> tuple[Samples, np.ndarray]:
     """The anchors of ``seqs`` and, per anchor, the index of the request it came from."""
-    parts = [collect_samples(target, drafter.params, drafter.cfg, ids, p, active, oc,
-                             mismatched_only=mismatched_only) for ids, p in seqs]
-    request = np.concatenate([np.full(len(s.tokens), i) for i, s in enumerate(parts)
-                              if s is not None])
-    pool = jax.tree.map(lambda *xs: np.concatenate(xs), *[s for s in parts if s is not None])
-    return pool, request
+    parts = [(i, s) for i, (ids, p) in enumerate(seqs)
+             if (s := collect_samples(target, drafter.params, drafter.cfg, ids, p, active, oc,
+                                      mismatched_only=mismatched_only)) is not None]
+    request = np.concatenate([np.full(len(s.tokens), i) for i, s in parts])
+    return jax.tree.map(lambda *xs: np.concatenate(xs), *[s for _, s in parts]), request
 
 
 def chain_rows(dp, cfg, embed, head_rows, ids_active, s: Samples, horizon: int
@@ -155,10 +154,10 @@ def main() -> None:
             batch = jax.tree.map(lambda a: jnp.asarray(a[pick]), pool)  # noqa: B023
             lora, opt, _ = update_jit(lora, opt, dp, cfg, embed, target.params.head, batch, o)
             if step % args.eval_every == 0 or step == args.steps:
-                first, chain = chain_rows(merge(dp, lora), cfg, embed, head_rows,
-                                          ids_active, held, o.horizon)
-                fit, _ = chain_rows(merge(dp, lora), cfg, embed, head_rows, ids_active, seen,
-                                    o.horizon)
+                merged = merge(dp, lora)
+                first, chain = chain_rows(merged, cfg, embed, head_rows, ids_active, held,
+                                          o.horizon)
+                fit, _ = chain_rows(merged, cfg, embed, head_rows, ids_active, seen, o.horizon)
                 # Paired over held-out requests (rows of one answer are not independent).
                 m = {"first_draft": float(first.mean()), "chain_accepted": float(chain.mean()),
                      "pool_first_draft": float(fit.mean()),

@@ -223,6 +223,7 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     tree = TreeSpec()
     config = {"domains": list(domains), "per_domain": per_domain, "core": core,
               "n_dyn": n_dyn, "lr": lr, "steps_per_update": steps_per_update,
+              # Absent at the default, so partial results written before it still resume.
               **({"context": context} if context != 128 else {}),
               "max_new_tokens": max_new_tokens, "drafter": label,
               "tree": dataclasses.asdict(tree), "configs": configs}
