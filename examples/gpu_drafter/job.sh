@@ -9,7 +9,8 @@
 #   job.sh train     # call 3: train for STEPS steps (env), export the drafter into $OUT
 #
 # Sizes come from the environment: GEN_S (generation seconds), STAGES, STEPS, LR, TAP_LR,
-# BATCH (tokens per step), EVAL_EVERY, TRAIN_S (training's time limit); for toy runs LIMIT
+# BATCH (tokens per step), EVAL_EVERY, TRAIN_S (training's time limit), TTT (unrolled draft
+# steps of training-time test, `--ttt-steps`; unset: none); for toy runs LIMIT
 # (prompts per stage), GEN_BATCH, MAX_RECORDS, CACHE_TOKENS, KERNEL_TESTS=0. Everything the
 # job reads is prepared by prepare.py on the CPU. `train` caches the states itself if
 # `generate` did not get that far.
@@ -119,7 +120,7 @@ train)
   timeout "${TRAIN_S:-420}" specjax train drafter --data "$STAGE/data.jsonl" \
     --heldout-fraction "$HF" "${COMMON[@]}" --steps "${STEPS:?}" --batch-size "${BATCH:-65536}" \
     --lr "${LR:-5e-4}" --warmup 0.03 --tap-lr-scale "${TAP_LR:-4}" \
-    --eval-every "${EVAL_EVERY:-250}" \
+    --eval-every "${EVAL_EVERY:-250}" ${TTT:+--ttt-steps "$TTT"} \
     --checkpoint-every 250 --ckpt-dir "$STAGE/ckpt" --out "$STAGE/drafter" --overwrite \
     --no-progress --resume 2>&1 | tail -40
   cp "$STAGE/kernels.log" "$OUT/" 2>/dev/null
