@@ -43,6 +43,9 @@ DOMAINS = {
              r"plaintiff|defendant|jurisdiction)\b",
 }
 CONFIGS = ("full", "fr", "buffer", "lora", "evospec")
+# OnlineConfig.context's default, written here because specjax.train.online loads JAX and
+# this module's CLI flags must not (a test keeps the two equal).
+DEFAULT_CONTEXT = 128
 
 
 def domain_prompts(tokenizer: Any, domain: str, n: int, *, skip: int, max_tokens: int,
@@ -178,7 +181,8 @@ def step_cost(target: Any, drafter: Any, *, core: int = 8192, n_dyn: int = 256,
 def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
                       domains: Sequence[str] = ("code", "medical"), per_domain: int = 20,
                       max_new_tokens: int = 128, core: int = 8192, n_dyn: int = 256,
-                      lr: float = 1e-5, steps_per_update: int = 1, context: int = 128,
+                      lr: float = 1e-5, steps_per_update: int = 1,
+                      context: int = DEFAULT_CONTEXT,
                       skip: int = 600,
                       configs: Sequence[str] = CONFIGS,
                       out: str | Path = "results/bench_evospec.json",
@@ -224,7 +228,7 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     config = {"domains": list(domains), "per_domain": per_domain, "core": core,
               "n_dyn": n_dyn, "lr": lr, "steps_per_update": steps_per_update,
               # Absent at the default, so partial results written before it still resume.
-              **({"context": context} if context != 128 else {}),
+              **({"context": context} if context != DEFAULT_CONTEXT else {}),
               "max_new_tokens": max_new_tokens, "drafter": label,
               "tree": dataclasses.asdict(tree), "configs": configs}
     config = json.loads(json.dumps(config))
@@ -312,9 +316,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--steps-per-update", type=int, default=1,
                    help="optax steps on each full replay buffer (default 1, the paper's)")
-    p.add_argument("--context", type=int, default=128,
+    p.add_argument("--context", type=int, default=DEFAULT_CONTEXT,
                    help="rows kept before each replay sample's anchor (an answer row needs "
-                        "this many rows before it to be a sample; default 128)")
+                        f"this many rows before it to be a sample; default {DEFAULT_CONTEXT})")
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help=f"which configurations to run, of {', '.join(CONFIGS)} (default all)")
     p.add_argument("--out", default="results/bench_evospec.json")

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from specjax.bench.evospec import DOMAINS, recovery, run_evospec_bench
+from specjax.bench.evospec import DEFAULT_CONTEXT, DOMAINS, recovery, run_evospec_bench
 
 
 def test_recovery_counts_requests_until_the_trailing_mean_is_close():
@@ -62,6 +62,13 @@ def test_bad_configurations_domains_and_steps_are_refused_before_any_model_loads
         run_evospec_bench("/nonexistent", None, steps_per_update=0, progress=False)
     with pytest.raises(ValueError, match="context must be >= 1 row"):
         run_evospec_bench("/nonexistent", None, context=0, progress=False)
+
+
+def test_the_default_context_is_the_online_configs():
+    # The bench leaves `context` out of its resume key at this default, so the two must agree.
+    from specjax.train.online import OnlineConfig
+
+    assert DEFAULT_CONTEXT == OnlineConfig().context
 
 
 @pytest.mark.bench
