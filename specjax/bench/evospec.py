@@ -46,6 +46,8 @@ CONFIGS = ("full", "fr", "buffer", "lora", "evospec")
 # OnlineConfig.context's default, written here because specjax.train.online loads JAX and
 # this module's CLI flags must not (a test keeps the two equal).
 DEFAULT_CONTEXT = 128
+# ShareGPT records skipped before the stream's prompts are chosen (the first streams' start).
+DEFAULT_SKIP = 600
 
 
 def domain_prompts(tokenizer: Any, domain: str, n: int, *, skip: int, max_tokens: int,
@@ -183,7 +185,7 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
                       max_new_tokens: int = 128, core: int = 8192, n_dyn: int = 256,
                       lr: float = 1e-5, steps_per_update: int = 1,
                       context: int = DEFAULT_CONTEXT,
-                      skip: int = 600,
+                      skip: int = DEFAULT_SKIP,
                       configs: Sequence[str] = CONFIGS,
                       out: str | Path = "results/bench_evospec.json",
                       progress: bool = True) -> dict[str, Any]:
@@ -217,6 +219,8 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
         raise ValueError(f"steps_per_update must be >= 1, got {steps_per_update}")
     if context < 1:
         raise ValueError(f"context must be >= 1 row, got {context}")
+    if skip < 0:
+        raise ValueError(f"skip must be >= 0 ShareGPT records, got {skip}")
     out = Path(out)
     target = specjax.load(resolve_model(model, progress=progress))
     drafter, label = resolve_drafter(drafter_dir, target)
@@ -229,6 +233,7 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
               "n_dyn": n_dyn, "lr": lr, "steps_per_update": steps_per_update,
               # Absent at the default, so partial results written before it still resume.
               **({"context": context} if context != DEFAULT_CONTEXT else {}),
+              **({"skip": skip} if skip != DEFAULT_SKIP else {}),
               "max_new_tokens": max_new_tokens, "drafter": label,
               "tree": dataclasses.asdict(tree), "configs": configs}
     config = json.loads(json.dumps(config))
@@ -319,6 +324,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--context", type=int, default=DEFAULT_CONTEXT,
                    help="rows kept before each replay sample's anchor (an answer row needs "
                         f"this many rows before it to be a sample; default {DEFAULT_CONTEXT})")
+    p.add_argument("--skip", type=int, default=DEFAULT_SKIP,
+                   help="ShareGPT records skipped before the stream's prompts are chosen: a "
+                        "later start gives a stream whose prompts no earlier run used "
+                        f"(default {DEFAULT_SKIP})")
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help=f"which configurations to run, of {', '.join(CONFIGS)} (default all)")
     p.add_argument("--out", default="results/bench_evospec.json")
@@ -349,6 +358,7 @@ def _run(args: argparse.Namespace) -> int:
                           per_domain=args.per_domain, max_new_tokens=args.max_new_tokens,
                           core=args.core, n_dyn=args.n_dyn, lr=args.lr,
                           steps_per_update=args.steps_per_update, context=args.context,
+                          skip=args.skip,
                           configs=[c.strip() for c in args.configs.split(",") if c.strip()],
                           out=args.out)
     print(json.dumps({k: r[k] for k in ("mean_before", "mean_after", "recovery_requests",

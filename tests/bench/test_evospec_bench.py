@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import numpy as np
@@ -62,6 +63,22 @@ def test_bad_configurations_domains_and_steps_are_refused_before_any_model_loads
         run_evospec_bench("/nonexistent", None, steps_per_update=0, progress=False)
     with pytest.raises(ValueError, match="context must be >= 1 row"):
         run_evospec_bench("/nonexistent", None, context=0, progress=False)
+    with pytest.raises(ValueError, match="skip must be >= 0"):
+        run_evospec_bench("/nonexistent", None, skip=-1, progress=False)
+
+
+def test_a_later_skip_gives_a_stream_of_other_prompts():
+    from specjax.bench.evospec import add_parser, domain_prompts
+
+    class Words:  # token counts only bound the prompt length here
+        def encode(self, text: str) -> list[str]:
+            return text.split()
+
+    first = domain_prompts(Words(), "legal", 2, skip=0, max_tokens=256, exclude=set())
+    later = domain_prompts(Words(), "legal", 2, skip=2100, max_tokens=256, exclude=set())
+    assert len(first) == len(later) == 2 and not set(first) & set(later)
+    parser = argparse.ArgumentParser().add_subparsers()
+    assert add_parser(parser).parse_args(["--skip", "2100"]).skip == 2100
 
 
 def test_the_default_context_is_the_online_configs():
