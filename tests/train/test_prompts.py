@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from specjax.train.prompts import candidates, load_exclusions, prompt_mix
+from specjax.train.prompts import candidates, load_exclusions, prompt_mix, translations
 
 PROSE = ("The water cycle moves water between the oceans, the air and the land. Heat from the "
          "sun makes water evaporate from the sea, and the vapour rises and cools into clouds. "
@@ -76,6 +76,22 @@ def test_prompt_mix_interleaves_kinds_and_drops_evaluation_questions(tmp_path):
         assert lens == sorted(lens)
     with pytest.raises(ValueError, match="unknown prompt kinds"):
         prompt_mix(WordTokenizer(), num=4, source=src, weights={"poetry": 1.0})
+
+
+def test_every_non_english_paragraph_is_a_translation_prompt(tmp_path):
+    """Translation candidates are rare, so a conversation gives one for each paragraph
+    (a paragraph quoted again counts once), not one for the conversation."""
+    other = GERMAN.replace("Krise", "Lage").replace("Familien", "Leute")
+    msgs = [{"role": "user", "content": GERMAN + "\n\n" + other},
+            {"role": "assistant", "content": "ok\n\n" + GERMAN}]
+    found = translations(msgs)
+    assert len(found) == 2 and GERMAN in found[0] and other in found[1]
+    assert candidates(msgs)["translate"] == found[0]
+    src = tmp_path / "sg.json"
+    src.write_text(json.dumps([_conv(("human", GERMAN + "\n\n" + other), ("gpt", "ok"))]))
+    _, kinds, _ = prompt_mix(WordTokenizer(), num=4, skip=0, source=src,
+                             max_prompt_tokens=10_000, weights={"translate": 1.0})
+    assert kinds == ["translate", "translate"]
 
 
 def test_prompt_mix_stops_at_end_so_training_never_reads_the_calibration_records(tmp_path):
