@@ -1,8 +1,10 @@
 """``specjax bench evospec``: a topic switch, as in EvoSpec's figure 2.
 
 A stream of requests, first from one domain and then from another (ShareGPT first user
-turns chosen by keywords: programming, then medicine and law by default), runs in order
-through five configurations, each with its own state carried from request to request:
+turns chosen by keywords: programming, then medicine by default, or law; or ``translate``:
+ShareGPT's non-English paragraphs as translation requests, a task where this target mostly
+copies its source), runs in order through five configurations, each with its own state
+carried from request to request:
 
 * ``full``: the full vocabulary, a frozen drafter;
 * ``fr``: FR-Spec's static core (the same N as EvoSpec's core), frozen;
@@ -42,6 +44,10 @@ DOMAINS = {
     "legal": r"\b(law|legal|court|contract|attorney|lawsuit|statute|clause|liability|"
              r"plaintiff|defendant|jurisdiction)\b",
 }
+# Not a topic of first user turns but a task: every non-English paragraph as a request
+# (specjax.train.prompts.translations).
+TRANSLATE = "translate"
+STREAM_DOMAINS = (*DOMAINS, TRANSLATE)
 CONFIGS = ("full", "fr", "buffer", "lora", "evospec")
 # OnlineConfig.context's default, written here because specjax.train.online loads JAX and
 # this module's CLI flags must not (a test keeps the two equal).
@@ -52,12 +58,16 @@ DEFAULT_SKIP = 600
 
 def domain_prompts(tokenizer: Any, domain: str, n: int, *, skip: int, max_tokens: int,
                    exclude: set) -> list[str]:
-    """The first ``n`` ShareGPT first user turns (from record ``skip``) matching a domain."""
+    """The first ``n`` prompts of a domain from ShareGPT record ``skip`` on: first user turns
+    matching its keywords, or for ``translate`` every non-English paragraph as a request."""
     from specjax.train.data import iter_records, normalize_messages, sharegpt_path
-    from specjax.train.prompts import shares_shingle
+    from specjax.train.prompts import shares_shingle, translations
 
-    pattern = re.compile(DOMAINS[domain], re.IGNORECASE)
-    others = [re.compile(p, re.IGNORECASE) for d, p in DOMAINS.items() if d != domain]
+    if domain == TRANSLATE:
+        pattern, others = None, []
+    else:
+        pattern = re.compile(DOMAINS[domain], re.IGNORECASE)
+        others = [re.compile(p, re.IGNORECASE) for d, p in DOMAINS.items() if d != domain]
     out: list[str] = []
     for i, rec in enumerate(iter_records(sharegpt_path())):
         if i < skip:
@@ -65,16 +75,19 @@ def domain_prompts(tokenizer: Any, domain: str, n: int, *, skip: int, max_tokens
         msgs = normalize_messages(rec)
         if not msgs or msgs[0]["role"] != "user":
             continue
-        text = msgs[0]["content"]
-        # Two or more hits and none of the other domains': a clear topic.
-        if (len(pattern.findall(text)) < 2 or any(o.search(text) for o in others)
-                or shares_shingle(text, exclude)):
-            continue
-        if len(tokenizer.encode(text)) > max_tokens:
-            continue
-        out.append(text)
-        if len(out) == n:
-            return out
+        if pattern is None:
+            texts = translations(msgs)
+        else:
+            text = msgs[0]["content"]
+            # Two or more hits and none of the other domains': a clear topic.
+            clear = len(pattern.findall(text)) >= 2 and not any(o.search(text) for o in others)
+            texts = [text] if clear else []
+        for text in texts:
+            if shares_shingle(text, exclude) or len(tokenizer.encode(text)) > max_tokens:
+                continue
+            out.append(text)
+            if len(out) == n:
+                return out
     raise ValueError(f"ShareGPT has only {len(out)} usable {domain} prompts after record "
                      f"{skip}; lower --per-domain")
 
@@ -213,8 +226,8 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     if bad or not configs:
         raise ValueError(f"configs must be some of {', '.join(CONFIGS)}; got {list(configs)}")
     configs = [c for c in CONFIGS if c in configs]  # a fixed order, whatever was asked
-    if unknown := [d for d in domains if d not in DOMAINS]:
-        raise ValueError(f"unknown domains {unknown}; choose from {', '.join(DOMAINS)}")
+    if unknown := [d for d in domains if d not in STREAM_DOMAINS]:
+        raise ValueError(f"unknown domains {unknown}; choose from {', '.join(STREAM_DOMAINS)}")
     if steps_per_update < 1:
         raise ValueError(f"steps_per_update must be >= 1, got {steps_per_update}")
     if context < 1:
@@ -313,7 +326,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--model", default=None)
     p.add_argument("--drafter", default=None)
     p.add_argument("--domains", default="code,medical",
-                   help=f"two or more of {', '.join(DOMAINS)}, in stream order")
+                   help=f"two or more of {', '.join(STREAM_DOMAINS)}, in stream order")
     p.add_argument("--per-domain", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--core", type=int, default=8192)
@@ -350,9 +363,9 @@ def _run(args: argparse.Namespace) -> int:
                          indent=1))
         return 0
     domains = [d.strip() for d in args.domains.split(",") if d.strip()]
-    bad = [d for d in domains if d not in DOMAINS]
+    bad = [d for d in domains if d not in STREAM_DOMAINS]
     if bad or len(domains) < 2:
-        raise ValueError(f"--domains needs two or more of {', '.join(DOMAINS)}; got "
+        raise ValueError(f"--domains needs two or more of {', '.join(STREAM_DOMAINS)}; got "
                          f"{args.domains!r}")
     r = run_evospec_bench(args.model, args.drafter, domains=domains,
                           per_domain=args.per_domain, max_new_tokens=args.max_new_tokens,

@@ -67,13 +67,15 @@ def test_bad_configurations_domains_and_steps_are_refused_before_any_model_loads
         run_evospec_bench("/nonexistent", None, skip=-1, progress=False)
 
 
-def test_a_later_skip_gives_a_stream_of_other_prompts():
+def test_a_later_skip_gives_a_stream_of_other_prompts_and_translate_is_a_domain():
     from specjax.bench.evospec import add_parser, domain_prompts
 
     class Words:  # token counts only bound the prompt length here
         def encode(self, text: str) -> list[str]:
             return text.split()
 
+    translate = domain_prompts(Words(), "translate", 3, skip=0, max_tokens=256, exclude=set())
+    assert all(t.startswith("Translate") and "English" in t for t in translate)
     first = domain_prompts(Words(), "legal", 2, skip=0, max_tokens=256, exclude=set())
     later = domain_prompts(Words(), "legal", 2, skip=2100, max_tokens=256, exclude=set())
     assert len(first) == len(later) == 2 and not set(first) & set(later)
