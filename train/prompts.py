@@ -10,7 +10,8 @@ The mix below derives those prompt kinds from ShareGPT's own text:
 * ``summarize``: an English prose answer from ShareGPT as the text to summarise;
 * ``passage_qa``: an English prose answer as the passage, the user turn that asked
   for it as the question (so the question is answerable from the passage);
-* ``translate``: a German / French / Spanish / Italian / Portuguese turn, to English;
+* ``translate``: a German / French / Spanish / Italian / Portuguese paragraph of any turn,
+  to English (every such paragraph: there are about 520 in ShareGPT);
 * ``summarize_long`` / ``passage_qa_long``: the same two tasks over a long text, the prose
   answers of one conversation joined (350-750 words, as passages for the question). Spec-Bench's
   summarization and RAG prompts run 650-750 tokens, past every position a drafter trained on
