@@ -67,18 +67,31 @@ def test_bad_configurations_domains_and_steps_are_refused_before_any_model_loads
         run_evospec_bench("/nonexistent", None, skip=-1, progress=False)
 
 
-def test_a_later_skip_gives_a_stream_of_other_prompts_and_translate_is_a_domain():
+def test_a_later_skip_gives_a_stream_of_other_prompts_and_translate_is_a_domain(
+        tmp_path, monkeypatch):
+    import specjax.train.data
     from specjax.bench.evospec import add_parser, domain_prompts
 
     class Words:  # token counts only bound the prompt length here
         def encode(self, text: str) -> list[str]:
             return text.split()
 
+    german = ("Die Krise ist in der Mittelschicht angekommen, und viele Familien müssen jetzt "
+              "mit weniger Geld auskommen als früher.")
+    records = [{"conversations": [
+        {"from": "human", "value": f"Case {i}: can the court enforce this contract clause?"},
+        {"from": "gpt", "value": "It depends." if i % 2 else f"Nein.\n\n{german} {i}"}]}
+        for i in range(8)]
+    src = tmp_path / "sharegpt.json"
+    src.write_text(json.dumps(records))
+    monkeypatch.setattr(specjax.train.data, "sharegpt_path", lambda: src)
     translate = domain_prompts(Words(), "translate", 3, skip=0, max_tokens=256, exclude=set())
-    assert all(t.startswith("Translate") and "English" in t for t in translate)
+    assert all(t.startswith("Translate") and german in t for t in translate)
     first = domain_prompts(Words(), "legal", 2, skip=0, max_tokens=256, exclude=set())
-    later = domain_prompts(Words(), "legal", 2, skip=2100, max_tokens=256, exclude=set())
-    assert len(first) == len(later) == 2 and not set(first) & set(later)
+    later = domain_prompts(Words(), "legal", 2, skip=4, max_tokens=256, exclude=set())
+    assert [p.split(":")[0] for p in first + later] == ["Case 0", "Case 1", "Case 4", "Case 5"]
+    with pytest.raises(ValueError, match="only 1 usable legal prompts after record 7"):
+        domain_prompts(Words(), "legal", 2, skip=7, max_tokens=256, exclude=set())
     parser = argparse.ArgumentParser().add_subparsers()
     assert add_parser(parser).parse_args(["--skip", "2100"]).skip == 2100
 
