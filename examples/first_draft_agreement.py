@@ -18,6 +18,10 @@ the loop. It is the held-out top-1 of training, measured on the evaluation promp
 ``--drafter-window W`` lets each drafted position attend to its last W rows only (a
 diagnostic: does attention past the distances a drafter was trained on help or hurt?).
 
+With two or more drafters, each after the first is compared with it: the difference of the
+pooled figures and a 95% interval that resamples whole prompts (paired, so the spread
+between easy and hard prompts cancels).
+
 It also scores the lookup chain's first token (:mod:`specjax.tree.lookup`: the token that
 followed the latest earlier occurrence of the longest suffix, up to ``--lookup-ngram``
 tokens and at least ``--lookup-min``, of the prompt + answer so far), alone and together
@@ -36,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import specjax
+from specjax.bench.common import pooled_difference
 from specjax.bench.questions import TASKS, spec_bench_prompts
 from specjax.defaults import resolve_model, shipped_drafter_for
 from specjax.loop import bucket
@@ -139,6 +144,7 @@ def main() -> None:
     shipped = shipped_drafter_for(target.cfg)
     if not args.drafter and shipped is None:
         raise SystemExit(f"no drafter ships for {args.model}; pass --drafter")
+    first: list[np.ndarray] | None = None  # the first drafter's hits: the others' baseline
     for path in args.drafter or [str(shipped)]:
         drafter = specjax.load_drafter(Path(path), target)
         per = agreement(target, drafter, seqs, args.drafter_window)
@@ -154,6 +160,13 @@ def main() -> None:
               + f" ({empty} answers with nothing drafted); either it or the lookup "
               + f"{fmt(pooled(either))} "
               + " ".join(f"{t} {fmt(v)}" for t, v in by_task(either).items()), flush=True)
+        if first is None:
+            first = per
+        else:  # 24 prompts resolve a few points at best: say how many
+            g = pooled_difference(per, first)
+            result["drafters"][path]["vs_first"] = g
+            print(f"  minus the first drafter: {g['diff']:+.3f}, 95% interval "
+                  f"[{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}] (prompts resampled)", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 

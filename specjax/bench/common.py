@@ -147,6 +147,29 @@ def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def pooled_difference(a: Sequence[np.ndarray], b: Sequence[np.ndarray], *,
+                      draws: int = 10_000, seed: int = 0) -> dict[str, Any]:
+    """Pooled hit rate of ``a`` minus that of ``b`` over the same positions, with a 95%
+    interval from resampling whole prompts.
+
+    ``a[i]`` and ``b[i]`` are [n_i] bool arrays over prompt i's positions (e.g. first-draft
+    hits of two drafters on the same answer). Positions of one answer are not independent
+    (an easy answer is easy for both), so the bootstrap draws prompts, not positions, and
+    pairs them, which removes the prompt-to-prompt spread from the difference."""
+    if len(a) != len(b) or any(len(x) != len(y) for x, y in zip(a, b, strict=False)):
+        raise ValueError("a and b must score the same positions of the same prompts")
+    n = np.array([len(x) for x in a], np.float64)
+    if n.sum() == 0:
+        raise ValueError("no positions to compare")
+    d = np.array([x.sum() - y.sum() for x, y in zip(a, b, strict=True)], np.float64)
+    pick = np.random.default_rng(seed).integers(0, len(n), (draws, len(n)))
+    with np.errstate(invalid="ignore"):  # a draw of only empty answers: left out
+        boot = d[pick].sum(1) / n[pick].sum(1)
+    lo, hi = np.nanpercentile(boot, [2.5, 97.5])
+    return {"diff": float(d.sum() / n.sum()), "ci95": [float(lo), float(hi)],
+            "prompts": len(n), "positions": int(n.sum())}
+
+
 def write_json(path: Path, result: dict[str, Any]) -> Path:
     """Write ``result`` as indented JSON (atomically), creating parent folders."""
     from specjax.checkpoint import atomic_write_bytes

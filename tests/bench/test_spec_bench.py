@@ -18,7 +18,7 @@ from specjax.bench.breakdown import (
     run_breakdown,
     tree_from_spec_json,
 )
-from specjax.bench.common import first_mismatch
+from specjax.bench.common import first_mismatch, pooled_difference
 from specjax.bench.partial import partial_path
 from specjax.bench.phases import random_drafter
 from specjax.bench.questions import (
@@ -314,3 +314,18 @@ def test_questions_of_a_base_model_are_plain_text(tiny_target):
     ids = question_ids(base, text)
     assert ids == tok.encode(text) and len(ids) == 6
     assert ids != question_ids(chat, text)
+
+
+def test_pooled_difference_resamples_prompts_and_pairs_them():
+    rs = np.random.default_rng(0)
+    rates = rs.uniform(0.1, 0.9, 24)  # prompts differ far more than the two drafters do
+    base = [rs.random(120) < r for r in rates]
+    better = [h | (rs.random(120) < 0.05) for h in base]  # ~ +3 points on every prompt
+    g = pooled_difference(better, base)
+    assert g["prompts"] == 24 and g["positions"] == 24 * 120
+    assert 0.015 < g["diff"] < 0.05 and 0 < g["ci95"][0] <= g["diff"] <= g["ci95"][1]
+    noise = [rs.random(120) < r for r in rates]
+    g0 = pooled_difference(noise, base)
+    assert g0["ci95"][0] < 0 < g0["ci95"][1]
+    with pytest.raises(ValueError, match="same positions"):
+        pooled_difference(base, base[:-1])
