@@ -119,7 +119,8 @@ def load_exclusions(paths: Iterable[str | Path]) -> set[tuple[str, ...]]:
 def candidates(messages: list[dict[str, str]],
                kinds: Collection[str] = KINDS) -> dict[str, str]:
     """The prompt of each kind that one conversation yields (a kind may be missing); the
-    long kinds, which scan every answer, only when ``kinds`` asks for one of them."""
+    long kinds and ``translate`` (its first paragraph; :func:`translations` has them all),
+    which scan every turn, only when ``kinds`` asks for them."""
     out: dict[str, str] = {}
     user = messages[0]["content"] if messages[0]["role"] == "user" else None
     if user is not None:
@@ -140,7 +141,7 @@ def candidates(messages: list[dict[str, str]],
         break
     if {"summarize_long", "passage_qa_long"} & set(kinds):
         out.update(_long_candidate(pairs))
-    if found := translations(messages):
+    if "translate" in kinds and (found := translations(messages)):
         out["translate"] = found[0]
     return out
 
@@ -241,9 +242,9 @@ def prompt_mix(tokenizer: Any, *, num: int, skip: int = 2000, max_prompt_tokens:
         msgs = normalize_messages(rec)
         if not msgs:
             continue
-        found = list(candidates(msgs, pools).items())
+        found = list(candidates(msgs, [k for k in pools if k != "translate"]).items())
         if "translate" in pools:  # every paragraph, not only the first (see translations)
-            found += [("translate", t) for t in translations(msgs)[1:]]
+            found += [("translate", t) for t in translations(msgs)]
         for kind, text in found:
             if kind not in pools or len(pools[kind]) >= quota[kind]:
                 continue
