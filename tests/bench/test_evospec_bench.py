@@ -63,6 +63,8 @@ def test_bad_configurations_domains_and_steps_are_refused_before_any_model_loads
         run_evospec_bench("/nonexistent", None, steps_per_update=0, progress=False)
     with pytest.raises(ValueError, match="context must be >= 1 row"):
         run_evospec_bench("/nonexistent", None, context=0, progress=False)
+    with pytest.raises(ValueError, match="needs two or more domains"):
+        run_evospec_bench("/nonexistent", None, domains=("code",), progress=False)
     with pytest.raises(ValueError, match="skip must be >= 0"):
         run_evospec_bench("/nonexistent", None, skip=-1, progress=False)
 
