@@ -115,3 +115,18 @@ def test_a_subset_of_configurations_reports_what_it_can(tmp_path):
     assert set(r["paired_gain"]) == {"lora-fr"}
     assert r["paired_gain"]["lora-fr"]["all"]["requests"] == 2
     assert r["memory"]["lora_trainable"] > 0
+
+
+def test_the_default_stream_starts_where_training_data_stops():
+    from specjax.bench.evospec import DEFAULT_DOMAINS, DEFAULT_SKIP, HELD_OUT_START, add_parser
+    from specjax.train.data import CALIBRATION_START
+
+    assert DEFAULT_SKIP == HELD_OUT_START == CALIBRATION_START
+    parser = argparse.ArgumentParser().add_subparsers()
+    args = add_parser(parser).parse_args([])
+    assert args.skip == CALIBRATION_START and args.domains == ",".join(DEFAULT_DOMAINS)
+    # An earlier start is allowed (ShareGPT has few medical or legal prompts past it) but
+    # says that the drafter trained on those prompts.
+    with pytest.warns(UserWarning, match="drafter training reads those records"), \
+            pytest.raises(ValueError, match="no such checkpoint folder"):
+        run_evospec_bench("/nonexistent", None, skip=600, progress=False)
