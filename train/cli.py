@@ -106,6 +106,9 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
                    help="continue from the latest checkpoint in --ckpt-dir")
     p.add_argument("--cache-only", action="store_true",
                    help="stop after caching the hidden states")
+    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="stop training after SECONDS (checkpointed; --out is still written, "
+                        "marked incomplete; --resume goes on)")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -334,7 +337,8 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     train_ids = None if args.train_vocab is None else train_shortlist(args.train_vocab, target)
     result = train_drafter(target.cfg, target.params, train, heldout, tc, ckpt_dir,
                            train_ids=train_ids, resume=args.resume, progress=progress,
-                           log_every=args.log_every, on_device=args.on_device,
+                           time_limit=args.time_limit, log_every=args.log_every,
+                           on_device=args.on_device,
                            bucket_width=args.bucket_width)
     summary = {"source": str(args.data), "conversations": {k: v["examples"]
                                                            for k, v in splits.items()},

@@ -503,8 +503,8 @@ def _prior_tokens(path: Path) -> int:
 def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenSplit,
                   heldout: HiddenSplit | None, tc: TrainConfig, ckpt_dir: Path, *,
                   train_ids: np.ndarray | None = None, resume: bool = False,
-                  stop_after: int | None = None, progress: bool = True,
-                  log_every: int = 1, on_device: bool = False,
+                  stop_after: int | None = None, time_limit: float | None = None,
+                  progress: bool = True, log_every: int = 1, on_device: bool = False,
                   bucket_width: int = 128) -> TrainResult:
     """Train an EAGLE drafter on cached hidden states, checkpointing as it goes.
 
@@ -519,6 +519,9 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
         an existing checkpoint is refused rather than silently overwritten.
       stop_after: stop (after checkpointing) once this step is reached, as an
         interrupt would; the run can then be resumed.
+      time_limit: seconds of training (this run's, compiles included) after which the step
+        under way is the last, checkpointed as ``stop_after`` would: a machine lent for
+        minutes still gets its drafter back (``meta["complete"]`` is then False).
       log_every: read the step's loss back (a device sync) every this many steps.
       on_device: keep the training split's states in accelerator memory and gather each
         batch there (:func:`~specjax.train.data.gather_rows`), and score every row rather
@@ -670,6 +673,9 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
         log["wall_s"] = wall0 + time.time() - t_run
         if tc.eval_every and step % tc.eval_every == 0 and step < total:
             run_eval("periodic")
+        if time_limit is not None and time.time() - t_run >= time_limit and step < end:
+            end = step  # out of time: checkpoint this step and stop
+            tqdm.write(f"time limit {time_limit:g} s reached at step {step}")
         if step % tc.checkpoint_every == 0 or step == end:
             save(step)
     bar.close()

@@ -286,6 +286,17 @@ def test_resume_continues_at_the_right_step_with_identical_params(target, cache,
                       tmp_path / "b", resume=True, progress=False)
 
 
+def test_time_limit_checkpoints_and_returns_an_incomplete_drafter(target, cache, tmp_path):
+    train, held = load_split(cache, "train"), load_split(cache, "heldout")
+    tc = _tc(steps=12, checkpoint_every=100, max_eval_tokens=64)
+    part = train_drafter(target.cfg, target.params, train, held, tc, tmp_path / "a",
+                         time_limit=0.0, progress=False)  # out of time after the first step
+    assert part.meta["steps"] == 1 and not part.meta["complete"]
+    resumed = train_drafter(target.cfg, target.params, train, held, tc, tmp_path / "a",
+                            resume=True, progress=False)  # the checkpoint at step 1
+    assert resumed.log["resumed_at"] == [1] and resumed.meta["complete"]
+
+
 def test_cli_end_to_end_on_pretokenised_data(target, tmp_path, capsys):
     rs = np.random.RandomState(0)
     data = tmp_path / "data.jsonl"
