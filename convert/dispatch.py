@@ -27,7 +27,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def convert(src: str | Path, out: str | Path, *, overwrite: bool = False,
-            dtype: str = "float32", progress: bool = True) -> Path:
+            dtype: str = "float32", progress: bool = True,
+            tokenizer: str | Path | None = None) -> Path:
     """Convert an HF Llama/Qwen folder, a ``.gguf`` file or an EAGLE drafter folder.
 
     OUT is checked before anything is read or dequantized, and its lock is held until the
@@ -40,6 +41,9 @@ def convert(src: str | Path, out: str | Path, *, overwrite: bool = False,
         EAGLE-1/2/3 drafter folder (``fc.*`` + one layer; see ``convert.eagle``).
       out: the folder to create; refused if it exists unless ``overwrite``.
       dtype: parameter dtype to store ("float32" or "bfloat16").
+      tokenizer: a folder of HF tokenizer files (``tokenizer.json`` at least) to use for a
+        GGUF instead of the one its metadata describes, e.g. where the installed
+        transformers cannot build that one.
     Returns:
       The absolute path of the written folder. Nothing is left at ``out`` if
       conversion fails.
@@ -51,15 +55,31 @@ def convert(src: str | Path, out: str | Path, *, overwrite: bool = False,
     src = Path(src)
     if not src.exists():
         raise CheckpointError(f"{src}: no such file or folder")
+    if tokenizer is not None:
+        tokenizer = Path(tokenizer)
+        if src.suffix != ".gguf":
+            raise ValueError("tokenizer= is for a .gguf source; an HF folder brings its own")
+        if not (tokenizer / "tokenizer.json").is_file():
+            raise CheckpointError(f"{tokenizer}: no tokenizer.json; pass the folder of an HF "
+                                  "checkpoint's tokenizer files")
+        check_folder(tokenizer)  # a tokenizer that asks to run code is refused here too
     # Checked before the lock too, so a refused OUT leaves nothing behind (no lock file).
     check_output(Path(out), overwrite=overwrite, sources=[src])
     with output_lock(Path(out)) as out_path:
         clean_stale(out_path)  # may put back an OUT that a killed run had moved aside
         check_output(out_path, overwrite=overwrite, sources=[src])
-        return _convert(src, out_path, overwrite=overwrite, dtype=dtype, progress=progress)
+        return _convert(src, out_path, overwrite=overwrite, dtype=dtype, progress=progress,
+                        tokenizer=tokenizer)
 
 
-def _convert(src: Path, out: Path, *, overwrite: bool, dtype: str, progress: bool) -> Path:
+def _copy_tokenizer(src: Path, tmp: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, tmp / name)
+
+
+def _convert(src: Path, out: Path, *, overwrite: bool, dtype: str, progress: bool,
+             tokenizer: Path | None = None) -> Path:
     np_dtype = np.dtype(dtype) if dtype != "bfloat16" else __import__("ml_dtypes").bfloat16
     if src.is_dir():
         from specjax.convert.eagle import convert_eagle_folder, eagle_kind
@@ -83,9 +103,7 @@ def _convert(src: Path, out: Path, *, overwrite: bool, dtype: str, progress: boo
         state = load_hf_state(src, progress=progress)
 
         def write_tokenizer(tmp: Path) -> None:
-            for name in TOKENIZER_FILES:
-                if (src / name).exists():
-                    shutil.copy(src / name, tmp / name)
+            _copy_tokenizer(src, tmp)
     elif src.suffix == ".gguf":
         from specjax.convert.gguf import read_gguf, save_gguf_tokenizer
 
@@ -98,7 +116,10 @@ def _convert(src: Path, out: Path, *, overwrite: bool, dtype: str, progress: boo
             raise CheckpointError(f"{src}: its metadata gives an invalid config ({e})") from e
 
         def write_tokenizer(tmp: Path) -> None:
-            save_gguf_tokenizer(src, tmp)
+            if tokenizer is not None:
+                _copy_tokenizer(tokenizer, tmp)
+            else:
+                save_gguf_tokenizer(src, tmp)
     else:
         raise CheckpointError(f"{src}: unrecognised source; expected an HF model folder or a "
                               ".gguf file")

@@ -337,7 +337,8 @@ def save_gguf_tokenizer(path: str | os.PathLike, out_dir: str | os.PathLike) -> 
             config[name] = tokenizer["tokens"][int(token_id)]
     try:
         backend, extra = convert_gguf_tokenizer(arch, tokenizer)
-        tok = PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
+        # The builder's own settings win: transformers 5.17's repeat unk_token.
+        tok = PreTrainedTokenizerFast(tokenizer_object=backend, **(config | extra))
     except Exception as e:
         raise GGUFError(
             f"transformers could not build a tokenizer from {str(path)!r} "

@@ -13,6 +13,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from specjax.convert.gguf import GGUFError, read_gguf, save_gguf_tokenizer
 from specjax.defaults import smollm2_gguf_path
+from specjax.tokenizer import TokenizerError
 from tests.tiny import make_hf_model
 
 CONFIG_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -245,3 +246,26 @@ def test_gemma3_round_trip(tmp_path):
     logits, _ = forward(params, cfg, jnp.asarray(toks), jnp.arange(20)[None],
                         init_cache(cfg, 1, 32))
     assert np.abs(np.asarray(logits) - ref).max() <= 1e-4
+
+
+def test_convert_with_tokenizer_files_instead_of_the_metadata(smollm2, tmp_path):
+    """``convert(..., tokenizer=DIR)``: for a transformers that cannot build the GGUF's
+    tokenizer (5.17 on the GPU machines); the folder's files are taken as they are."""
+    import specjax
+    from specjax.checkpoint import CheckpointError
+
+    tok = tmp_path / "tok"
+    save_gguf_tokenizer(smollm2, tok)
+    (tok / "tokenizer_config.json").write_text(
+        (tok / "tokenizer_config.json").read_text().replace('"model_max_length"',
+                                                            '"marker": 1, "model_max_length"'))
+    out = specjax.convert(smollm2, tmp_path / "out", tokenizer=tok, progress=False)
+    assert (out / "tokenizer_config.json").read_text() == (
+        tok / "tokenizer_config.json").read_text()
+    assert '"marker"' in (out / "tokenizer_config.json").read_text()
+    with pytest.raises(CheckpointError, match="no tokenizer.json"):
+        specjax.convert(smollm2, tmp_path / "o2", tokenizer=tmp_path, progress=False)
+    assert not (tmp_path / "o2").exists()
+    (tok / "tokenizer_config.json").write_text('{"auto_map": {"AutoTokenizer": "x.Tok"}}')
+    with pytest.raises(TokenizerError, match="auto_map"):  # never code from a folder
+        specjax.convert(smollm2, tmp_path / "o3", tokenizer=tok, progress=False)
