@@ -9,7 +9,7 @@
 #   job.sh train     # call 3: train for STEPS steps (env), export the drafter into $OUT
 #
 # Sizes come from the environment: GEN_S (generation seconds), STAGES, STEPS, LR, TAP_LR,
-# BATCH (tokens per step), EVAL_EVERY, TRAIN_S (training's time limit), TTT (unrolled draft
+# BATCH (tokens per step), EVAL_EVERY, TRAIN_S (training's time limit, s), TTT (unrolled draft
 # steps of training-time test, `--ttt-steps`; unset: none); for toy runs LIMIT
 # (prompts per stage), GEN_BATCH, MAX_RECORDS, CACHE_TOKENS, KERNEL_TESTS=0. Everything the
 # job reads is prepared by prepare.py on the CPU. `train` caches the states itself if
@@ -23,8 +23,11 @@ GPU=${GPU:-.gpu}
 mkdir -p "$STAGE" "$OUT"
 export SPECJAX_HOME=$STAGE/home TQDM_MININTERVAL=${TQDM_MININTERVAL:-15} PYTHONUNBUFFERED=1
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
-DRAFTER=specjax/assets/drafters/SmolLM2-135M-Instruct
+DRAFTER=${DRAFTER:-specjax/assets/drafters/SmolLM2-135M-Instruct}  # the starting drafter
 TARGET=$STAGE/SmolLM2-135M-Instruct
+# Tokens per step: the step's full-vocabulary logits are 4 * 49,152 bytes a token (12 GiB at
+# 65,536 tokens, which an 80 GB H100 could not allocate beside the cached states).
+BATCH=${BATCH:-32768}
 # The hidden-state cache (~3.5 KB per token with two taps): in memory when /dev/shm has room.
 SHM_GB=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
 CACHE=${CACHE:-$( [ "${SHM_GB:-0}" -ge 60 ] && echo /dev/shm/specjax-cache || echo "$STAGE/cache" )}
@@ -60,7 +63,11 @@ generate)
   cp "$GPU"/gguf/part_* "$STAGE"/ 2>/dev/null
   install || exit 1
   cat "$STAGE"/part_* > "$STAGE/target.gguf" && sha256sum "$STAGE/target.gguf"
-  [ -e "$TARGET/specjax.json" ] || specjax convert "$STAGE/target.gguf" "$TARGET" || exit 1
+  # $GPU/tokenizer (if sent): the CPU's HF tokenizer files, for a transformers that cannot
+  # build the GGUF's.
+  TOK=(); [ -f "$GPU/tokenizer/tokenizer.json" ] && TOK=(--tokenizer "$GPU/tokenizer")
+  [ -e "$TARGET/specjax.json" ] || specjax convert "$STAGE/target.gguf" "$TARGET" "${TOK[@]}" \
+    || exit 1
   mkdir -p "$STAGE/answers"
   timeout "${GEN_S:-180}" python3 examples/gpu_drafter/generate.py --target "$TARGET" \
     --prompts "$GPU/payload/prompts.json.xz" --out-dir "$STAGE/answers" \
@@ -109,7 +116,7 @@ EOF
   # 20 timed steps (compiles included) over the whole cache: the rate `train` sizes from.
   rm -rf "$STAGE/calib-ckpt"
   specjax train drafter --data "$STAGE/data.jsonl" --heldout-fraction "$HF" "${COMMON[@]}" \
-    --steps 20 --batch-size "${BATCH:-65536}" --lr 1e-4 --log-every 1 --checkpoint-every 1000 \
+    --steps 20 --batch-size "$BATCH" --lr 1e-4 --log-every 1 --checkpoint-every 1000 \
     --ckpt-dir "$STAGE/calib-ckpt" --out "$STAGE/calib" --overwrite --no-progress \
     --max-eval-tokens 20000 > "$STAGE/calib.log" 2>&1; tail -3 "$STAGE/calib.log"
   python3 -c "
@@ -119,8 +126,11 @@ w = [r['wall_s'] for r in t]; print('calib wall_s', w[0], w[9], w[-1],
   ;;
 train)
   HF=$(cat "$STAGE/heldout_fraction")
-  timeout "${TRAIN_S:-420}" specjax train drafter --data "$STAGE/data.jsonl" \
-    --heldout-fraction "$HF" "${COMMON[@]}" --steps "${STEPS:?}" --batch-size "${BATCH:-65536}" \
+  # TRAIN_S stops training gracefully (checkpointed, the drafter still written, marked
+  # incomplete); the hard timeout only catches a hang.
+  timeout $(( ${TRAIN_S:-420} + 120 )) specjax train drafter --data "$STAGE/data.jsonl" \
+    --time-limit "${TRAIN_S:-420}" \
+    --heldout-fraction "$HF" "${COMMON[@]}" --steps "${STEPS:?}" --batch-size "$BATCH" \
     --lr "${LR:-5e-4}" --warmup 0.03 --tap-lr-scale "${TAP_LR:-4}" \
     --eval-every "${EVAL_EVERY:-250}" ${TTT:+--ttt-steps "$TTT"} \
     --checkpoint-every 250 --ckpt-dir "$STAGE/ckpt" --out "$STAGE/drafter" --overwrite \

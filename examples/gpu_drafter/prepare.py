@@ -49,6 +49,7 @@ from specjax.train.prompts import (
     shares_shingle,
     shingles,
 )
+from specjax.train.selfdistill import generate_self_distill
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -91,6 +92,25 @@ def user_text(tok, prompt) -> str:
     return text.split("<|im_start|>user\n")[-1].split("<|im_end|>")[0]
 
 
+def calibration_range_heldout(target, num: int, path: Path) -> list[dict]:
+    """``num`` greedy answers to prompt-mix prompts from :data:`CALIBRATION_START` on.
+
+    Training prompts all come from records before it, so these were never trained on (the
+    shipped drafter's run included); benchmarks calibrate on the same range, but nothing
+    trains or selects on this held-out set: it is the training log's monitor.
+    """
+    prompts, kinds, _ = prompt_mix(target.tokenizer, num=num, skip=CALIBRATION_START,
+                                   max_prompt_tokens=320, weights=DEFAULT_WEIGHTS,
+                                   exclude=load_exclusions([resolve_questions(None)]))
+    if len(prompts) < num // 2:  # the kinds' quotas round, so a few short is expected
+        raise ValueError(f"the calibration range has {len(prompts)} usable prompts, not {num}")
+    # generate_self_distill resumes after the records the file already has.
+    generate_self_distill(target, prompts, path, max_new_tokens=160, batch_size=32,
+                          engine="specjax", kinds=kinds,
+                          source=f"prompt mix from record {CALIBRATION_START} (held out)")
+    return read_jsonl(path)[:len(prompts)]
+
+
 def boilerplate_shingles() -> set[tuple[str, ...]]:
     """Shingles of the prompt mix's request templates with their fields empty (and with the
     first of several passages' label, which the long question-answering prompts start with)."""
@@ -100,10 +120,16 @@ def boilerplate_shingles() -> set[tuple[str, ...]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--records", nargs="+", type=Path, required=True,
-                    help="self-distilled JSONL files trained on so far")
+    ap.add_argument("--records", nargs="*", type=Path, default=[],
+                    help="self-distilled JSONL files trained on so far (none: the GPU answers "
+                         "the whole prompt mix afresh)")
     ap.add_argument("--heldout-cache", nargs="*", type=Path, default=[],
                     help="hidden-state caches whose held-out conversations stay held out")
+    ap.add_argument("--heldout-prompts", type=int, default=0, metavar="N",
+                    help="also hold out N prompts of the records from the calibration range "
+                         "on (never trained on), answered greedily here on the CPU")
+    ap.add_argument("--heldout-file", type=Path, default=None,
+                    help="JSONL for those answers (resumed; default OUT/heldout.jsonl)")
     ap.add_argument("--root", type=Path, default=Path.cwd(),
                     help="folder the caches' data paths are relative to (default: cwd)")
     ap.add_argument("--out", type=Path, default=Path(".gpu"))
@@ -111,6 +137,8 @@ def main() -> None:
                     help="prompt-mix prompts asked for (records 0..calibration)")
     ap.add_argument("--long-records", type=Path, default=None,
                     help="a long-context self-distill file whose unanswered prompts to add")
+    ap.add_argument("--long-prompts", type=int, default=0, metavar="N",
+                    help="without --long-records: N long-context prompts (from --long-skip)")
     ap.add_argument("--long-skip", type=int, default=3200,
                     help="the --skip that long file's prompt mix was made with (default 3200)")
     ap.add_argument("--part-mb", type=float, default=46.0, help="GGUF slice size (MB)")
@@ -120,6 +148,12 @@ def main() -> None:
     target = specjax.load(resolve_model(None, progress=False))
     tok, vocab = target.tokenizer, target.cfg.vocab_size
     held = [r for c in args.heldout_cache for r in heldout_records(c, args.root, vocab)]
+    if args.heldout_prompts:
+        held += calibration_range_heldout(target, args.heldout_prompts,
+                                          args.heldout_file or args.out / "heldout.jsonl")
+    if not held:
+        sys.exit("nothing is held out: pass --heldout-cache (the CPU runs' caches) or "
+                 "--heldout-prompts N")
     held_keys = {tuple(r["tokens"]) for r in held}
     seen, train = set(held_keys), []
     for path in args.records:
@@ -147,11 +181,13 @@ def main() -> None:
     print(f"short mix: {stats}", file=sys.stderr)
     new_short = fresh(short)
     long_all: list[list[int]] = []
+    num_long = args.long_prompts
     if args.long_records is not None:
-        long_meta = json.loads(args.long_records.with_name(
-            args.long_records.name + ".meta.json").read_text())
+        num_long = json.loads(args.long_records.with_name(
+            args.long_records.name + ".meta.json").read_text())["settings"]["num_prompts"]
+    if num_long:
         weights = {"summarize_long": 0.5, "passage_qa_long": 0.5}
-        long_all, _, lstats = prompt_mix(tok, num=long_meta["settings"]["num_prompts"],
+        long_all, _, lstats = prompt_mix(tok, num=num_long,
                                          skip=args.long_skip, max_prompt_tokens=1024,
                                          weights=weights,
                                          exclude=excl, end=CALIBRATION_START)
@@ -194,7 +230,8 @@ def main() -> None:
         # split_heldout holds out ceil(f * n): f a half record under len(held) / n.
         "heldout_fraction": (len(held) - 0.5) / n,
         "sources": [str(p) for p in args.records],
-        "heldout_caches": [str(c) for c in args.heldout_cache]}, indent=1))
+        "heldout_caches": [str(c) for c in args.heldout_cache],
+        "heldout_prompts": args.heldout_prompts}, indent=1))
     with lzma.open(out / "payload" / "prompts.json.xz", "wt") as f:
         json.dump({"pool": pool, "stages": stages,
                    "source": "ShareGPT prompt mix (default weights, records < "
