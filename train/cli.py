@@ -127,7 +127,8 @@ def _add_self_distill_args(p: argparse.ArgumentParser) -> None:
                    help="a prompt mix instead of first user turns: 'default' or weights such as "
                         "chat=0.45,summarize=0.2,passage_qa=0.2,translate=0.15 (kinds derived "
                         "from --prompts; see specjax.train.prompts); long contexts: "
-                        "summarize_long=0.5,passage_qa_long=0.5 --max-prompt-tokens 1024")
+                        "summarize_long=0.5,passage_qa_long=0.5 --max-prompt-tokens 1024; "
+                        "later user turns with their context: followup=W")
     p.add_argument("--exclude", action="append", default=None, metavar="QUESTIONS",
                    help="question.jsonl whose prompts must not be trained on (default with "
                         "--mix: the Spec-Bench questions, when found)")

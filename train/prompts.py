@@ -17,6 +17,10 @@ The mix below derives those prompt kinds from ShareGPT's own text:
   summarization and RAG prompts run 650-750 tokens, past every position a drafter trained on
   the short kinds (<= 320 prompt tokens) has seen. Off by default (weight 0): ask for them
   with ``--mix summarize_long=W,passage_qa_long=W --max-prompt-tokens 1024``.
+* ``followup``: a later user turn with the conversation before it as context (ShareGPT's
+  own answers as the earlier assistant turns), one for every later turn: text the first
+  turns never give, for prompt diversity once those are used up. Off by default; the
+  contexts need a long budget (``--max-prompt-tokens 1024``).
 
 Spec-Bench's questions are the evaluation and never training data: any prompt that
 shares an 8-word shingle with one of them is dropped (:func:`load_exclusions`).
@@ -38,7 +42,8 @@ from typing import Any
 
 from specjax.train.data import iter_records, normalize_messages, sharegpt_path
 
-KINDS = ("chat", "summarize", "passage_qa", "translate", "summarize_long", "passage_qa_long")
+KINDS = ("chat", "summarize", "passage_qa", "translate", "summarize_long", "passage_qa_long",
+         "followup")
 DEFAULT_WEIGHTS = {"chat": 0.45, "summarize": 0.2, "passage_qa": 0.2, "translate": 0.15}
 
 _SUMMARIZE = ("Summarize: {text}",
@@ -166,6 +171,14 @@ def translations(messages: list[dict[str, str]]) -> list[str]:
     return out
 
 
+def followups(messages: list[dict[str, str]], min_words: int = 3) -> list[list[dict[str, str]]]:
+    """The conversation up to each later user turn (of ``min_words`` words or more), the
+    turns before it as they are: one prompt of the ``followup`` kind each."""
+    return [messages[:i + 1] for i in range(2, len(messages))
+            if messages[i]["role"] == "user" and messages[i - 1]["role"] == "assistant"
+            and len(messages[i]["content"].split()) >= min_words]
+
+
 def _long_candidate(pairs: list[tuple[str, str]]) -> dict[str, str]:
     """``summarize_long`` or ``passage_qa_long`` (never both) from a conversation's first
     consecutive prose answers, joined while they fit in :data:`LONG_WORDS` (two at least)."""
@@ -193,6 +206,15 @@ def _long_candidate(pairs: list[tuple[str, str]]) -> dict[str, str]:
             text=text, q=questions[h % len(questions)])}
     text = "\n\n".join(a for _, a in taken)
     return {"summarize_long": _SUMMARIZE[h % len(_SUMMARIZE)].format(text=text)}
+
+
+def encode_conversation(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """A conversation ending with a user turn, chat-templated with the generation prompt."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("followup prompts need a chat template; this tokenizer has none "
+                         "(a base model): leave the followup kind out of the mix")
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                              tokenize=True, return_dict=False))
 
 
 def encode_user_turn(tokenizer: Any, text: str) -> list[int]:
@@ -242,16 +264,21 @@ def prompt_mix(tokenizer: Any, *, num: int, skip: int = 2000, max_prompt_tokens:
         msgs = normalize_messages(rec)
         if not msgs:
             continue
-        found = list(candidates(msgs, [k for k in pools if k != "translate"]).items())
+        found: list[tuple[str, Any]] = list(
+            candidates(msgs, [k for k in pools if k != "translate"]).items())
         if "translate" in pools:  # every paragraph, not only the first (see translations)
             found += [("translate", t) for t in translations(msgs)]
-        for kind, text in found:
+        if "followup" in pools:  # a list of messages, not a user turn's text
+            found += [("followup", f) for f in followups(msgs)]
+        for kind, item in found:
             if kind not in pools or len(pools[kind]) >= quota[kind]:
                 continue
+            text = item if isinstance(item, str) else "\n\n".join(m["content"] for m in item)
             if shares_shingle(text, exclude):
                 stats["excluded"] += 1
                 continue
-            ids = encode_user_turn(tokenizer, text)
+            ids = (encode_user_turn(tokenizer, item) if isinstance(item, str)
+                   else encode_conversation(tokenizer, item))
             if len(ids) > max_prompt_tokens:
                 stats["too_long"] += 1
                 continue

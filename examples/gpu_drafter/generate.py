@@ -43,6 +43,8 @@ def main() -> None:
         ids = stage["prompts"][: args.limit]
         if len(ids) > batch:  # whole batches only: a last, smaller one is another compile
             ids = ids[: len(ids) // batch * batch]
+        if not ids:  # e.g. no followup prompts were prepared
+            continue
         prompts = [spec["pool"][i] for i in ids]
         t0 = time.time()
         meta = generate_self_distill(

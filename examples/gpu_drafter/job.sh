@@ -71,7 +71,7 @@ generate)
   mkdir -p "$STAGE/answers"
   timeout "${GEN_S:-180}" python3 examples/gpu_drafter/generate.py --target "$TARGET" \
     --prompts "$GPU/payload/prompts.json.xz" --out-dir "$STAGE/answers" \
-    --stages "${STAGES:-greedy_new,greedy_long,sampled_short}" \
+    --stages "${STAGES:-greedy_followup,sampled_followup,greedy_new,greedy_long,sampled_short}" \
     ${LIMIT:+--limit "$LIMIT"} ${GEN_BATCH:+--batch "$GEN_BATCH"} 2>&1 | tr '\r' '\n' \
     | grep -v '%|' 
   # One data file: the prepared records (held-out first), then every complete new answer.

@@ -139,6 +139,9 @@ def main() -> None:
                     help="a long-context self-distill file whose unanswered prompts to add")
     ap.add_argument("--long-prompts", type=int, default=0, metavar="N",
                     help="without --long-records: N long-context prompts (from --long-skip)")
+    ap.add_argument("--followup-prompts", type=int, default=0, metavar="N",
+                    help="N later user turns with their context (the followup kind, <= 1024 "
+                         "tokens): stages greedy_followup and sampled_followup, run first")
     ap.add_argument("--long-skip", type=int, default=3200,
                     help="the --skip that long file's prompt mix was made with (default 3200)")
     ap.add_argument("--part-mb", type=float, default=46.0, help="GGUF slice size (MB)")
@@ -193,6 +196,13 @@ def main() -> None:
                                          exclude=excl, end=CALIBRATION_START)
         print(f"long mix: {lstats}", file=sys.stderr)
     new_long = fresh(long_all)
+    followup: list[list[int]] = []
+    if args.followup_prompts:
+        followup, _, fstats = prompt_mix(tok, num=args.followup_prompts, skip=0,
+                                         max_prompt_tokens=1024, weights={"followup": 1.0},
+                                         exclude=excl, end=CALIBRATION_START)
+        print(f"followup mix: {fstats}", file=sys.stderr)
+        followup = fresh(followup)
     old_short = [p for p in sorted({prompt_of(r) for r in train if len(prompt_of(r)) <= 320})
                  if not shares_shingle(user_text(tok, p), held_shingles)]
     pool: list[list[int]] = []
@@ -208,7 +218,10 @@ def main() -> None:
         random.Random(args.seed).shuffle(out)  # every batch meets the longest bucket: 1 shape
         return out
 
-    stages = [
+    stages = [  # followup first: the prompts no earlier run answered (empty without them)
+        {"name": "greedy_followup", "prompts": ids(followup), "temperature": 0.0, "batch": 128},
+        {"name": "sampled_followup", "prompts": ids(followup), "temperature": 1.0,
+         "batch": 128},
         {"name": "greedy_new", "prompts": ids(new_short), "temperature": 0.0, "batch": 512},
         {"name": "greedy_long", "prompts": ids(new_long), "temperature": 0.0, "batch": 128},
         {"name": "sampled_short", "prompts": ids(new_short + [list(p) for p in old_short]),

@@ -7,7 +7,13 @@ import zlib
 
 import pytest
 
-from specjax.train.prompts import candidates, load_exclusions, prompt_mix, translations
+from specjax.train.prompts import (
+    candidates,
+    followups,
+    load_exclusions,
+    prompt_mix,
+    translations,
+)
 
 PROSE = ("The water cycle moves water between the oceans, the air and the land. Heat from the "
          "sun makes water evaporate from the sea, and the vapour rises and cools into clouds. "
@@ -163,3 +169,52 @@ def test_long_kinds_are_off_in_the_default_mix(tmp_path):
                              max_prompt_tokens=10_000,
                              weights={"summarize_long": 1.0, "passage_qa_long": 1.0})
     assert set(kinds) <= {"summarize_long", "passage_qa_long"} and len(kinds) == 4
+
+
+class ChatTokenizer:
+    """A multi-turn stand-in: one id per whitespace word, a header id per turn."""
+
+    chat_template = "{{ turns }}"
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
+        assert add_generation_prompt and tokenize
+        return [i for m in messages for i in [1 if m["role"] == "user" else 3]
+                + [10 + zlib.crc32(w.encode()) % 1000 for w in m["content"].split()]] + [2]
+
+
+def test_followups_are_every_later_user_turn_with_its_context():
+    msgs = [{"role": "user", "content": "How does the water cycle work?"},
+            {"role": "assistant", "content": PROSE},
+            {"role": "user", "content": "continue"},  # under 3 words: not a prompt
+            {"role": "assistant", "content": "Rain falls."},
+            {"role": "user", "content": "And what role do plants play in it?"},
+            {"role": "assistant", "content": "They return water."}]
+    (f,) = followups(msgs)
+    assert f == msgs[:5] and f[-1]["role"] == "user"
+
+
+def test_followup_kind_in_the_mix_keeps_evaluation_text_out_of_its_context(tmp_path):
+    evaluation = "Who played the part of Anna in the series once upon a time?"
+    records = [_conv(("human", "Tell me something."), ("gpt", evaluation),  # in the context
+                     ("human", "Tell me more about that please."), ("gpt", "ok"))]
+    for i in range(6):
+        records.append(_conv(("human", f"Tell me about rivers {i}."), ("gpt", PROSE),
+                             ("human", f"And what about lakes number {i}?"), ("gpt", "ok")))
+    src = tmp_path / "sg.json"
+    src.write_text(json.dumps(records))
+    questions = tmp_path / "question.jsonl"
+    questions.write_text(json.dumps({"turns": [evaluation]}) + "\n")
+    excl = load_exclusions([questions])
+    prompts, kinds, stats = prompt_mix(ChatTokenizer(), num=4, skip=0, source=src,
+                                       weights={"followup": 1.0}, exclude=excl,
+                                       max_prompt_tokens=10_000)
+    assert kinds == ["followup"] * 4 and stats["excluded"] == 1
+    assert all(p.count(1) == 2 and p.count(3) == 1 for p in prompts)  # user, answer, user
+    _, kinds, _ = prompt_mix(ChatTokenizer(), num=4, skip=0, source=src,
+                             max_prompt_tokens=10_000)
+    assert "followup" not in kinds  # off by default
+    base = ChatTokenizer()
+    base.chat_template = None
+    with pytest.raises(ValueError, match="chat template"):
+        prompt_mix(base, num=4, skip=0, source=src, weights={"followup": 1.0},
+                   max_prompt_tokens=10_000)
