@@ -3,7 +3,8 @@
 A stream of requests, first from one domain and then from another (ShareGPT first user
 turns chosen by keywords: programming, medicine or law; or ``translate``: ShareGPT's
 non-English paragraphs as translation requests, a task where this target mostly copies its
-source; programming then translation by default), runs in order through five
+source; or ``followup``: later user turns with the conversation before them as context,
+any topic; programming then translation by default), runs in order through five
 configurations, each with its own state carried from request to request:
 
 * ``full``: the full vocabulary, a frozen drafter;
@@ -49,7 +50,11 @@ DOMAINS = {
 # Not a topic of first user turns but a task: every non-English paragraph as a request
 # (specjax.train.prompts.translations).
 TRANSLATE = "translate"
-STREAM_DOMAINS = (*DOMAINS, TRANSLATE)
+# A later user turn with its conversation (specjax.train.prompts.followups), as token ids:
+# past the record where training stops, ShareGPT has about 2,100 of them within 1,024 tokens.
+FOLLOWUP = "followup"
+FOLLOWUP_MAX_TOKENS = 512  # a context, not one turn: longer than the others' 256
+STREAM_DOMAINS = (*DOMAINS, TRANSLATE, FOLLOWUP)
 CONFIGS = ("full", "fr", "buffer", "lora", "evospec")
 # OnlineConfig.context's default, written here because specjax.train.online loads JAX and
 # this module's CLI flags must not (a test keeps the two equal).
@@ -68,16 +73,37 @@ DEFAULT_DOMAINS = ("code", TRANSLATE)
 
 
 def domain_prompts(tokenizer: Any, domain: str, n: int, *, skip: int, max_tokens: int,
-                   exclude: set) -> list[str]:
+                   exclude: set) -> list[Any]:
     """The first ``n`` prompts of a domain from ShareGPT record ``skip`` on: first user turns
-    matching its keywords, or for ``translate`` every non-English paragraph as a request."""
+    matching its keywords, for ``translate`` every non-English paragraph as a request, for
+    ``followup`` every later user turn with its conversation, chat-templated (``[ids]``, a
+    batch of one, where the others are text)."""
     from specjax.train.data import iter_records, normalize_messages, sharegpt_path
-    from specjax.train.prompts import shares_shingle, translations
+    from specjax.train.prompts import (
+        encode_conversation,
+        followups,
+        shares_shingle,
+        translations,
+    )
 
+    if domain == FOLLOWUP:
+        out: list[Any] = []
+        for i, rec in enumerate(iter_records(sharegpt_path())):
+            if i < skip or not (msgs := normalize_messages(rec)):
+                continue
+            for conv in followups(msgs):
+                if shares_shingle("\n\n".join(m["content"] for m in conv), exclude):
+                    continue
+                if len(ids := encode_conversation(tokenizer, conv)) <= max_tokens:
+                    out.append([ids])
+                    if len(out) == n:
+                        return out
+        raise ValueError(f"ShareGPT has only {len(out)} usable {domain} prompts after record "
+                         f"{skip}; lower --per-domain")
     if domain != TRANSLATE:
         pattern = re.compile(DOMAINS[domain], re.IGNORECASE)
         others = [re.compile(p, re.IGNORECASE) for d, p in DOMAINS.items() if d != domain]
-    out: list[str] = []
+    out = []
     for i, rec in enumerate(iter_records(sharegpt_path())):
         if i < skip:
             continue
@@ -257,7 +283,8 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     drafter, label = resolve_drafter(drafter_dir, target)
     exclude = load_exclusions([resolve_questions(None)])
     stream = [(d, p) for d in domains for p in domain_prompts(
-        target.tokenizer, d, per_domain, skip=skip, max_tokens=256, exclude=exclude)]
+        target.tokenizer, d, per_domain, skip=skip, exclude=exclude,
+        max_tokens=FOLLOWUP_MAX_TOKENS if d == FOLLOWUP else 256)]
     oc = OnlineConfig(lr=lr, steps_per_update=steps_per_update, context=context)
     tree = TreeSpec()
     config = {"domains": list(domains), "per_domain": per_domain, "core": core,

@@ -98,6 +98,31 @@ def test_a_later_skip_gives_a_stream_of_other_prompts_and_translate_is_a_domain(
     assert add_parser(parser).parse_args(["--skip", "2100"]).skip == 2100
 
 
+def test_followup_is_a_domain_of_later_turns_with_their_context(tmp_path, monkeypatch):
+    import specjax.train.data
+    from specjax.bench.evospec import domain_prompts
+
+    class Chat:  # one id per word, a header id per turn
+        chat_template = "{{ turns }}"
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
+            return [i for m in messages for i in [1] + [2] * len(m["content"].split())]
+
+    records = [{"conversations": [
+        {"from": "human", "value": f"Question {i} about rivers?"},
+        {"from": "gpt", "value": "Rivers flow. " * (1 + 20 * (i == 1))},
+        {"from": "human", "value": f"And follow-up number {i} about lakes?"}]}
+        for i in range(4)]
+    src = tmp_path / "sharegpt.json"
+    src.write_text(json.dumps(records))
+    monkeypatch.setattr(specjax.train.data, "sharegpt_path", lambda: src)
+    got = domain_prompts(Chat(), "followup", 2, skip=0, max_tokens=30, exclude=set())
+    # Record 1's context is over 30 tokens: records 0 and 2, three turns each, a batch of one.
+    assert [p[0].count(1) for p in got] == [3, 3] and len(got[1][0]) == len(got[0][0])
+    with pytest.raises(ValueError, match="only 1 usable followup prompts after record 3"):
+        domain_prompts(Chat(), "followup", 2, skip=3, max_tokens=30, exclude=set())
+
+
 def test_the_default_context_is_the_online_configs():
     # The bench leaves `context` out of its resume key at this default, so the two must agree.
     from specjax.train.online import OnlineConfig
