@@ -208,6 +208,19 @@ def _long_candidate(pairs: list[tuple[str, str]]) -> dict[str, str]:
     return {"summarize_long": _SUMMARIZE[h % len(_SUMMARIZE)].format(text=text)}
 
 
+def prompt_text(item: str | list[dict[str, str]]) -> str:
+    """The text a prompt's shingles are taken from: a user turn's, or every turn of a
+    ``followup`` conversation's."""
+    return item if isinstance(item, str) else "\n\n".join(m["content"] for m in item)
+
+
+def encode_prompt(tokenizer: Any, item: str | list[dict[str, str]]) -> list[int]:
+    """A user turn (:func:`encode_user_turn`) or a conversation (:func:`encode_conversation`)
+    as prompt ids."""
+    return (encode_user_turn(tokenizer, item) if isinstance(item, str)
+            else encode_conversation(tokenizer, item))
+
+
 def encode_conversation(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     """A conversation ending with a user turn, chat-templated with the generation prompt."""
     if getattr(tokenizer, "chat_template", None) is None:
@@ -273,12 +286,10 @@ def prompt_mix(tokenizer: Any, *, num: int, skip: int = 2000, max_prompt_tokens:
         for kind, item in found:
             if kind not in pools or len(pools[kind]) >= quota[kind]:
                 continue
-            text = item if isinstance(item, str) else "\n\n".join(m["content"] for m in item)
-            if shares_shingle(text, exclude):
+            if shares_shingle(prompt_text(item), exclude):
                 stats["excluded"] += 1
                 continue
-            ids = (encode_user_turn(tokenizer, item) if isinstance(item, str)
-                   else encode_conversation(tokenizer, item))
+            ids = encode_prompt(tokenizer, item)
             if len(ids) > max_prompt_tokens:
                 stats["too_long"] += 1
                 continue

@@ -82,45 +82,42 @@ def domain_prompts(tokenizer: Any, domain: str, n: int, *, skip: int, max_tokens
     from specjax.train.prompts import (
         encode_conversation,
         followups,
+        prompt_text,
         shares_shingle,
         translations,
     )
 
-    if domain == FOLLOWUP:
-        out: list[Any] = []
-        for i, rec in enumerate(iter_records(sharegpt_path())):
-            if i < skip or not (msgs := normalize_messages(rec)):
-                continue
-            for conv in followups(msgs):
-                if shares_shingle("\n\n".join(m["content"] for m in conv), exclude):
-                    continue
-                if len(ids := encode_conversation(tokenizer, conv)) <= max_tokens:
-                    out.append([ids])
-                    if len(out) == n:
-                        return out
-        raise ValueError(f"ShareGPT has only {len(out)} usable {domain} prompts after record "
-                         f"{skip}; lower --per-domain")
-    if domain != TRANSLATE:
+    if domain not in (TRANSLATE, FOLLOWUP):
         pattern = re.compile(DOMAINS[domain], re.IGNORECASE)
         others = [re.compile(p, re.IGNORECASE) for d, p in DOMAINS.items() if d != domain]
-    out = []
+
+    def requests(msgs: list[dict[str, str]]) -> list[Any]:
+        if domain == FOLLOWUP:
+            return followups(msgs)
+        if domain == TRANSLATE:
+            return translations(msgs)
+        text = msgs[0]["content"]
+        # Two or more hits and none of the other domains': a clear topic.
+        clear = len(pattern.findall(text)) >= 2 and not any(o.search(text) for o in others)
+        return [text] if clear else []
+
+    out: list[Any] = []
     for i, rec in enumerate(iter_records(sharegpt_path())):
         if i < skip:
             continue
         msgs = normalize_messages(rec)
         if not msgs or msgs[0]["role"] != "user":
             continue
-        if domain == TRANSLATE:
-            texts = translations(msgs)
-        else:
-            text = msgs[0]["content"]
-            # Two or more hits and none of the other domains': a clear topic.
-            clear = len(pattern.findall(text)) >= 2 and not any(o.search(text) for o in others)
-            texts = [text] if clear else []
-        for text in texts:
-            if shares_shingle(text, exclude) or len(tokenizer.encode(text)) > max_tokens:
+        for item in requests(msgs):
+            if shares_shingle(prompt_text(item), exclude):
                 continue
-            out.append(text)
+            # Text is counted without the chat template, as `specjax.generate` adds it later;
+            # a conversation is sent templated, as ids.
+            prompt = item if isinstance(item, str) else [encode_conversation(tokenizer, item)]
+            n_tokens = len(tokenizer.encode(item) if isinstance(item, str) else prompt[0])
+            if n_tokens > max_tokens:
+                continue
+            out.append(prompt)
             if len(out) == n:
                 return out
     raise ValueError(f"ShareGPT has only {len(out)} usable {domain} prompts after record "
