@@ -92,16 +92,18 @@ def user_text(tok, prompt) -> str:
     return text.split("<|im_start|>user\n")[-1].split("<|im_end|>")[0]
 
 
-def calibration_range_heldout(target, num: int, path: Path) -> list[dict]:
+def calibration_range_heldout(target, num: int, path: Path,
+                              spec_bench: set[tuple[str, ...]]) -> list[dict]:
     """``num`` greedy answers to prompt-mix prompts from :data:`CALIBRATION_START` on.
 
     Training prompts all come from records before it, so these were never trained on (the
     shipped drafter's run included); benchmarks calibrate on the same range, but nothing
     trains or selects on this held-out set: it is the training log's monitor.
+    ``spec_bench``: the evaluation's shingles (:func:`load_exclusions`).
     """
     prompts, kinds, _ = prompt_mix(target.tokenizer, num=num, skip=CALIBRATION_START,
                                    max_prompt_tokens=320, weights=DEFAULT_WEIGHTS,
-                                   exclude=load_exclusions([resolve_questions(None)]))
+                                   exclude=spec_bench)
     if len(prompts) < num // 2:  # the kinds' quotas round, so a few short is expected
         raise ValueError(f"the calibration range has {len(prompts)} usable prompts, not {num}")
     # generate_self_distill resumes after the records the file already has.
@@ -150,10 +152,12 @@ def main() -> None:
 
     target = specjax.load(resolve_model(None, progress=False))
     tok, vocab = target.tokenizer, target.cfg.vocab_size
+    spec_bench = load_exclusions([resolve_questions(None)])
     held = [r for c in args.heldout_cache for r in heldout_records(c, args.root, vocab)]
     if args.heldout_prompts:
         held += calibration_range_heldout(target, args.heldout_prompts,
-                                          args.heldout_file or args.out / "heldout.jsonl")
+                                          args.heldout_file or args.out / "heldout.jsonl",
+                                          spec_bench)
     if not held:
         sys.exit("nothing is held out: pass --heldout-cache (the CPU runs' caches) or "
                  "--heldout-prompts N")
@@ -169,7 +173,7 @@ def main() -> None:
     print(f"records: {len(held)} held out, {len(train)} train", file=sys.stderr)
 
     # Prompts: never Spec-Bench's, never a held-out conversation's (shingles of its text).
-    excl = load_exclusions([resolve_questions(None)])
+    excl = set(spec_bench)
     held_shingles: set[tuple[str, ...]] = set()
     for p in held_prompts:
         held_shingles |= shingles(user_text(tok, p))
