@@ -150,7 +150,7 @@ def generate_self_distill(target: Target, prompts: Sequence[list[int]], out: str
     settings = {"format": "specjax-self-distill", "version": 1, "engine": engine,
                 "max_new_tokens": max_new_tokens, "greedy": temperature == 0, "source": source,
                 "target": Path(target.path).name, "num_prompts": len(prompts),
-                "prompts_sha256": _prompts_hash(prompts)}
+                "prompts_sha256": prompts_hash(prompts)}
     if temperature > 0:  # absent when greedy, so greedy files written before still resume
         settings |= {"temperature": temperature, "seed": seed}
     meta_path = _meta_path(out)
@@ -196,7 +196,8 @@ def generate_self_distill(target: Target, prompts: Sequence[list[int]], out: str
     return meta
 
 
-def _prompts_hash(prompts: Sequence[list[int]]) -> str:
+def prompts_hash(prompts: Sequence[list[int]]) -> str:
+    """The hex digest a self-distill file's meta records for its prompt list (order kept)."""
     h = hashlib.sha256()
     for p in prompts:
         h.update(np.asarray(p, np.int64).tobytes() + b"|")

@@ -1,21 +1,24 @@
 #!/bin/bash
-# The GPU drafter job in three calls of the device tool (the GGUF is sent in two slices; a
-# machine kept warm between calls keeps /root/stage). Run from the repository root there:
+# The GPU drafter job in a few calls of the device tool (64 MiB a call: the GGUF goes in
+# slices; a machine kept warm between calls keeps /root/stage). From the repository root:
 #
-#   job.sh receive   # call 1: the first GGUF slice and the starting drafter -> /root/stage;
-#                    #   starts the Pallas kernel tests, compiled, in the background
-#   job.sh generate  # call 2: install, convert the target, answer the prompt stages (time
-#                    #   limited, resumable), cache the hidden states, time 20 training steps
-#   job.sh train     # call 3: train for STEPS steps (env), export the drafter into $OUT
+#   job.sh receive   # calls 1..k: store what the call carries (GGUF slices, payload/,
+#                    #   tokenizer/; the starting drafter the first time) in /root/stage;
+#                    #   the first starts the Pallas kernel tests, compiled, in the background
+#   job.sh generate  # install, convert the target, answer the prompt stages (time limited,
+#                    #   resumable), cache the hidden states, time 20 training steps
+#   job.sh train     # train for STEPS steps (env), export the drafter into $OUT
 #
 # Sizes come from the environment: GEN_S (generation seconds), STAGES, STEPS, LR, TAP_LR,
-# BATCH (tokens per step), EVAL_EVERY, TRAIN_S (training's time limit, s), TTT (unrolled draft
-# steps of training-time test, `--ttt-steps`; unset: none); for toy runs LIMIT
+# BATCH (tokens per step), EVAL_EVERY, TRAIN_S (training's time limit, s), TTT (unrolled
+# draft steps of training-time test, `--ttt-steps`; unset: none), LAYERS (`--drafter-layers`:
+# more than the starting drafter's grows it, the new layers the identity), CALIB=0 (skip the
+# 20 timed steps), MEM_FRACTION (of GPU memory JAX takes, default 0.92); for toy runs LIMIT
 # (prompts per stage), GEN_BATCH, MAX_RECORDS, CACHE_TOKENS, KERNEL_TESTS=0. Everything the
 # job reads is prepared by prepare.py on the CPU. `train` caches the states itself if
 # `generate` did not get that far.
-# At toy size on a CPU: STAGE=/tmp/stage KERNEL_TESTS=0 LIMIT=8 GEN_BATCH=4 MAX_RECORDS=140
-# BATCH=4096 STEPS=6 EVAL_EVERY=3 (examples/gpu_drafter/README.md).
+# At toy size on a CPU: STAGE=/tmp/stage KERNEL_TESTS=0 LIMIT=8 GEN_BATCH=4 MAX_RECORDS=240
+# BATCH=4096 STEPS=6 EVAL_EVERY=3 CALIB=0 (examples/gpu_drafter/README.md).
 set -uo pipefail
 STAGE=${STAGE:-/root/stage}
 OUT=${OUT:-$STAGE/out}
@@ -23,6 +26,8 @@ GPU=${GPU:-.gpu}
 mkdir -p "$STAGE" "$OUT"
 export SPECJAX_HOME=$STAGE/home TQDM_MININTERVAL=${TQDM_MININTERVAL:-15} PYTHONUNBUFFERED=1
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
+# The cached states live in GPU memory beside the step's logits: more than JAX's default 75%.
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.92}
 DRAFTER=${DRAFTER:-specjax/assets/drafters/SmolLM2-135M-Instruct}  # the starting drafter
 TARGET=$STAGE/SmolLM2-135M-Instruct
 # Tokens per step: the step's full-vocabulary logits are 4 * 49,152 bytes a token (12 GiB at
@@ -47,11 +52,23 @@ install() {
   python3 -c "import specjax.kernels, gguf, jax; print('jax', jax.__version__, jax.devices())"
 }
 
+store() {
+  for p in "$GPU"/gguf/part_*; do [ -e "$p" ] && cp "$p" "$STAGE"/; done
+  for d in payload tokenizer; do
+    [ -d "$GPU/$d" ] && rm -rf "${STAGE:?}/$d" && cp -r "$GPU/$d" "$STAGE/$d"
+  done
+  [ -d "$DRAFTER" ] && [ ! -e "$STAGE/drafter0" ] && cp -r "$DRAFTER" "$STAGE/drafter0"
+  return 0
+}
+
 case "${1:-}" in
 receive)
-  cp "$GPU"/gguf/part_* "$STAGE"/ && cp -r "$DRAFTER" "$STAGE/drafter0" || exit 1
+  # Whatever this call carries: GGUF slices, the starting drafter, payload/, tokenizer/.
+  store
+  [ -e "$STAGE/drafter0" ] || cp -r "$DRAFTER" "$STAGE/drafter0" || exit 1
   ls -la "$STAGE"; nvidia-smi -L; df -h /dev/shm "$STAGE" | tail -2; free -g | head -2
   install || exit 1
+  [ -e "$STAGE/kernels.log" ] && exit 0  # started by an earlier receive
   # The kernels' tests, compiled on the GPU (interpret mode is what the CPU runs), in the
   # background: they finish while the next calls run, and `train` collects the log.
   if [ "${KERNEL_TESTS:-1}" = 1 ]; then  # (an `if`: with KERNEL_TESTS=0 the call succeeds)
@@ -60,22 +77,22 @@ receive)
       > "$STAGE/kernels.log" 2>&1 & )
   fi ;;
 generate)
-  cp "$GPU"/gguf/part_* "$STAGE"/ 2>/dev/null
+  store
   install || exit 1
   cat "$STAGE"/part_* > "$STAGE/target.gguf" && sha256sum "$STAGE/target.gguf"
-  # $GPU/tokenizer (if sent): the CPU's HF tokenizer files, for a transformers that cannot
-  # build the GGUF's.
-  TOK=(); [ -f "$GPU/tokenizer/tokenizer.json" ] && TOK=(--tokenizer "$GPU/tokenizer")
+  # tokenizer/ (if sent): the CPU's HF tokenizer files, for a transformers that cannot build
+  # the GGUF's.
+  TOK=(); [ -f "$STAGE/tokenizer/tokenizer.json" ] && TOK=(--tokenizer "$STAGE/tokenizer")
   [ -e "$TARGET/specjax.json" ] || specjax convert "$STAGE/target.gguf" "$TARGET" "${TOK[@]}" \
     || exit 1
   mkdir -p "$STAGE/answers"
   timeout "${GEN_S:-180}" python3 examples/gpu_drafter/generate.py --target "$TARGET" \
-    --prompts "$GPU/payload/prompts.json.xz" --out-dir "$STAGE/answers" \
+    --prompts "$STAGE/payload/prompts.json.xz" --out-dir "$STAGE/answers" \
     --stages "${STAGES:-greedy_followup,sampled_followup,greedy_new,greedy_long,sampled_short}" \
     ${LIMIT:+--limit "$LIMIT"} ${GEN_BATCH:+--batch "$GEN_BATCH"} 2>&1 | tr '\r' '\n' \
     | grep -v '%|' 
   # One data file: the prepared records (held-out first), then every complete new answer.
-  python3 - "$GPU/payload" "$STAGE" "${MAX_RECORDS:-}" "$OUT/answers.npz" <<'EOF'
+  python3 - "$STAGE/payload" "$STAGE" "${MAX_RECORDS:-}" "$OUT/answers.npz" <<'EOF'
 import json, lzma, sys
 from pathlib import Path
 import numpy as np
@@ -114,6 +131,7 @@ EOF
   specjax train drafter --data "$STAGE/data.jsonl" --heldout-fraction "$HF" "${COMMON[@]}" \
     --cache-only --out "$STAGE/unused" --no-progress || exit 1
   # 20 timed steps (compiles included) over the whole cache: the rate `train` sizes from.
+  [ "${CALIB:-1}" = 1 ] || exit 0
   rm -rf "$STAGE/calib-ckpt"
   specjax train drafter --data "$STAGE/data.jsonl" --heldout-fraction "$HF" "${COMMON[@]}" \
     --steps 20 --batch-size "$BATCH" --lr 1e-4 --log-every 1 --checkpoint-every 1000 \
@@ -133,6 +151,7 @@ train)
     --heldout-fraction "$HF" "${COMMON[@]}" --steps "${STEPS:?}" --batch-size "$BATCH" \
     --lr "${LR:-5e-4}" --warmup 0.03 --tap-lr-scale "${TAP_LR:-4}" \
     --eval-every "${EVAL_EVERY:-250}" ${TTT:+--ttt-steps "$TTT"} \
+    ${LAYERS:+--drafter-layers "$LAYERS"} \
     --checkpoint-every 250 --ckpt-dir "$STAGE/ckpt" --out "$STAGE/drafter" --overwrite \
     --no-progress --resume 2>&1 | tail -40
   cp "$STAGE/kernels.log" "$OUT/" 2>/dev/null

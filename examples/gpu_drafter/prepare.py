@@ -31,6 +31,8 @@ import random
 import sys
 from pathlib import Path
 
+import numpy as np
+
 import specjax
 from specjax.bench.questions import resolve_questions
 from specjax.defaults import resolve_model, smollm2_gguf_path
@@ -49,7 +51,7 @@ from specjax.train.prompts import (
     shares_shingle,
     shingles,
 )
-from specjax.train.selfdistill import generate_self_distill
+from specjax.train.selfdistill import generate_self_distill, prompts_hash
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -78,6 +80,38 @@ def heldout_records(cache: Path, root: Path, vocab: int) -> list[dict]:
             raise ValueError(f"{cache}: held-out conversation {i} is not record {pos[int(i)]} "
                              f"of {src}")
         out.append(rec)
+    return out
+
+
+def answers_records(folder: Path, prompts_file: Path) -> list[dict]:
+    """Records rebuilt from an earlier GPU run's ``answers.npz`` (in ``folder``, beside its
+    stages' ``*.meta.json``) and the ``prompts.json.xz`` that run answered.
+
+    ``answers.npz`` keeps only the answers (uint16 ids; per record its stage, prompt index
+    within the stage, length, finished); the prompts come from the pool. Each stage's prompt
+    list is checked against the hash its meta recorded, so a different pool is refused.
+    """
+    z = np.load(folder / "answers.npz")
+    spec = json.loads(lzma.open(prompts_file, "rt").read())
+    by_name = {s["name"]: s for s in spec["stages"]}
+    stage_prompts = []
+    for name in z["stages"].tolist():
+        meta = json.loads((folder / f"{name}.jsonl.meta.json").read_text())["settings"]
+        if name not in by_name:
+            raise ValueError(f"{prompts_file} has no stage {name!r}: not the pool {folder} "
+                             "answered")
+        prompts = [spec["pool"][i] for i in by_name[name]["prompts"][:meta["num_prompts"]]]
+        if prompts_hash(prompts) != meta["prompts_sha256"]:
+            raise ValueError(f"stage {name}: {prompts_file}'s prompts are not the ones "
+                             f"{folder} answered (prompts_sha256 differs)")
+        stage_prompts.append(prompts)
+    tokens, out, at = z["tokens"].astype(np.int64), [], 0
+    for k, i, n, _ in z["records"].tolist():
+        prompt, ans = stage_prompts[k][i], tokens[at:at + n].tolist()
+        at += n
+        out.append({"tokens": list(prompt) + ans, "assistant": [0] * len(prompt) + [1] * n})
+    if at != len(tokens):
+        raise ValueError(f"{folder}/answers.npz: records cover {at} of {len(tokens)} tokens")
     return out
 
 
@@ -125,6 +159,11 @@ def main() -> None:
     ap.add_argument("--records", nargs="*", type=Path, default=[],
                     help="self-distilled JSONL files trained on so far (none: the GPU answers "
                          "the whole prompt mix afresh)")
+    ap.add_argument("--answers", nargs=2, action="append", type=Path, default=[],
+                    metavar=("DIR", "PROMPTS"),
+                    help="an earlier GPU run's answers (DIR: its answers.npz and *.meta.json) "
+                         "and the prompts.json.xz it answered: trained on, not regenerated "
+                         "(repeatable)")
     ap.add_argument("--heldout-cache", nargs="*", type=Path, default=[],
                     help="hidden-state caches whose held-out conversations stay held out")
     ap.add_argument("--heldout-prompts", type=int, default=0, metavar="N",
@@ -163,8 +202,10 @@ def main() -> None:
                  "--heldout-prompts N")
     held_keys = {tuple(r["tokens"]) for r in held}
     seen, train = set(held_keys), []
-    for path in args.records:
-        for r in read_jsonl(path):
+    sources = [read_jsonl(path) for path in args.records]
+    sources += [answers_records(d, p) for d, p in args.answers]
+    for records in sources:
+        for r in records:
             if (key := tuple(r["tokens"])) not in seen:
                 seen.add(key)
                 train.append(r)
@@ -181,7 +222,8 @@ def main() -> None:
     excl |= held_shingles
 
     def fresh(prompts: list[list[int]]) -> list[list[int]]:
-        return [p for p in prompts if tuple(p) not in answered]
+        # Once each: ShareGPT repeats some first turns, and a greedy answer repeats with them.
+        return [list(p) for p in dict.fromkeys(map(tuple, prompts)) if p not in answered]
 
     short, kinds, stats = prompt_mix(tok, num=args.num_prompts, skip=0, max_prompt_tokens=320,
                                      weights=DEFAULT_WEIGHTS, exclude=excl, end=CALIBRATION_START)
@@ -246,7 +288,7 @@ def main() -> None:
         "records": n, "heldout": len(held),
         # split_heldout holds out ceil(f * n): f a half record under len(held) / n.
         "heldout_fraction": (len(held) - 0.5) / n,
-        "sources": [str(p) for p in args.records],
+        "sources": [str(p) for p in args.records] + [str(d) for d, _ in args.answers],
         "heldout_caches": [str(c) for c in args.heldout_cache],
         "heldout_prompts": args.heldout_prompts}, indent=1))
     with lzma.open(out / "payload" / "prompts.json.xz", "wt") as f:
