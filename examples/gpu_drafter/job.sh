@@ -57,13 +57,13 @@ store() {
   for d in payload tokenizer; do
     [ -d "$GPU/$d" ] && rm -rf "${STAGE:?}/$d" && cp -r "$GPU/$d" "$STAGE/$d"
   done
-  [ -d "$DRAFTER" ] && [ ! -e "$STAGE/drafter0" ] && cp -r "$DRAFTER" "$STAGE/drafter0"
   return 0
 }
 
 case "${1:-}" in
 receive)
-  # Whatever this call carries: GGUF slices, the starting drafter, payload/, tokenizer/.
+  # Whatever this call carries (GGUF slices, payload/, tokenizer/); the starting drafter
+  # from the first call's tree.
   store
   [ -e "$STAGE/drafter0" ] || cp -r "$DRAFTER" "$STAGE/drafter0" || exit 1
   ls -la "$STAGE"; nvidia-smi -L; df -h /dev/shm "$STAGE" | tail -2; free -g | head -2
