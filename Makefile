@@ -29,7 +29,7 @@ demo: $(VENV)/.installed
 	$(BIN)/specjax generate --prompt "$(PROMPT)" --max-new-tokens 96 --vs-vanilla
 
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # The benchmarks calibrate their tree choice on ShareGPT prompts (never on Spec-Bench).
 $(VENV)/.installed-bench: $(VENV)/.installed-test

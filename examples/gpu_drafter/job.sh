@@ -8,6 +8,7 @@
 #   job.sh generate  # install, convert the target, answer the prompt stages (time limited,
 #                    #   resumable), cache the hidden states, time 20 training steps
 #   job.sh train     # train for STEPS steps (env), export the drafter into $OUT
+#   job.sh next      # the trained drafter becomes the starting one (a second `train`)
 #
 # Sizes come from the environment: GEN_S (generation seconds), STAGES, STEPS, LR, TAP_LR,
 # BATCH (tokens per step), EVAL_EVERY, TRAIN_S (training's time limit, s), TTT (unrolled
@@ -40,7 +41,7 @@ COMMON=(--target "$TARGET" --max-len 1216 --max-conversations 10000000 --cache-d
         --drafter-taps 1,14 --cache-batch-tokens "${CACHE_TOKENS:-65536}" --on-device
         --bucket-width 304
         --log-every 10 --init-from "$STAGE/drafter0"
-        --ce-weight 0.5 --train-vocab "fr:8192:$STAGE/drafter0/freq_counts.npy")
+        --ce-weight 0.5 --train-vocab "fr:8192:$STAGE/freq/freq_counts.npy")
 
 install() {
   if [ -d "$GPU/whl" ] && ! python3 -c "import gguf" 2>/dev/null; then
@@ -66,6 +67,9 @@ receive)
   # from the first call's tree.
   store
   [ -e "$STAGE/drafter0" ] || cp -r "$DRAFTER" "$STAGE/drafter0" || exit 1
+  # The shortlist trained on, kept apart from drafter0 so that a trained drafter can replace
+  # drafter0 for a second run on the same warm machine (the .json says the .npy is counts).
+  mkdir -p "$STAGE/freq" && cp "$STAGE"/drafter0/freq_counts.{npy,json} "$STAGE/freq/" || exit 1
   ls -la "$STAGE"; nvidia-smi -L; df -h /dev/shm "$STAGE" | tail -2; free -g | head -2
   install || exit 1
   [ -e "$STAGE/kernels.log" ] && exit 0  # started by an earlier receive
@@ -159,5 +163,12 @@ train)
   [ -d "$STAGE/drafter" ] && tar -C "$STAGE" -cf - drafter | xz -T0 \
     | split -b 15000000 - "$OUT/drafter.tar.xz.part_"
   ls -la "$OUT" ;;
-*) echo "usage: $0 receive|generate|train" >&2; exit 2 ;;
+next)
+  # The drafter `train` wrote becomes the starting drafter of the next `train` on this warm
+  # machine (its checkpoints set aside, or --resume would pick them up).
+  [ -d "$STAGE/drafter" ] || { echo "no trained drafter in $STAGE" >&2; exit 1; }
+  n=$(ls -d "$STAGE"/drafter0.* 2>/dev/null | wc -l)
+  mv "$STAGE/drafter0" "$STAGE/drafter0.$n" && cp -r "$STAGE/drafter" "$STAGE/drafter0" \
+    && { [ ! -d "$STAGE/ckpt" ] || mv "$STAGE/ckpt" "$STAGE/ckpt.$n"; } ;;
+*) echo "usage: $0 receive|generate|train|next" >&2; exit 2 ;;
 esac
