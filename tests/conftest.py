@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -15,6 +16,21 @@ import numpy as np  # noqa: E402
 
 import specjax  # noqa: E402
 from tests.tiny import make_hf_checkpoint  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop each test module's compiled programs when it ends.
+
+    XLA:CPU maps every compiled executable's code into memory mappings of its own, and one
+    pytest process compiles thousands of programs: past the kernel's ``vm.max_map_count``
+    (65,530 by default) the next compile aborts the whole run (a fresh-clone run died at 93%
+    in a jax cache write). Programs a later module needs again come back from the
+    persistent compilation cache.
+    """
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

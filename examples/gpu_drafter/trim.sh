@@ -2,7 +2,7 @@
 # Cut the tree a device call carries (64 MiB a call, `carry` included), on the CPU between
 # calls. Only the index and .git/info/exclude change; the working tree is untouched.
 #
-#   trim.sh 1        # drop every asset but the starting drafter's parameters (~21 MB left)
+#   trim.sh 1        # drop every asset but the starting drafter's parameters (~33 MB left)
 #   trim.sh 2        # drop every asset (the code alone, ~2 MB)
 #   trim.sh restore  # undo: call it before committing anything
 set -euo pipefail
