@@ -25,8 +25,7 @@ def _free_compiled_programs():
     XLA:CPU maps every compiled executable's code into memory mappings of its own, and one
     pytest process compiles thousands of programs: past the kernel's ``vm.max_map_count``
     (65,530 by default) the next compile aborts the whole run (a fresh-clone run died at 93%
-    in a jax cache write). Programs a later module needs again come back from the
-    persistent compilation cache.
+    in a jax cache write). A program a later module needs again is compiled again.
     """
     yield
     jax.clear_caches()

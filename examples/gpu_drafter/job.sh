@@ -66,10 +66,13 @@ receive)
   # Whatever this call carries (GGUF slices, payload/, tokenizer/); the starting drafter
   # from the first call's tree.
   store
-  [ -e "$STAGE/drafter0" ] || cp -r "$DRAFTER" "$STAGE/drafter0" || exit 1
-  # The shortlist trained on, kept apart from drafter0 so that a trained drafter can replace
-  # drafter0 for a second run on the same warm machine (the .json says the .npy is counts).
-  mkdir -p "$STAGE/freq" && cp "$STAGE"/drafter0/freq_counts.{npy,json} "$STAGE/freq/" || exit 1
+  # With it, once, the shortlist trained on, kept apart from drafter0 so that `next` can
+  # replace drafter0 with a trained drafter (which has no freq_counts.json saying the .npy
+  # holds counts).
+  if [ ! -e "$STAGE/drafter0" ]; then
+    cp -r "$DRAFTER" "$STAGE/drafter0" && mkdir -p "$STAGE/freq" \
+      && cp "$DRAFTER"/freq_counts.{npy,json} "$STAGE/freq/" || exit 1
+  fi
   ls -la "$STAGE"; nvidia-smi -L; df -h /dev/shm "$STAGE" | tail -2; free -g | head -2
   install || exit 1
   [ -e "$STAGE/kernels.log" ] && exit 0  # started by an earlier receive
