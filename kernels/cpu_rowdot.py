@@ -1,13 +1,15 @@
 """A multi-row matrix-vector product for XLA:CPU (C++ through XLA FFI), and its reference.
 
 ``rowdot(x, w_t)`` computes ``x @ w_t.T`` for a few rows of ``x`` (a verify step's T tree
-nodes) by streaming each row of ``w_t`` once for all of them: on this CPU, M = 2 rows cost
-what one does and M = 4 about 1.2-1.4x, where XLA's own small-M GEMM costs 1.5-2x and 2-3x
+nodes) by streaming each row of ``w_t`` once for all of them: M = 2 rows cost about what one
+does and M = 4 about 1.2-1.4x, where XLA's own small-M GEMM costs 1.5-2x and 2-3x
 (``examples/cpu_rowdot_cost.py``; docs/benchmarks.md, issue 10). The source,
 ``cpu_rowdot.cc``, ships beside this file and is compiled on first use with the host's g++
-into ``$SPECJAX_HOME/kernels`` (keyed by the source, the flags and the jaxlib version), then
-registered as an FFI target. Hosts without g++ or AVX-512F get :func:`available` False and
-a reason, and callers keep the XLA dot.
+into ``$SPECJAX_HOME/kernels`` (keyed by the source, the flags, the jaxlib version and the
+CPU's feature flags, since ``-march=native`` code may not run on another CPU), then
+registered as an FFI target. It uses AVX-512F where the CPU has it, else AVX2 with FMA.
+Hosts without g++ or either get :func:`available` False and a reason, and callers keep the
+XLA dot.
 
 Where it runs: :func:`head_product` (the target's LM head, whose [V, d] table is already the
 [out, in] layout this kernel reads) sends 2..16 float32 rows to it, and
@@ -49,23 +51,40 @@ def _kernel_dir() -> Path:
     return (Path(home) if home else Path.home() / ".cache" / "specjax") / "kernels"
 
 
-def _cpu_has_avx512f() -> bool:
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (the first ``flags`` line of /proc/cpuinfo; empty elsewhere)."""
     try:
-        return " avx512f" in Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def _cpu_isa(flags: frozenset[str]) -> str | None:
+    """The vector instructions the kernel will use on a CPU with ``flags``, or None."""
+    if "avx512f" in flags:
+        return "avx512f"
+    if {"avx2", "fma"} <= flags:
+        return "avx2"
+    return None
 
 
 @functools.cache
 def _build() -> tuple[Path | None, str]:
-    """The compiled library (built once per source, flags and jaxlib), or None and why."""
-    if not _cpu_has_avx512f():
-        return None, "the CPU has no AVX-512F"
+    """The compiled library (built once per source, flags, jaxlib and CPU), or None and why."""
+    cpu = _cpu_flags()
+    if _cpu_isa(cpu) is None:
+        return None, "the CPU has neither AVX-512F nor AVX2 with FMA"
     cxx = shutil.which(os.environ.get("CXX", "g++"))
     if cxx is None:
         return None, "no C++ compiler (g++, or $CXX) on PATH"
     src = _SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + jaxlib.__version__.encode())
+    # -march=native: a library built on one CPU may not run on another sharing this folder.
+    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + jaxlib.__version__.encode()
+                         + " ".join(sorted(cpu)).encode())
     out = _kernel_dir() / f"cpu_rowdot-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out, ""
@@ -134,7 +153,7 @@ def rowdot(x: Array, w_t: Array) -> Array:
         raise ValueError(f"rowdot needs x [..., K] and w_t [N, K]; got {x.shape} and "
                          f"{w_t.shape}")
     if w_t.shape[1] % 16:
-        raise ValueError(f"rowdot needs K % 16 == 0 (AVX-512 lanes); K = {w_t.shape[1]}")
+        raise ValueError(f"rowdot needs K % 16 == 0 (whole SIMD vectors); K = {w_t.shape[1]}")
     ok, why = available()
     if not ok:
         raise RuntimeError(f"the CPU rowdot kernel is not available here: {why}; use "
