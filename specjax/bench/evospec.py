@@ -173,11 +173,12 @@ def _gains(mal: dict[str, list[float]], switch: int) -> dict[str, Any]:
 
 
 def step_cost(target: Any, drafter: Any, *, core: int = 8192, n_dyn: int = 256,
-              context: int = 512, runs: int = 20) -> dict[str, Any]:
+              context: int = 512, runs: int = 20, tree: Any = None) -> dict[str, Any]:
     """What keeping the buffer in the compiled loop costs per step (B = 1, best ms).
 
-    * the draft phase (default EAGLE-2 tree) with ``fr:core`` against ``evospec:core+n_dyn``
-      (the buffer's rows gathered and scored at every expansion);
+    * the draft phase (``tree``, a TreeSpec; None: the default EAGLE-2 tree) with
+      ``fr:core`` against ``evospec:core+n_dyn`` (the buffer's rows gathered and scored at
+      every expansion);
     * ``observe`` alone (the hit bookkeeping, and the ARC update under its ``lax.cond``)
       on a step without an OOV event and on one with (a token outside core and buffer),
       starting from a half-full buffer.
@@ -192,7 +193,7 @@ def step_cost(target: Any, drafter: Any, *, core: int = 8192, n_dyn: int = 256,
     from specjax.vocab import resolve_head
     from specjax.vocab.head import Feedback
 
-    tree = TreeSpec()
+    tree = TreeSpec() if tree is None else tree
     cap = cache_capacity(context, 128, tree)
     heads = {"fr": resolve_head(f"fr:{core}", target, drafter),
              "evospec": resolve_head(f"evospec:{core}+{n_dyn}", target, drafter)}
@@ -231,6 +232,7 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
                       lr: float = 1e-5, steps_per_update: int = 1,
                       context: int = DEFAULT_CONTEXT,
                       skip: int = DEFAULT_SKIP,
+                      tree: Any = None,
                       configs: Sequence[str] = CONFIGS,
                       out: str | Path = "results/bench_evospec.json",
                       progress: bool = True) -> dict[str, Any]:
@@ -239,8 +241,9 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
 
     ``lr``, ``steps_per_update`` and ``context`` set the online LoRA (the paper's: 1e-5, one
     step per full replay buffer; ``context`` rows kept before each sample's anchor, which
-    also sets the first answer row that can be one). Raises ValueError for an unknown
-    configuration or domain."""
+    also sets the first answer row that can be one). ``tree`` (a TreeSpec) is the draft tree
+    of every configuration; None: TreeSpec's default, the EAGLE-2 tree (the paper drafts
+    EAGLE-3 trees). Raises ValueError for an unknown configuration or domain."""
     import jax
     from tqdm.auto import tqdm
 
@@ -283,7 +286,7 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
         target.tokenizer, d, per_domain, skip=skip, exclude=exclude,
         max_tokens=FOLLOWUP_MAX_TOKENS if d == FOLLOWUP else 256)]
     oc = OnlineConfig(lr=lr, steps_per_update=steps_per_update, context=context)
-    tree = TreeSpec()
+    tree = TreeSpec() if tree is None else tree
     config = {"domains": list(domains), "per_domain": per_domain, "core": core,
               "n_dyn": n_dyn, "lr": lr, "steps_per_update": steps_per_update,
               # Absent at the default, so partial results written before it still resume.
@@ -386,6 +389,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "and warns)")
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help=f"which configurations to run, of {', '.join(CONFIGS)} (default all)")
+    # Imported here, not at the top: it loads JAX, and this module's constants must not.
+    from specjax.bench.trees import add_tree_args
+
+    # Default EAGLE-2 (as every stream so far); a chain measures the drafter's argmax, which
+    # EAGLE-2's top-k siblings partly stand in for.
+    add_tree_args(p, auto=False)
     p.add_argument("--out", default="results/bench_evospec.json")
     p.add_argument("--step-cost", action="store_true",
                    help="only measure the per-step cost of the buffer (draft phase fr vs "
@@ -395,6 +404,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def _run(args: argparse.Namespace) -> int:
+    from specjax.bench.trees import tree_from_args
+
+    tree = tree_from_args(args)
     if args.step_cost:
         import specjax
         from specjax.bench.phases import resolve_drafter
@@ -402,7 +414,8 @@ def _run(args: argparse.Namespace) -> int:
 
         target = specjax.load(resolve_model(args.model))
         drafter, _ = resolve_drafter(args.drafter, target)
-        print(json.dumps(step_cost(target, drafter, core=args.core, n_dyn=args.n_dyn),
+        print(json.dumps(step_cost(target, drafter, core=args.core, n_dyn=args.n_dyn,
+                                   tree=tree),
                          indent=1))
         return 0
     domains = [d.strip() for d in args.domains.split(",") if d.strip()]
@@ -410,7 +423,7 @@ def _run(args: argparse.Namespace) -> int:
                           per_domain=args.per_domain, max_new_tokens=args.max_new_tokens,
                           core=args.core, n_dyn=args.n_dyn, lr=args.lr,
                           steps_per_update=args.steps_per_update, context=args.context,
-                          skip=args.skip,
+                          skip=args.skip, tree=tree,
                           configs=[c.strip() for c in args.configs.split(",") if c.strip()],
                           out=args.out)
     print(json.dumps({k: r[k] for k in ("mean_before", "mean_after", "recovery_requests",

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from specjax.bench.evospec import DEFAULT_CONTEXT, DOMAINS, recovery, run_evospec_bench
+from specjax.speculative import TreeSpec
 
 
 def test_recovery_counts_requests_until_the_trailing_mean_is_close():
@@ -134,12 +135,24 @@ def test_the_default_context_is_the_online_configs():
 def test_a_subset_of_configurations_reports_what_it_can(tmp_path):
     r = run_evospec_bench(None, None, per_domain=1, max_new_tokens=12, core=2048, n_dyn=32,
                           configs=["lora", "fr"], steps_per_update=2, out=tmp_path / "e.json",
-                          progress=False)
+                          tree=TreeSpec(kind="chain", depth=2), progress=False)
     assert set(r["mal"]) == {"fr", "lora"} and r["greedy_identical"]
+    assert r["config"]["tree"]["kind"] == "chain"
     assert r["recovery_requests"] is None  # no full head to recover to
     assert set(r["paired_gain"]) == {"lora-fr"}
     assert r["paired_gain"]["lora-fr"]["all"]["requests"] == 2
     assert r["memory"]["lora_trainable"] > 0
+
+
+def test_the_tree_flags_name_the_streams_tree_and_default_to_eagle2():
+    from specjax.bench.evospec import add_parser
+    from specjax.bench.trees import tree_from_args
+
+    parser = argparse.ArgumentParser().add_subparsers()
+    p = add_parser(parser)
+    assert tree_from_args(p.parse_args([])) == TreeSpec()  # what every earlier stream ran
+    chain = tree_from_args(p.parse_args(["--tree", "chain", "--tree-depth", "3"]))
+    assert (chain.kind, chain.depth, chain.lookup) == ("chain", 3, 0)
 
 
 def test_the_default_stream_starts_where_training_data_stops():
