@@ -18,14 +18,17 @@
 // an atomic counter by the caller and by helpers it schedules. The caller never waits for a
 // helper that has not started: several custom calls can run at once and fill the pool, and
 // a caller that waited for queued helpers would deadlock. It waits only for chunks a running
-// helper has claimed. The shared state lives in a shared_ptr, since a late helper may start
-// after the call returned (it then finds no chunk and exits).
+// helper has claimed (spinning, then yielding the core). The shared state lives in a
+// shared_ptr, since a late helper may start after the call returned (it then finds no chunk
+// and exits).
 #include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <numeric>
+#include <thread>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -62,14 +65,11 @@ inline float Sum(Vec v) {
 #else
 #error "cpu_rowdot needs AVX-512F, or AVX2 with FMA (compile with -march=native on such a CPU)"
 #endif
-// A chunk of weight rows is whole tiles of every width (the least common multiple).
-constexpr int Lcm(int a, int b) {
-  int x = a, y = b;
-  while (y) { const int t = x % y; x = y; y = t; }
-  return a / x * b;
-}
-constexpr int kChunkRows = Lcm(Lcm(Lcm(kColTile[1], kColTile[2]), Lcm(kColTile[3], kColTile[4])),
-                               Lcm(kColTile[5], kColTile[6]));
+
+// A chunk of weight rows is whole tiles of every width.
+constexpr int kChunkRows = std::lcm(std::lcm(std::lcm(kColTile[1], kColTile[2]),
+                                             std::lcm(kColTile[3], kColTile[4])),
+                                    std::lcm(kColTile[5], kColTile[6]));
 static_assert(16 % kLanes == 0, "K % 16 == 0 must make every row whole vectors");
 
 // MR rows of x times NT rows of w.
@@ -176,7 +176,15 @@ ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (work->chunks > 4)
     for (int64_t p = 0; p < helpers; ++p) pool.Schedule([work] { work->Run(); });
   work->Run();
-  while (work->done.load(std::memory_order_acquire) < work->chunks) _mm_pause();
+  // The last chunks are a running helper's. Spin briefly, then yield: on a loaded machine
+  // (more runnable threads than cores) that helper may be waiting for this very core.
+  for (int spins = 0; work->done.load(std::memory_order_acquire) < work->chunks; ++spins) {
+    if (spins < 4096) {
+      _mm_pause();
+    } else {
+      std::this_thread::yield();
+    }
+  }
   return ffi::Error::Success();
 }
 
