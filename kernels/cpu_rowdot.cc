@@ -168,7 +168,7 @@ ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   work->M = x.element_count() / K;
   work->N = N;
   work->K = K;
-  // About 64 KB of weights per chunk, in whole column tiles of either width.
+  // About 64 KB of weights per chunk, rounded up to whole column tiles of every width.
   constexpr int64_t g = kChunkRows;
   work->rows_per_chunk = std::max<int64_t>(g, (16384 / K + g - 1) / g * g);
   work->chunks = (N + work->rows_per_chunk - 1) / work->rows_per_chunk;

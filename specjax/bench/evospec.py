@@ -35,9 +35,12 @@ import shutil
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # annotations only; the functions import it when they run
+    from specjax.speculative import TreeSpec
 
 DOMAINS = {
     "code": r"\b(python|javascript|java|c\+\+|function|class|def|code|compile|sql|api|bug|"
@@ -173,7 +176,8 @@ def _gains(mal: dict[str, list[float]], switch: int) -> dict[str, Any]:
 
 
 def step_cost(target: Any, drafter: Any, *, core: int = 8192, n_dyn: int = 256,
-              context: int = 512, runs: int = 20, tree: Any = None) -> dict[str, Any]:
+              context: int = 512, runs: int = 20,
+              tree: TreeSpec | None = None) -> dict[str, Any]:
     """What keeping the buffer in the compiled loop costs per step (B = 1, best ms).
 
     * the draft phase (``tree``, a TreeSpec; None: the default EAGLE-2 tree) with
@@ -232,7 +236,7 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
                       lr: float = 1e-5, steps_per_update: int = 1,
                       context: int = DEFAULT_CONTEXT,
                       skip: int = DEFAULT_SKIP,
-                      tree: Any = None,
+                      tree: TreeSpec | None = None,
                       configs: Sequence[str] = CONFIGS,
                       out: str | Path = "results/bench_evospec.json",
                       progress: bool = True) -> dict[str, Any]:
