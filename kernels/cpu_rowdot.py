@@ -72,13 +72,24 @@ def _cpu_isa(flags: frozenset[str]) -> str | None:
     return None
 
 
+def _compiler() -> str | None:
+    """The C++ compiler that builds the kernel ($CXX, else g++): its path, None if absent."""
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def _compile_args(flags: tuple[str, ...] | list[str]) -> list[str]:
+    """What follows the compiler on the command line: ``flags``, then the FFI headers and
+    the source."""
+    return [*flags, "-w", "-I", jax.ffi.include_dir(), str(_SOURCE)]
+
+
 @functools.cache
 def _build() -> tuple[Path | None, str]:
     """The compiled library (built once per source, flags, jaxlib and CPU), or None and why."""
     cpu = _cpu_flags()
     if _cpu_isa(cpu) is None:
         return None, "the CPU has neither AVX-512F nor AVX2 with FMA"
-    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    cxx = _compiler()
     if cxx is None:
         return None, "no C++ compiler (g++, or $CXX) on PATH"
     src = _SOURCE.read_bytes()
@@ -92,7 +103,7 @@ def _build() -> tuple[Path | None, str]:
     # Build beside the target and rename: a concurrent process never loads half a file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *_FLAGS, "-w", "-I", jax.ffi.include_dir(), str(_SOURCE), "-o", tmp]
+    cmd = [cxx, *_compile_args(_FLAGS), "-o", tmp]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
