@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -42,9 +42,12 @@ from specjax.model import (
     FusedLayerParams,
     KVCache,
     LayerParams,
+    Params,
     cache_mask,
     decoder_layer,
     init_cache,
+    is_out_major,
+    out_major_layer,
     rope_inv_freq,
     unfuse_layer,
 )
@@ -209,6 +212,22 @@ def drafter_hidden(dp: DrafterParams, cfg: DrafterConfig, embed: Array, tokens: 
         ks.append(k)
         vs.append(v)
     return x, dataclasses.replace(cache, k=tuple(ks), v=tuple(vs))
+
+
+def in_target_layout(dp: Any, target: Params) -> Any:
+    """``dp`` (an EAGLE drafter's :class:`DrafterParams`) with its layers in the layout the
+    target was loaded in; any other drafter's params (EAGLE-3's) unchanged.
+
+    When :func:`specjax.load` stored the target's products [out, in] for the CPU rowdot
+    kernel, the drafter's layers get the same layout, so their few-row products take the
+    kernel too: the catch-up re-reads up to the tree's depth of accepted rows every step
+    (9 with a lookup chain of 8), and an EAGLE-2 or DySpec frontier expands several rows
+    a level. The same numbers, for inference only: checkpoints, fingerprints, training
+    and LoRA merges keep the stored :class:`LayerParams`.
+    """
+    if not isinstance(dp, DrafterParams) or not is_out_major(target):
+        return dp
+    return dataclasses.replace(dp, layers=tuple(out_major_layer(lp) for lp in dp.layers))
 
 
 def init_drafter_cache(cfg: DrafterConfig, batch: int, capacity: int,

@@ -167,13 +167,22 @@ def to_out_major(params: Params) -> Params:
     """``params`` fused, with the four products of every layer stored [out, in] for the CPU
     rowdot kernel (:mod:`specjax.kernels.cpu_rowdot`): a verify step's 2..16 rows then cost
     little more than one. The same numbers; :func:`unfuse_params` undoes it. Idempotent."""
-    def flip(lp: FusedLayerParams) -> FusedLayerParams:
-        if lp.out_major:
-            return lp
-        return dataclasses.replace(lp, wqkv=lp.wqkv.T, wo=lp.wo.T, w_gate_up=lp.w_gate_up.T,
-                                   w_down=lp.w_down.T, out_major=True)
-    return dataclasses.replace(params, layers=tuple(flip(fuse_layer(lp))
+    return dataclasses.replace(params, layers=tuple(out_major_layer(lp)
                                                     for lp in params.layers))
+
+
+def out_major_layer(lp: LayerParams | FusedLayerParams) -> FusedLayerParams:
+    """One layer fused, its four products stored [out, in] (see :func:`to_out_major`)."""
+    lp = fuse_layer(lp)
+    if lp.out_major:
+        return lp
+    return dataclasses.replace(lp, wqkv=lp.wqkv.T, wo=lp.wo.T, w_gate_up=lp.w_gate_up.T,
+                               w_down=lp.w_down.T, out_major=True)
+
+
+def is_out_major(params: Params) -> bool:
+    """Whether ``params``' layers are stored [out, in] (:func:`to_out_major`)."""
+    return bool(params.layers) and getattr(params.layers[0], "out_major", False)
 
 
 def unfuse_params(params: Params) -> Params:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.decode import DecodeState, decode_loop, decode_step_jit, prefill
+from specjax.drafter import in_target_layout
 from specjax.loaded import Drafter, Target
 from specjax.loop import Limits, bucket
 from specjax.sampling import SamplingConfig
@@ -127,6 +128,9 @@ class SpecRunner:
     def of(cls, target: Target, drafter: Drafter, head: VocabHead, tree: TreeSpec,
            sampling: SamplingConfig, assume_q_one: bool = False,
            attention: str = "dense") -> SpecRunner:
+        # Once per request, a few ms: the drafter's layers as the target's (rowdot).
+        drafter = dataclasses.replace(drafter,
+                                      params=in_target_layout(drafter.params, target.params))
         return cls(target, drafter, head,
                    SpecConfig(cfg=target.cfg, drafter=drafter.cfg, tree=tree,
                               sampling=sampling.static(), assume_q_one=assume_q_one,

@@ -45,10 +45,18 @@ from specjax.bench.phases import draft_latency, random_features, resolve_drafter
 from specjax.bench.timing import time_calls, verify_latency
 from specjax.bench.trees import add_tree_args, tree_dict, tree_from_args, tree_label
 from specjax.defaults import resolve_model
-from specjax.drafter import DrafterConfig, DrafterParams, init_drafter_cache
+from specjax.drafter import DrafterConfig, DrafterParams, in_target_layout, init_drafter_cache
 from specjax.loaded import Drafter, Target
 from specjax.loop import bucket
-from specjax.model import LayerParams, Params, cache_mask, decoder_layer, lm_head, rope_inv_freq
+from specjax.model import (
+    FusedLayerParams,
+    LayerParams,
+    Params,
+    cache_mask,
+    decoder_layer,
+    lm_head,
+    rope_inv_freq,
+)
 from specjax.speculative import TreeSpec, cache_capacity
 
 PARTS = ("embed_fc", "layer", "head_topk")
@@ -67,9 +75,9 @@ def _embed_fc(embed: Array, dp: DrafterParams, tokens: Array, feats: Array) -> A
 
 
 @partial(jax.jit, static_argnames=("dcfg",), donate_argnames=("k_buf", "v_buf"))
-def _drafter_layer(layer: LayerParams, dcfg: DrafterConfig, x: Array, positions: Array,
-                   k_buf: Array, v_buf: Array, lengths: Array, block_mask: Array,
-                   write_rows: Array) -> tuple[Array, Array, Array]:
+def _drafter_layer(layer: LayerParams | FusedLayerParams, dcfg: DrafterConfig, x: Array,
+                   positions: Array, k_buf: Array, v_buf: Array, lengths: Array,
+                   block_mask: Array, write_rows: Array) -> tuple[Array, Array, Array]:
     """(b): one drafter layer on x [B, K, d] over a [B, S, Hkv, Dh] cache (donated: the
     decode loop writes its rows in place, so copying the buffers would distort the time)."""
     mask = cache_mask(lengths, block_mask, k_buf.shape[1])
@@ -135,7 +143,8 @@ def expansion_parts(target: Target, drafter: Drafter, k: int, n_children: int, *
     dtype = target.params.embed.dtype
     tokens = jnp.asarray((np.arange(k)[None] * 7919 + 11) % cfg.vocab_size, jnp.int32)
     feats = random_features((1, k, d), dtype)
-    a = time_calls(lambda: _embed_fc(target.params.embed, drafter.params, tokens, feats), runs)
+    dparams = in_target_layout(drafter.params, target.params)  # as generate runs it
+    a = time_calls(lambda: _embed_fc(target.params.embed, dparams, tokens, feats), runs)
 
     workspace = max(workspace, k + 1)
     cache = init_drafter_cache(drafter.cfg, 1, capacity, dtype)
@@ -152,7 +161,7 @@ def expansion_parts(target: Target, drafter: Drafter, k: int, n_children: int, *
 
     def layer() -> Array:  # every drafter layer, in order
         h = feats
-        for i, lp in enumerate(drafter.params.layers):
+        for i, lp in enumerate(dparams.layers):
             h, bufs["k"][i], bufs["v"][i] = _drafter_layer(lp, drafter.cfg, h, positions,
                                                            bufs["k"][i], bufs["v"][i], lengths,
                                                            block, write_rows)

@@ -18,6 +18,7 @@ from jax import Array
 
 import specjax
 from specjax.bench.timing import time_calls
+from specjax.drafter import in_target_layout
 from specjax.loaded import Drafter, Target
 from specjax.loop import Limits, Output
 from specjax.model import init_cache
@@ -78,8 +79,9 @@ def draft_latency(target: Target, drafter: Drafter, tree: TreeSpec, *, context: 
     head = head or full_head(target.cfg.vocab_size)
     if head.stateful:  # EvoSpec: a buffer of fixed capacity, so an empty one times the same
         state = dataclasses.replace(state, vocab=head.init_state(1))
-    return time_calls(lambda: draft_phase_jit(target.params, drafter.params, head, state,
-                                              spec=spec), runs)
+    dparams = in_target_layout(drafter.params, target.params)  # as generate runs it
+    return time_calls(lambda: draft_phase_jit(target.params, dparams, head, state, spec=spec),
+                      runs)
 
 
 def random_drafter(target: Target, seed: int = 0) -> Drafter:

@@ -265,7 +265,7 @@ def drafted_tiles(target: Target, drafter: Drafter, head: VocabHead, tree: TreeS
     runner = SpecRunner.of(target, drafter, head, tree, sampling)
     req = Request.build(target, [ids], max_new_tokens=max_new_tokens, sampling=sampling,
                         stop_on_eos=stop_on_eos, key=jax.random.PRNGKey(seed), tree=tree)
-    p, dp = target.params, drafter.params
+    p, dp = target.params, runner.drafter.params  # the drafter as the runner lays it out
     state = runner.prefill(req)
     rows = []
     while not all_done(state):

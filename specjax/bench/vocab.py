@@ -57,7 +57,7 @@ from specjax.bench.questions import (
 )
 from specjax.bench.timing import count_compiles, warmup_tokens
 from specjax.defaults import resolve_model
-from specjax.drafter import drafter_hidden, init_drafter_cache
+from specjax.drafter import drafter_hidden, in_target_layout, init_drafter_cache
 from specjax.loaded import Drafter, Target
 from specjax.loop import bucket
 from specjax.speculative import TreeSpec, cache_capacity
@@ -104,8 +104,10 @@ def router_overlap(target: Target, drafter: Drafter, head: RoutedHead, *, k: int
     pos = context + jnp.zeros((1, k), jnp.int32)
     mask = jnp.eye(k, dtype=bool)[None]
 
+    dparams = in_target_layout(drafter.params, target.params)  # as generate runs it
+
     def layer(feats):
-        return drafter_hidden(drafter.params, drafter.cfg, target.params.embed, tokens, feats,
+        return drafter_hidden(dparams, drafter.cfg, target.params.embed, tokens, feats,
                               pos, cache, block_mask=mask, write_rows=pos + jnp.arange(k))[0]
 
     def router(feats):

@@ -23,6 +23,7 @@ from specjax.drafter import (
     save_drafter,
 )
 from specjax.loaded import Drafter
+from specjax.model import LayerParams
 from specjax.tree import TreeSpec
 from tests.drafter.test_drafter import TARGET, _inputs, blockwise_hidden
 from tests.speculative.conftest import PROMPTS
@@ -112,3 +113,37 @@ def test_greedy_equals_vanilla_with_a_two_layer_drafter(tiny_target, fitted_draf
     one = specjax.generate(tiny_target, PROMPTS, max_new_tokens=32, stop_on_eos=False,
                            drafter=fitted_drafter, tree=tree)
     assert stats["identity"] == one.stats["accept_lengths"]
+
+
+def test_drafter_takes_the_targets_layout(deep, tiny_target, fitted_drafter):
+    """A drafter run beside an out-major target ([out, in] products, the CPU rowdot layout)
+    gets that layout too, for inference only: the same hidden states at 1, 5 and 40 rows
+    (kernel, kernel, XLA's dot), the stored params untouched; a target in the [in, out]
+    layout leaves the drafter as it is."""
+    from specjax.drafter import in_target_layout
+    from specjax.model import fuse_params, to_out_major, unfuse_params
+    from specjax.runner import SpecRunner
+    from specjax.sampling import SamplingConfig
+    from specjax.vocab.head import full_head
+
+    target_om = to_out_major(unfuse_params(tiny_target.params))
+    stored = deep.params()
+    laid = in_target_layout(stored, target_om)
+    assert all(lp.out_major for lp in laid.layers) and laid.layers[0].attn_norm is None
+    assert isinstance(stored.layers[0], LayerParams)  # the input is not changed
+    assert in_target_layout(stored, fuse_params(unfuse_params(tiny_target.params))) is stored
+    embed, tokens, feats = _inputs(b=1, t=40, seed=5)
+    for t in (1, 5, 40):
+        pos = jnp.arange(t)[None]
+        a, _ = drafter_hidden(laid, deep.cfg, embed, tokens[:, :t], feats[:, :t], pos,
+                              init_drafter_cache(deep.cfg, 1, 48))
+        b, _ = drafter_hidden(stored, deep.cfg, embed, tokens[:, :t], feats[:, :t], pos,
+                              init_drafter_cache(deep.cfg, 1, 48))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=0,
+                                   err_msg=f"T={t}")
+    # The runner lays the drafter out as the target it serves (tiny_target: as load chose).
+    runner = SpecRunner.of(tiny_target, fitted_drafter, full_head(tiny_target.cfg.vocab_size),
+                           TreeSpec(), SamplingConfig(temperature=0.0))
+    om = getattr(tiny_target.params.layers[0], "out_major", False)
+    assert all(getattr(lp, "out_major", False) == om for lp in runner.drafter.params.layers)
+    assert isinstance(fitted_drafter.params.layers[0], LayerParams)
