@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import weakref
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -227,7 +228,17 @@ def in_target_layout(dp: Any, target: Params) -> Any:
     """
     if not isinstance(dp, DrafterParams) or not is_out_major(target):
         return dp
-    return dataclasses.replace(dp, layers=tuple(out_major_layer(lp) for lp in dp.layers))
+    # The copy costs ~20 ms (two SmolLM2 layers), so it is kept while ``dp`` lives: every
+    # generate call with one loaded drafter reuses it; a new merge (LoRA) makes a new one.
+    laid = _LAID.get(id(dp))
+    if laid is None:
+        laid = dataclasses.replace(dp, layers=tuple(out_major_layer(lp) for lp in dp.layers))
+        _LAID[id(dp)] = laid
+        weakref.finalize(dp, _LAID.pop, id(dp), None)
+    return laid
+
+
+_LAID: dict[int, DrafterParams] = {}  # id(stored params) -> laid out; see in_target_layout
 
 
 def init_drafter_cache(cfg: DrafterConfig, batch: int, capacity: int,

@@ -128,7 +128,7 @@ class SpecRunner:
     def of(cls, target: Target, drafter: Drafter, head: VocabHead, tree: TreeSpec,
            sampling: SamplingConfig, assume_q_one: bool = False,
            attention: str = "dense") -> SpecRunner:
-        # Once per request, a few ms: the drafter's layers as the target's (rowdot).
+        # The drafter's layers as the target's (rowdot); computed once per params object.
         drafter = dataclasses.replace(drafter,
                                       params=in_target_layout(drafter.params, target.params))
         return cls(target, drafter, head,

@@ -131,6 +131,7 @@ def test_drafter_takes_the_targets_layout(deep, tiny_target, fitted_drafter):
     laid = in_target_layout(stored, target_om)
     assert all(lp.out_major for lp in laid.layers) and laid.layers[0].attn_norm is None
     assert isinstance(stored.layers[0], LayerParams)  # the input is not changed
+    assert in_target_layout(stored, target_om) is laid  # kept while `stored` lives
     assert in_target_layout(stored, fuse_params(unfuse_params(tiny_target.params))) is stored
     embed, tokens, feats = _inputs(b=1, t=40, seed=5)
     for t in (1, 5, 40):
