@@ -22,6 +22,8 @@ import collections
 import json
 from pathlib import Path
 
+from specjax.bench.decode import leading_agreement
+
 
 def answers(path: Path, n: int) -> tuple[list[list[int]], list[list[int]]]:
     if not path.is_file():
@@ -54,15 +56,6 @@ def occurrences(hist: list[int], ngram: int) -> tuple[int, list[int]]:
     return best, ends
 
 
-def leading_run(chain: list[int], truth: list[int]) -> int:
-    n = 0
-    for x, y in zip(chain, truth, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=48)
@@ -93,8 +86,8 @@ def main() -> None:
             common = collections.Counter(c[0] for c in chains).most_common(1)[0][0]
             hits["most frequent"] += common == truth[0]
             hits["either of two distinct"] += any(c[0] == truth[0] for c in distinct)
-            runs["latest"] += leading_run(chains[0], truth)
-            runs["better of two distinct"] += max(leading_run(c, truth) for c in distinct)
+            runs["latest"] += leading_agreement(chains[0], truth)
+            runs["better of two distinct"] += max(leading_agreement(c, truth) for c in distinct)
     print(f"{n} answer positions; suffix matched >= {args.min_match}: {matched} "
           f"({matched / n:.3f})")
     for k, v in hits.items():
