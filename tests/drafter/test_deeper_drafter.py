@@ -121,7 +121,7 @@ def test_drafter_takes_the_targets_layout(deep, tiny_target, fitted_drafter):
     (kernel, kernel, XLA's dot), the stored params untouched; a target in the [in, out]
     layout leaves the drafter as it is."""
     from specjax.drafter import in_target_layout
-    from specjax.model import fuse_params, to_out_major, unfuse_params
+    from specjax.model import fuse_params, is_out_major, to_out_major, unfuse_params
     from specjax.runner import SpecRunner
     from specjax.sampling import SamplingConfig
     from specjax.vocab.head import full_head
@@ -145,6 +145,6 @@ def test_drafter_takes_the_targets_layout(deep, tiny_target, fitted_drafter):
     # The runner lays the drafter out as the target it serves (tiny_target: as load chose).
     runner = SpecRunner.of(tiny_target, fitted_drafter, full_head(tiny_target.cfg.vocab_size),
                            TreeSpec(), SamplingConfig(temperature=0.0))
-    om = getattr(tiny_target.params.layers[0], "out_major", False)
+    om = is_out_major(tiny_target.params)
     assert all(getattr(lp, "out_major", False) == om for lp in runner.drafter.params.layers)
     assert isinstance(fitted_drafter.params.layers[0], LayerParams)
