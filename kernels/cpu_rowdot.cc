@@ -2,11 +2,20 @@
 //
 //   y[m, n] = sum_k x[m, k] * w[n, k]      x [M, K], w [N, K] (rows are outputs), y [M, N]
 //
+// and its gathered form (SpecjaxRowDotGathered), a shortlist's logits with the gather fused:
+//
+//   y[m, c] = sum_k x[m, k] * w[idx[r, c], k]   idx [R, C] int32, r = 0 (R = 1) or m (R = M),
+//                                                y = 0 where idx is outside [0, N)
+//
 // Why: a verify step multiplies T = 2..16 rows by every weight matrix. XLA:CPU sends M = 1 to
 // a matrix-vector emitter that streams the weights at memory speed, and M >= 2 to a library
 // GEMM that is far from it at small M (docs/benchmarks.md, issue 10). This kernel streams
 // each weight row once and applies it to all M rows while it sits in registers, so M rows
 // cost about what one does until the FMAs, not the memory, become the limit (M ~ 8 here).
+//
+// The gathered form serves DynaSpec's per-context shortlists on the CPU: XLA gathers the listed
+// rows into a new [C, K] buffer and then reads it again; this reads each listed row once,
+// straight from the table.
 //
 // Invariants: float32; K % 16 == 0 (checked; every supported model's widths are); w rows
 // contiguous (the [out, in] layout, like a tied LM head's embedding table). Needs AVX-512F,
@@ -29,6 +38,7 @@
 #include <memory>
 #include <numeric>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -72,19 +82,68 @@ constexpr int kChunkRows = std::lcm(std::lcm(std::lcm(kColTile[1], kColTile[2]),
                                     std::lcm(kColTile[5], kColTile[6]));
 static_assert(16 % kLanes == 0, "K % 16 == 0 must make every row whole vectors");
 
-// MR rows of x times NT rows of w.
-template <int MR, int NT>
-void Tile(const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t m0,
-          int64_t n0) {
+// From this many rows of x on, a tile asks for the next tile's weight rows while it works
+// on its own. With few rows a tile is quick and the hardware prefetcher keeps up; with more,
+// each weight row is busy for longer in the FMAs and, unasked, the next rows arrive only
+// when they are loaded: the memory stream and the FMAs then take turns instead of
+// overlapping (a SmolLM2 forward's products at M = 4 / 10: 33 / 50 ms without, 27 / 38
+// with; M = 1 and 2 are not faster with it).
+constexpr int64_t kPrefetchRows = 3;
+constexpr int kLineFloats = 16;  // one 64-byte cache line
+
+// Where output column j's weight row lives. Dense: row j of w (rowdot). Gathered: row
+// idx[j] of w, or a row of zeros for a padding id outside [0, N), whose output is then
+// written as exactly 0 (rowdot_gathered). ``At`` clamps j to the last column, so a tile may
+// name the columns after the last one for its prefetch.
+struct Dense {
+  static constexpr bool kGathered = false;
+  const float* w;
+  int64_t K, cols;
+  const float* At(int64_t j) const { return w + std::min(j, cols - 1) * K; }
+  bool Valid(int64_t) const { return true; }
+};
+
+struct Gathered {
+  static constexpr bool kGathered = true;
+  const float* w;
+  const int32_t* idx;
+  const float* zeros;  // K floats
+  int64_t K, cols, N;  // cols = C outputs, N = rows of w
+  bool Valid(int64_t j) const { return idx[j] >= 0 && idx[j] < N; }
+  const float* At(int64_t j) const {
+    j = std::min(j, cols - 1);
+    return Valid(j) ? w + static_cast<int64_t>(idx[j]) * K : zeros;
+  }
+};
+
+// MR rows of x times the weight rows of columns [n0, n0 + NT), into y (row stride
+// ``src.cols``). ``kPrefetch``: also ask for the rows of columns [n0 + NT, n0 + 2 NT) (a
+// template argument, so that the loop without it is the same code as before it existed).
+template <int MR, int NT, bool kPrefetch, class Src>
+void Tile(const float* x, const Src& src, float* y, int64_t K, int64_t m0, int64_t n0) {
   Vec acc[MR][NT];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) acc[r][t] = Zero();
+  const float* row[NT];
+  const float* next[NT];
+#pragma GCC unroll 8
+  for (int t = 0; t < NT; ++t) {
+    row[t] = src.At(n0 + t);
+    if constexpr (kPrefetch) next[t] = src.At(n0 + NT + t);
+  }
   for (int64_t k = 0; k < K; k += kLanes) {
+    if constexpr (kPrefetch) {
+      if (k % kLineFloats == 0) {
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; ++t)
+          _mm_prefetch(reinterpret_cast<const char*>(next[t] + k), _MM_HINT_T0);
+      }
+    }
     Vec wv[NT];
 #pragma GCC unroll 8
-    for (int t = 0; t < NT; ++t) wv[t] = Load(w + (n0 + t) * K + k);
+    for (int t = 0; t < NT; ++t) wv[t] = Load(row[t] + k);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const Vec xv = Load(x + (m0 + r) * K + k);
@@ -92,86 +151,110 @@ void Tile(const float* x, const float* w, float* y, int64_t N, int64_t K, int64_
       for (int t = 0; t < NT; ++t) acc[r][t] = Fma(xv, wv[t], acc[r][t]);
     }
   }
+  const int64_t ld = src.cols;
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
-    for (int t = 0; t < NT; ++t) y[(m0 + r) * N + n0 + t] = Sum(acc[r][t]);
+    for (int t = 0; t < NT; ++t) {
+      float v = Sum(acc[r][t]);
+      // 0 * inf in x would make a padding column NaN; its output is 0 by definition.
+      if constexpr (Src::kGathered) v = src.Valid(n0 + t) ? v : 0.0f;
+      y[(m0 + r) * ld + n0 + t] = v;
+    }
 }
 
-// All M rows of x against w rows [n0, n0 + NT): row groups of kRowTile, then the remainder.
-// The NT weight rows stay in L1 across the groups, so w is read from memory once.
-template <int NT>
-void Rows(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
+// Rows [m, m + rows) of x, rows < kRowTile, against columns [n0, n0 + NT).
+template <int NT, bool kPrefetch, class Src>
+void Rest(const float* x, const Src& src, float* y, int64_t rows, int64_t K, int64_t m,
           int64_t n0) {
-  static_assert(kRowTile == 6, "the remainder cases below are 5..1");
-  int64_t m = 0;
-  for (; m + kRowTile <= M; m += kRowTile) Tile<kRowTile, NT>(x, w, y, N, K, m, n0);
-  switch (M - m) {
-    case 5: Tile<5, NT>(x, w, y, N, K, m, n0); break;
-    case 4: Tile<4, NT>(x, w, y, N, K, m, n0); break;
-    case 3: Tile<3, NT>(x, w, y, N, K, m, n0); break;
-    case 2: Tile<2, NT>(x, w, y, N, K, m, n0); break;
-    case 1: Tile<1, NT>(x, w, y, N, K, m, n0); break;
-    default: break;
+  static_assert(kRowTile == 6, "the cases below are 5..1");
+  switch (rows) {
+    case 5: return Tile<5, NT, kPrefetch>(x, src, y, K, m, n0);
+    case 4: return Tile<4, NT, kPrefetch>(x, src, y, K, m, n0);
+    case 3: return Tile<3, NT, kPrefetch>(x, src, y, K, m, n0);
+    case 2: return Tile<2, NT, kPrefetch>(x, src, y, K, m, n0);
+    case 1: return Tile<1, NT, kPrefetch>(x, src, y, K, m, n0);
+    default: return;
   }
 }
 
-template <int NT>
-void SpanOf(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
-            int64_t n0, int64_t n1) {
+// All M rows of x against columns [n0, n0 + NT): row groups of kRowTile, then the
+// remainder. The NT weight rows stay in L1 across the groups, so w is read from memory once,
+// by the first group (the one that prefetches).
+template <int NT, bool kPrefetch, class Src>
+void Rows(const float* x, const Src& src, float* y, int64_t M, int64_t K, int64_t n0) {
+  if (M < kRowTile) return Rest<NT, kPrefetch>(x, src, y, M, K, 0, n0);
+  Tile<kRowTile, NT, kPrefetch>(x, src, y, K, 0, n0);
+  int64_t m = kRowTile;
+  for (; m + kRowTile <= M; m += kRowTile) Tile<kRowTile, NT, false>(x, src, y, K, m, n0);
+  Rest<NT, false>(x, src, y, M - m, K, m, n0);
+}
+
+// Columns [n0, n1). A gathered source prefetches whatever M is: no hardware prefetcher can
+// guess the next gathered row.
+template <int NT, class Src>
+void SpanOf(const float* x, const Src& src, float* y, int64_t M, int64_t K, int64_t n0,
+            int64_t n1) {
   int64_t n = n0;
-  for (; n + NT <= n1; n += NT) Rows<NT>(x, w, y, M, N, K, n);
-  for (; n < n1; ++n) Rows<1>(x, w, y, M, N, K, n);
+  if (Src::kGathered || M >= kPrefetchRows) {
+    for (; n + NT <= n1; n += NT) Rows<NT, true>(x, src, y, M, K, n);
+  } else {
+    for (; n + NT <= n1; n += NT) Rows<NT, false>(x, src, y, M, K, n);
+  }
+  for (; n < n1; ++n) Rows<1, false>(x, src, y, M, K, n);
 }
 
-void Span(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
-          int64_t n0, int64_t n1) {
+template <class Src>
+void Span(const float* x, const Src& src, float* y, int64_t M, int64_t K, int64_t n0,
+          int64_t n1) {
   switch (std::min<int64_t>(M, kRowTile)) {
-    case 1: return SpanOf<kColTile[1]>(x, w, y, M, N, K, n0, n1);
-    case 2: return SpanOf<kColTile[2]>(x, w, y, M, N, K, n0, n1);
-    case 3: return SpanOf<kColTile[3]>(x, w, y, M, N, K, n0, n1);
-    case 4: return SpanOf<kColTile[4]>(x, w, y, M, N, K, n0, n1);
-    case 5: return SpanOf<kColTile[5]>(x, w, y, M, N, K, n0, n1);
-    default: return SpanOf<kColTile[6]>(x, w, y, M, N, K, n0, n1);
+    case 1: return SpanOf<kColTile[1]>(x, src, y, M, K, n0, n1);
+    case 2: return SpanOf<kColTile[2]>(x, src, y, M, K, n0, n1);
+    case 3: return SpanOf<kColTile[3]>(x, src, y, M, K, n0, n1);
+    case 4: return SpanOf<kColTile[4]>(x, src, y, M, K, n0, n1);
+    case 5: return SpanOf<kColTile[5]>(x, src, y, M, K, n0, n1);
+    default: return SpanOf<kColTile[6]>(x, src, y, M, K, n0, n1);
   }
 }
 
+// One call's work: ``groups`` independent products (one for rowdot and for a shared gathered
+// shortlist; one per row of x for per-row shortlists), each cut into chunks of
+// ``cols_per_chunk`` output columns, claimed from an atomic counter.
 struct Work {
   const float* x;
   const float* w;
+  const int32_t* idx = nullptr;  // [groups or 1, cols]; null for rowdot
+  std::vector<float> zeros;
   float* y;
-  int64_t M, N, K, rows_per_chunk, chunks;
+  int64_t M, N, K, cols, groups, cols_per_chunk, chunks_per_group, chunks;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   void Run() {
+    const int64_t rows = M / groups;  // rows of x per group
     for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
-      const int64_t a = c * rows_per_chunk;
-      Span(x, w, y, M, N, K, a, std::min(N, a + rows_per_chunk));
+      const int64_t g = c / chunks_per_group;
+      const int64_t a = (c % chunks_per_group) * cols_per_chunk;
+      const int64_t b = std::min(cols, a + cols_per_chunk);
+      const float* xg = x + g * rows * K;
+      float* yg = y + g * rows * cols;
+      if (idx == nullptr) {
+        Span(xg, Dense{w, K, cols}, yg, rows, K, a, b);
+      } else {
+        Span(xg, Gathered{w, idx + g * cols, zeros.data(), K, cols, N}, yg, rows, K, a, b);
+      }
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
-ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                      ffi::ResultBuffer<ffi::F32> y) {
-  const auto wd = w.dimensions();
-  if (wd.size() != 2) return ffi::Error::InvalidArgument("w must be [N, K]");
-  const int64_t N = wd[0], K = wd[1];
-  if (K % 16 != 0) return ffi::Error::InvalidArgument("K must be a multiple of 16");
-  if (K == 0 || x.element_count() % K != 0)
-    return ffi::Error::InvalidArgument("x's last axis must equal w's K");
-  auto work = std::make_shared<Work>();
-  work->x = x.typed_data();
-  work->w = w.typed_data();
-  work->y = y->typed_data();
-  work->M = x.element_count() / K;
-  work->N = N;
-  work->K = K;
-  // About 64 KB of weights per chunk, rounded up to whole column tiles of every width.
+// Runs ``work`` on the caller and XLA's pool. About 64 KB of weights per chunk, rounded up
+// to whole column tiles of every width.
+void RunOnPool(ffi::ThreadPool& pool, const std::shared_ptr<Work>& work) {
   constexpr int64_t g = kChunkRows;
-  work->rows_per_chunk = std::max<int64_t>(g, (16384 / K + g - 1) / g * g);
-  work->chunks = (N + work->rows_per_chunk - 1) / work->rows_per_chunk;
+  work->cols_per_chunk = std::max<int64_t>(g, (16384 / work->K + g - 1) / g * g);
+  work->chunks_per_group = (work->cols + work->cols_per_chunk - 1) / work->cols_per_chunk;
+  work->chunks = work->groups * work->chunks_per_group;
   const int64_t helpers = std::max<int64_t>(1, pool.num_threads()) - 1;
   if (work->chunks > 4)
     for (int64_t p = 0; p < helpers; ++p) pool.Schedule([work] { work->Run(); });
@@ -185,6 +268,55 @@ ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
       std::this_thread::yield();
     }
   }
+}
+
+// The checks both products share: w is [N, K] with K % 16 == 0, and x's last axis is K.
+ffi::Error CheckOperands(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F32>& w) {
+  const auto wd = w.dimensions();
+  if (wd.size() != 2) return ffi::Error::InvalidArgument("w must be [N, K]");
+  if (wd[1] % 16 != 0) return ffi::Error::InvalidArgument("K must be a multiple of 16");
+  if (wd[1] == 0 || x.element_count() % wd[1] != 0)
+    return ffi::Error::InvalidArgument("x's last axis must equal w's K");
+  return ffi::Error::Success();
+}
+
+std::shared_ptr<Work> NewWork(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F32>& w,
+                              float* y) {
+  auto work = std::make_shared<Work>();
+  work->x = x.typed_data();
+  work->w = w.typed_data();
+  work->y = y;
+  work->N = w.dimensions()[0];
+  work->K = w.dimensions()[1];
+  work->M = x.element_count() / work->K;
+  return work;
+}
+
+ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  if (auto err = CheckOperands(x, w); err.failure()) return err;
+  auto work = NewWork(x, w, y->typed_data());
+  work->cols = work->N;
+  work->groups = 1;
+  RunOnPool(pool, work);
+  return ffi::Error::Success();
+}
+
+// idx [R, C] int32 with R = 1 (one shortlist for every row of x) or R = M (one per row).
+ffi::Error RowDotGatheredImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                              ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> idx,
+                              ffi::ResultBuffer<ffi::F32> y) {
+  if (auto err = CheckOperands(x, w); err.failure()) return err;
+  const auto id = idx.dimensions();
+  if (id.size() != 2) return ffi::Error::InvalidArgument("idx must be [R, C]");
+  auto work = NewWork(x, w, y->typed_data());
+  if (id[0] != 1 && id[0] != work->M)
+    return ffi::Error::InvalidArgument("idx must have one row, or one per row of x");
+  work->idx = idx.typed_data();
+  work->zeros.assign(work->K, 0.0f);
+  work->cols = id[1];
+  work->groups = id[0];
+  if (work->cols > 0) RunOnPool(pool, work);
   return ffi::Error::Success();
 }
 
@@ -195,4 +327,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowDot, RowDotImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowDotGathered, RowDotGatheredImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

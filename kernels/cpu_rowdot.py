@@ -3,13 +3,20 @@
 ``rowdot(x, w_t)`` computes ``x @ w_t.T`` for a few rows of ``x`` (a verify step's T tree
 nodes) by streaming each row of ``w_t`` once for all of them: M = 2 rows cost about what one
 does and M = 4 about 1.2-1.4x, where XLA's own small-M GEMM costs 1.5-2x and 2-3x
-(``examples/cpu_rowdot_cost.py``; docs/benchmarks.md, issue 10). The source,
+(``examples/cpu_rowdot_cost.py``; docs/benchmarks.md, issue 10); from three rows on it asks
+for the next weight rows ahead of their use, so memory and FMAs overlap (docs/kernels.md).
+The source,
 ``cpu_rowdot.cc``, ships beside this file and is compiled on first use with the host's g++
 into ``$SPECJAX_HOME/kernels`` (keyed by the source, the flags, the jaxlib version and the
 CPU's feature flags, since ``-march=native`` code may not run on another CPU), then
 registered as an FFI target. It uses AVX-512F where the CPU has it, else AVX2 with FMA.
 Hosts without g++ or either get :func:`available` False and a reason, and callers keep the
 XLA dot.
+
+:func:`rowdot_gathered` is the same product over a shortlist of ``w_t``'s rows (``x @
+w_t[idx].T``, the gather fused: each listed row is read once, straight from the table, and
+prefetched one tile ahead since no hardware prefetcher can guess it), for the DynaSpec
+head's gathered-column GEMM on the CPU (:mod:`specjax.kernels.gathered_gemm`).
 
 Where it runs: :func:`head_product` (the target's LM head, whose [V, d] table is already the
 [out, in] layout this kernel reads) sends 2..16 float32 rows to it, and
@@ -37,6 +44,7 @@ import jaxlib
 
 Array = jax.Array
 TARGET = "specjax_cpu_rowdot"
+GATHERED_TARGET = "specjax_cpu_rowdot_gathered"
 _SOURCE = Path(__file__).with_name("cpu_rowdot.cc")
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 
@@ -120,6 +128,8 @@ def _register() -> str:
         return why
     lib = ctypes.cdll.LoadLibrary(str(path))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SpecjaxRowDot), platform="cpu")
+    jax.ffi.register_ffi_target(GATHERED_TARGET, jax.ffi.pycapsule(lib.SpecjaxRowDotGathered),
+                                platform="cpu")
     return ""
 
 
@@ -158,6 +168,12 @@ def rowdot(x: Array, w_t: Array) -> Array:
     Returns:
       [..., N] float32, equal to :func:`rowdot_reference` up to summation order.
     """
+    _check_operands(x, w_t)
+    return _rowdot(x, w_t)
+
+
+def _check_operands(x: Array, w_t: Array) -> None:
+    """The checks :func:`rowdot` and :func:`rowdot_gathered` share, with the kernel built."""
     if x.dtype != jnp.float32 or w_t.dtype != jnp.float32:
         raise TypeError(f"rowdot takes float32, got x {x.dtype} and w_t {w_t.dtype}")
     if w_t.ndim != 2 or x.shape[-1] != w_t.shape[1]:
@@ -169,7 +185,58 @@ def rowdot(x: Array, w_t: Array) -> Array:
     if not ok:
         raise RuntimeError(f"the CPU rowdot kernel is not available here: {why}; use "
                            "rowdot_reference (an XLA dot) instead")
-    return _rowdot(x, w_t)
+
+
+def rowdot_gathered_reference(x: Array, w_t: Array, idx: Array) -> Array:
+    """:func:`rowdot_gathered` in jnp: x [M, K], w_t [N, K], idx [R, C] (R = 1 or M) ->
+    [M, C]; an id outside [0, N) is padding whose output is exactly 0."""
+    valid = (idx >= 0) & (idx < w_t.shape[0])
+    rows = jnp.take(w_t, jnp.where(valid, idx, 0), axis=0)  # [R, C, K]
+    out = jnp.einsum("mk,mck->mc", x, jnp.broadcast_to(rows, (x.shape[0],) + rows.shape[1:]),
+                     precision=jax.lax.Precision.HIGHEST)
+    return jnp.where(valid, out, 0.0)
+
+
+@jax.custom_vjp
+def _rowdot_gathered(x: Array, w_t: Array, idx: Array) -> Array:
+    out = jax.ShapeDtypeStruct((x.shape[0], idx.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(GATHERED_TARGET, out, vmap_method="sequential")(x, w_t, idx)
+
+
+def _rowdot_gathered_fwd(x: Array, w_t: Array, idx: Array):
+    return _rowdot_gathered(x, w_t, idx), (x, w_t, idx)
+
+
+def _rowdot_gathered_bwd(res: tuple[Array, Array, Array], g: Array):
+    # Inference runs this product; a gradient (none is taken today) goes through the reference.
+    x, w_t, idx = res
+    _, vjp = jax.vjp(lambda a, b: rowdot_gathered_reference(a, b, idx), x, w_t)
+    return (*vjp(g), None)
+
+
+_rowdot_gathered.defvjp(_rowdot_gathered_fwd, _rowdot_gathered_bwd)
+
+
+def rowdot_gathered(x: Array, w_t: Array, idx: Array) -> Array:
+    """``x @ w_t[idx].T`` on XLA:CPU, the gather fused into the kernel.
+
+    Args:
+      x: [M, K] float32 (M small, as in :func:`rowdot`).
+      w_t: [N, K] float32, one output feature per row; K a multiple of 16.
+      idx: [R, C] int32 row ids of ``w_t``: R = 1 (one shortlist for every row of x) or
+        R = M (one per row). Duplicates are allowed; an id outside [0, N) is padding.
+
+    Returns:
+      [M, C] float32, ``out[m, c] = x[m] . w_t[idx[r, c]]`` (r = 0 or m), exactly 0 for
+      padding; equal to :func:`rowdot_gathered_reference` up to summation order.
+    """
+    _check_operands(x, w_t)
+    if x.ndim != 2 or idx.ndim != 2 or idx.shape[0] not in (1, x.shape[0]):
+        raise ValueError(f"rowdot_gathered needs x [M, K] and idx [1 or M, C]; got {x.shape} "
+                         f"and {idx.shape}")
+    if idx.dtype != jnp.int32:
+        raise TypeError(f"rowdot_gathered takes int32 ids, got {idx.dtype}")
+    return _rowdot_gathered(x, w_t, idx)
 
 
 MAX_ROWS = 16  # above this the FMAs, not the weight stream, bound the kernel (it then loses)
