@@ -13,9 +13,13 @@ Shapes, for every implementation:
 * result: ``[N, C]`` float32, ``out[n, c] = sum_k h[n, k] * w[idx[n, c], k]``.
 
 Implementations: :func:`gathered_matmul_ref` (plain jnp, the specification),
-:func:`gathered_matmul_xla` (the default off GPU) and :func:`gathered_matmul_pallas` (a Pallas
-kernel with the Triton lowering). :func:`gathered_matmul` validates and dispatches. The Pallas
-backend lives in this module alone, so moving it from Triton to Mosaic GPU touches nothing else.
+:func:`gathered_matmul_xla` (XLA, any backend), :func:`gathered_matmul_pallas` (a Pallas
+kernel with the Triton lowering, the default on a GPU) and the CPU rowdot kernel's gathered
+product (:func:`specjax.kernels.cpu_rowdot.rowdot_gathered`, the default on a CPU where it is
+built, for float32 operands). :func:`gathered_matmul` validates and dispatches;
+:func:`shared_gathered_matmul` is the product with one shortlist for several rows of ``h``.
+The Pallas backend lives in this module alone, so moving it from Triton to Mosaic GPU touches
+nothing else.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from jax import Array, lax
 from jax.experimental import pallas as pl
 
 from specjax.compat import pallas_gpu_available, pltriton, triton_params
+from specjax.kernels.cpu_rowdot import rowdot_gathered, use_rowdot
 
-Impl = Literal["auto", "xla", "pallas", "ref"]
+Impl = Literal["auto", "xla", "pallas", "rowdot", "ref"]
 
 # The XLA path gathers at most this many bytes of W rows at a time, so the gathered block
 # stays in a core's L2 (2 MiB on the dev machines) between the gather and the matvec. One
@@ -179,8 +184,9 @@ def gathered_matmul(h: Array, w: Array, idx: Array, *, impl: Impl = "auto") -> A
     """Shortlist logits ``out[n, c] = h[n] · w[idx[n, c]]`` in float32; padding ids give 0.
 
     h: [N, d] float, w: [V, d] float, idx: [N, C] integer -> [N, C] float32.
-    ``impl``: "auto" (the Pallas kernel when the default backend is a GPU, else XLA),
-    "xla", "pallas" or "ref".
+    ``impl``: "auto" (the Pallas kernel when the default backend is a GPU; on a CPU the
+    rowdot kernel for float32 operands where it is built, :func:`_takes_rowdot`; else XLA),
+    "xla", "pallas", "rowdot" or "ref".
     """
     if h.ndim != 2 or w.ndim != 2 or idx.ndim != 2:
         raise ValueError(f"expected h [N, d], w [V, d] and idx [N, C]; got ranks "
@@ -195,14 +201,53 @@ def gathered_matmul(h: Array, w: Array, idx: Array, *, impl: Impl = "auto") -> A
     for name, x in (("h", h), ("w", w)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"{name} must be floating point, got dtype {x.dtype}")
-    if impl == "auto":
-        impl = "pallas" if pallas_gpu_available() else "xla"
+    impl = chosen_impl(h, w, impl)
+    if impl == "rowdot":
+        return rowdot_gathered(h, w, _as_int32_ids(idx, w.shape[0]))
     if impl == "pallas":
-        if idx.dtype != jnp.int32:  # map padding to -1 first: a cast could wrap it in range
-            idx = jnp.where(_in_range(idx, w.shape[0]), idx, -1).astype(jnp.int32)
-        return gathered_matmul_pallas(h, w, idx)
+        return gathered_matmul_pallas(h, w, _as_int32_ids(idx, w.shape[0]))
     if impl == "xla":
         return gathered_matmul_xla(h, w, idx)
     if impl == "ref":
         return gathered_matmul_ref(h, w, idx)
-    raise ValueError(f"unknown impl {impl!r}: expected 'auto', 'xla', 'pallas' or 'ref'")
+    raise ValueError(f"unknown impl {impl!r}: expected 'auto', 'xla', 'pallas', 'rowdot' or "
+                     "'ref'")
+
+
+def chosen_impl(h: Array, w: Array, impl: Impl = "auto") -> str:
+    """The implementation :func:`gathered_matmul` runs for these operands: ``impl``, or for
+    "auto" the Pallas kernel on a GPU, the rowdot kernel where it takes ``h`` (a CPU, float32,
+    1..16 rows, built), else XLA."""
+    if impl != "auto":
+        return impl
+    return "pallas" if pallas_gpu_available() else "rowdot" if _takes_rowdot(h, w) else "xla"
+
+
+def shared_gathered_matmul(h: Array, w: Array, idx: Array) -> Array:
+    """One shortlist per batch row, scored by all of that row's ``K`` hidden states:
+    ``out[b, k, c] = h[b, k] · w[idx[b, c]]``, padding ids 0.
+
+    h: [B, K, d] float, w: [V, d], idx: [B, C] integer -> [B, K, C] float32. On a CPU the
+    rowdot kernel reads each listed row once for the K states; elsewhere the rows are
+    gathered once per batch row and contracted with XLA's dot.
+    """
+    if _takes_rowdot(h[0], w):
+        ids = _as_int32_ids(idx, w.shape[0])
+        return jax.vmap(lambda hb, ib: rowdot_gathered(hb, w, ib[None]))(h, ids)
+    valid = _in_range(idx, w.shape[0])
+    rows = jnp.take(w, jnp.where(valid, idx, 0), axis=0)  # [B, C, d]
+    logits = jnp.einsum("bkd,bcd->bkc", h, rows, preferred_element_type=jnp.float32)
+    return jnp.where(valid[:, None], logits, 0.0)
+
+
+def _takes_rowdot(h: Array, w: Array) -> bool:
+    """Whether the CPU rowdot kernel takes these rows of ``h`` (float32, 1..16 rows, a CPU
+    backend without a mesh, the kernel built; :func:`~specjax.kernels.cpu_rowdot.use_rowdot`)."""
+    return use_rowdot(h, w, min_rows=1)
+
+
+def _as_int32_ids(idx: Array, vocab_size: int) -> Array:
+    """``idx`` as int32, padding mapped to -1 first (a cast could wrap it into range)."""
+    if idx.dtype == jnp.int32:
+        return idx
+    return jnp.where(_in_range(idx, vocab_size), idx, -1).astype(jnp.int32)

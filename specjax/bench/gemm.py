@@ -29,8 +29,7 @@ from tqdm import tqdm
 
 from specjax.bench.common import as_command, int_list, machine_info, save_figure, write_json
 from specjax.bench.timing import time_calls
-from specjax.compat import pallas_gpu_available
-from specjax.kernels.gathered_gemm import gathered_matmul
+from specjax.kernels.gathered_gemm import chosen_impl, gathered_matmul
 
 SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 ROWS = (1, 4)
@@ -51,13 +50,6 @@ def _gathered(h: Array, w: Array, idx: Array, impl: str) -> Array:
     return gathered_matmul(h, w, idx, impl=impl)
 
 
-def _resolved_impl(impl: str) -> str:
-    """The implementation ``gathered_matmul`` runs for ``impl`` on this backend."""
-    if impl != "auto":
-        return impl
-    return "pallas" if pallas_gpu_available() else "xla"
-
-
 def run_gemm_bench(*, vocab_size: int = 49152, hidden_size: int = 576,
                    rows: tuple[int, ...] = ROWS, sizes: tuple[int, ...] = SIZES,
                    dtype: str = "float32", impl: str = "auto", runs: int = 10, seed: int = 0,
@@ -69,7 +61,8 @@ def run_gemm_bench(*, vocab_size: int = 49152, hidden_size: int = 576,
       rows: the N values (hidden rows per call).
       sizes: shortlist sizes C, each at most ``vocab_size``.
       dtype: the weights' and hidden states' dtype; logits are float32 throughout.
-      impl: ``gathered_matmul``'s implementation ("auto": Pallas on a GPU, else XLA).
+      impl: ``gathered_matmul``'s implementation ("auto": Pallas on a GPU, the CPU rowdot
+        kernel where it takes the rows, else XLA; :func:`chosen_impl`).
       runs: timed calls per figure (the best is reported, the median recorded).
     Returns:
       The dict written to ``out``; per N (key "N=<n>"), lists aligned with ``sizes``.
@@ -88,8 +81,10 @@ def run_gemm_bench(*, vocab_size: int = 49152, hidden_size: int = 576,
 
     bar = tqdm(total=len(rows) * (1 + len(METHODS) * len(sizes)), unit="bench")
     per_n: dict[str, dict[str, Any]] = {}
+    impls: dict[str, str] = {}
     for n in rows:
         h = jax.random.normal(jax.random.fold_in(kh, n), (n, hidden_size), dtype)
+        impls[f"N={n}"] = chosen_impl(h, w, impl)
         # Prefixes of a permutation: each row's C ids are distinct, and rows differ.
         perm = np.stack([rng.permutation(vocab_size)[:sizes[-1]] for _ in range(n)])
         bar.set_description(f"N={n} full head")
@@ -123,7 +118,8 @@ def run_gemm_bench(*, vocab_size: int = 49152, hidden_size: int = 576,
 
     result = {
         "benchmark": "gemm", "vocab_size": vocab_size, "hidden_size": hidden_size,
-        "dtype": dtype, "impl": _resolved_impl(impl), "rows": list(rows), "sizes": list(sizes),
+        "dtype": dtype, "impl": "/".join(dict.fromkeys(impls.values())), "impl_by_rows": impls,
+        "rows": list(rows), "sizes": list(sizes),
         "runs": runs, "seed": seed, "machine": machine_info(), "results": per_n,
         "methods": LABELS,
         "idx": "random distinct ids per row (prefixes of a permutation), unsorted, int32",
@@ -206,9 +202,9 @@ def add_gemm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", type=int_list, default=SIZES,
                    help="comma-separated shortlist sizes C (default 1024,...,32768)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--impl", default="auto", choices=["auto", "xla", "pallas"],
-                   help="gathered_matmul implementation (default auto: Pallas on a GPU, "
-                        "else XLA)")
+    p.add_argument("--impl", default="auto", choices=["auto", "xla", "pallas", "rowdot"],
+                   help="gathered_matmul implementation (default auto: Pallas on a GPU, the CPU "
+                        "rowdot kernel where it takes the rows, else XLA)")
     p.add_argument("--runs", type=int, default=10, help="timed calls per figure (default 10)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/bench_gemm.json")

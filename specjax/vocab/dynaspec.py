@@ -26,7 +26,7 @@ import numpy as np
 from jax import Array
 
 from specjax import pytree
-from specjax.kernels.gathered_gemm import gathered_matmul
+from specjax.kernels.gathered_gemm import gathered_matmul, shared_gathered_matmul
 from specjax.sharding import vocab_gather_matmul
 from specjax.vocab.clusters import Clusters
 from specjax.vocab.head import Candidates, masked
@@ -115,8 +115,7 @@ class RoutedHead:
         if self.shared:
             # Gather the shortlist's rows once and score every node of the step against
             # them: K x fewer gathered bytes than per-node shortlists.
-            logits = jnp.einsum("bkd,bcd->bkc", h, jnp.take(w, ids[:, 0], axis=0),
-                                preferred_element_type=jnp.float32)
+            logits = shared_gathered_matmul(h, w, ids[:, 0])
             shape = logits.shape
             return masked(jnp.broadcast_to(ids, shape), jnp.broadcast_to(valid, shape), logits)
         d = h.shape[-1]

@@ -134,7 +134,7 @@ def test_dispatcher_lowers_non_int32_ids_for_cuda():
 def test_dispatcher_impls_agree():
     h, w, idx = _problem(2, 60, 200, 40, jnp.float32)
     want = np.asarray(gathered_matmul(h, w, idx, impl="ref"))
-    for impl in ("auto", "xla"):  # "auto" is XLA on this CPU
+    for impl in ("auto", "xla"):  # "auto" is the rowdot kernel on this CPU where it is built
         np.testing.assert_allclose(np.asarray(gathered_matmul(h, w, idx, impl=impl)), want,
                                    rtol=1e-5, atol=1e-4)
 
