@@ -1,0 +1,105 @@
+"""The CPU rowdot kernel of a git revision against the working tree's, on the target's
+forward: the same SmolLM2-135M forward (30 layers + LM head + argmax) over T = 1..16 rows
+of a ``--context``-row cache, traced once with each kernel and timed call by call in turn;
+best and median of ``--runs`` calls each. Writes JSON.
+
+    python examples/rowdot_revision_ab.py --rev HEAD~1 --out results/rowdot_ab.json
+
+The revision's ``kernels/cpu_rowdot.cc`` is compiled with the flags ``cpu_rowdot`` uses, its
+handler symbol renamed, and registered as a second FFI target; the forward traced while
+``cpu_rowdot.TARGET`` names it calls that kernel (the name is read at trace time). Both
+forwards must give the same tokens. T = 1 is a vanilla step; T = 2 and 10 are the shipped
+chain's verify without and with its lookup chain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import json
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import specjax
+import specjax.kernels.cpu_rowdot as cpu_rowdot
+from specjax.defaults import resolve_model
+from specjax.model import forward_hidden, init_cache, is_out_major, lm_head
+
+
+def register_revision(rev: str) -> str:
+    """Build ``rev``'s kernel and register it; returns its FFI target name."""
+    src = subprocess.run(["git", "show", f"{rev}:kernels/cpu_rowdot.cc"], capture_output=True,
+                         text=True, check=True).stdout
+    folder = Path(tempfile.mkdtemp(prefix="rowdot_ab_"))
+    (folder / "rowdot.cc").write_text(src)
+    cmd = ["g++", *cpu_rowdot._FLAGS, "-w", "-DSpecjaxRowDot=SpecjaxRowDotBase",
+           "-I", jax.ffi.include_dir(), str(folder / "rowdot.cc"), "-o", str(folder / "lib.so")]
+    subprocess.run(cmd, check=True)
+    lib = ctypes.cdll.LoadLibrary(str(folder / "lib.so"))
+    name = "specjax_cpu_rowdot_base"
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.SpecjaxRowDotBase), platform="cpu")
+    return name
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rev", default="HEAD", help="git revision to compare with (default HEAD)")
+    ap.add_argument("--rows", default="1,2,3,4,6,8,10,12,16")
+    ap.add_argument("--context", type=int, default=300, help="committed cache rows")
+    ap.add_argument("--runs", type=int, default=12)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    target = specjax.load(resolve_model(None, progress=False))
+    if not is_out_major(target.params):
+        raise SystemExit("the target was not loaded out-major here (no rowdot kernel, or "
+                         "SPECJAX_CPU_ROWDOT=off): there is no kernel to compare")
+    kernels = {args.rev: register_revision(args.rev), "working tree": cpu_rowdot.TARGET}
+    cfg, params = target.cfg, target.params
+    cache = dataclasses.replace(init_cache(cfg, 1, args.context + 64),
+                                lengths=jnp.full((1,), args.context, jnp.int32))
+
+    def traced(name: str, example: tuple):
+        """A fresh jit of the forward, traced while ``TARGET`` is ``name``."""
+        fn = jax.jit(lambda p, t, pos, c: jnp.argmax(
+            lm_head(p, forward_hidden(p, cfg, t, pos, c)[0]), -1))
+        default, cpu_rowdot.TARGET = cpu_rowdot.TARGET, name
+        try:
+            return fn.lower(params, *example).compile()
+        finally:
+            cpu_rowdot.TARGET = default
+
+    rows = {}
+    for m in (int(x) for x in args.rows.split(",")):
+        example = (jnp.ones((1, m), jnp.int32),
+                   args.context + jnp.arange(m, dtype=jnp.int32)[None], cache)
+        fns = {k: traced(name, example) for k, name in kernels.items()}
+        outs = [np.asarray(f(params, *example)) for f in fns.values()]
+        assert all((o == outs[0]).all() for o in outs), "the kernels disagree"
+        ms = {k: [] for k in fns}
+        for _ in range(args.runs):
+            for k, f in fns.items():
+                t = time.perf_counter()
+                jax.block_until_ready(f(params, *example))
+                ms[k].append(1e3 * (time.perf_counter() - t))
+        rows[m] = {k: {"best_ms": min(v), "median_ms": float(np.median(v))}
+                   for k, v in ms.items()}
+        a, b = (rows[m][k]["median_ms"] for k in kernels)
+        print(f"T={m:>2}: " + "   ".join(f"{k} {v['best_ms']:.1f} / {v['median_ms']:.1f} ms"
+                                         for k, v in rows[m].items())
+              + f"   (best / median; working tree / {args.rev}, medians: {b / a:.3f})")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(
+            {"rev": args.rev, "context": args.context, "runs": args.runs,
+             "what": "jitted forward_hidden + lm_head + argmax, B=1", "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
