@@ -189,12 +189,11 @@ def _check_operands(x: Array, w_t: Array) -> None:
 
 def rowdot_gathered_reference(x: Array, w_t: Array, idx: Array) -> Array:
     """:func:`rowdot_gathered` in jnp: x [M, K], w_t [N, K], idx [R, C] (R = 1 or M) ->
-    [M, C]; an id outside [0, N) is padding whose output is exactly 0."""
-    valid = (idx >= 0) & (idx < w_t.shape[0])
-    rows = jnp.take(w_t, jnp.where(valid, idx, 0), axis=0)  # [R, C, K]
-    out = jnp.einsum("mk,mck->mc", x, jnp.broadcast_to(rows, (x.shape[0],) + rows.shape[1:]),
-                     precision=jax.lax.Precision.HIGHEST)
-    return jnp.where(valid, out, 0.0)
+    [M, C]; an id outside [0, N) is padding whose output is exactly 0. It is the gathered
+    GEMM's specification with the shortlist broadcast to every row."""
+    from specjax.kernels.gathered_gemm import gathered_matmul_ref  # it imports this module
+
+    return gathered_matmul_ref(x, w_t, jnp.broadcast_to(idx, (x.shape[0], idx.shape[1])))
 
 
 @jax.custom_vjp
