@@ -1,0 +1,70 @@
+"""What one sampled token costs on this machine: ``jax.random.categorical`` against
+``specjax.sampling.categorical`` (the same token, through two plain reductions), and
+``jnp.argmax`` against ``first_argmax`` on plain logits, over a vocabulary of V ids.
+
+Each function is jitted and timed alone, in turn, ``--runs`` times (median and best, ms);
+the draws are checked equal first. Rows: 1 is vanilla decoding's draw and speculative
+decoding's bonus token; more rows are a batch.
+
+    python examples/sampling_cost.py --out results/sampling_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.sampling import categorical, first_argmax
+
+
+def timed(fn, *args, runs: int) -> dict[str, float]:
+    """Median and best wall ms of ``fn(*args)`` (compiled by one untimed call)."""
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(1e3 * (time.perf_counter() - t0))
+    return {"median_ms": float(np.median(ts)), "best_ms": float(np.min(ts))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vocab", type=int, default=49_152, help="V (default SmolLM2's)")
+    ap.add_argument("--rows", default="1,2,10")
+    ap.add_argument("--runs", type=int, default=200)
+    ap.add_argument("--out", default=None, help="write the result as JSON here")
+    args = ap.parse_args()
+    fns = {"jax.random.categorical": jax.jit(lambda k, x: jax.random.categorical(k, x, -1)),
+           "specjax categorical": jax.jit(categorical),
+           "jnp.argmax": jax.jit(lambda x: jnp.argmax(x, -1)),
+           "first_argmax": jax.jit(first_argmax)}
+    rows = []
+    for n in (int(r) for r in args.rows.split(",")):
+        key, sub = jax.random.split(jax.random.PRNGKey(n))
+        logits = 3.0 * jax.random.normal(key, (n, args.vocab))
+        assert (fns["specjax categorical"](sub, logits)
+                == fns["jax.random.categorical"](sub, logits)).all()
+        assert (fns["first_argmax"](logits) == fns["jnp.argmax"](logits)).all()
+        row = {"rows": n}
+        for name, fn in fns.items():
+            call = (sub, logits) if "categorical" in name else (logits,)
+            row[name] = timed(fn, *call, runs=args.runs)
+        rows.append(row)
+        print(f"rows {n:3d}: " + "  ".join(f"{k} {v['median_ms']:.3f}" for k, v in row.items()
+                                           if k != "rows") + "  (median ms)")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"vocab": args.vocab, "runs": args.runs,
+                                              "backend": jax.default_backend(),
+                                              "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""The draw behind every sampled token: ``first_argmax`` and ``categorical`` give exactly
+what ``jnp.argmax`` and ``jax.random.categorical`` give, on the values that trip argmax
+rewrites (ties, infinities, NaN, rows with one finite logit)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specjax.sampling import categorical, first_argmax
+
+# Few distinct values, so ties are common; the specials argmax rewrites get wrong.
+VALUES = st.sampled_from([-np.inf, -2.0, -0.5, 0.0, 0.5, 3.0, np.inf, np.nan])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(VALUES, min_size=7, max_size=7), min_size=1, max_size=5))
+def test_first_argmax_is_argmax(rows):
+    x = jnp.asarray(rows, jnp.float32)
+    got = first_argmax(x)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, jnp.argmax(x, axis=-1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([(1, 5), (3, 64), (2, 3, 257)]),
+       st.floats(0.0, 0.9))
+def test_categorical_draws_jax_categoricals_token(seed, shape, masked):
+    key_logits, key_mask, key = jax.random.split(jax.random.PRNGKey(seed), 3)
+    logits = 3.0 * jax.random.normal(key_logits, shape)
+    # Mask a share of the ids (as top-k / top-p filtering does), never a whole row.
+    drop = jax.random.uniform(key_mask, shape) < masked
+    drop = drop.at[..., 0].set(False)
+    logits = jnp.where(drop, -jnp.inf, logits)
+    got = categorical(key, logits)
+    np.testing.assert_array_equal(got, jax.random.categorical(key, logits, axis=-1))
+    assert not np.any(np.take_along_axis(np.asarray(drop), np.asarray(got)[..., None], -1))
+
+
+def test_categorical_jits_and_keeps_one_finite_logit():
+    logits = jnp.full((4, 49_152), -jnp.inf).at[jnp.arange(4), jnp.array([5, 0, 49_151, 77])]\
+        .set(0.0)
+    draw = jax.jit(categorical)
+    for k in range(3):
+        np.testing.assert_array_equal(draw(jax.random.PRNGKey(k), logits), [5, 0, 49_151, 77])
