@@ -266,6 +266,9 @@ def test_bad_specs():
         TreeSpec("dyspec-threshold", total_tokens=8)
     assert TreeSpec("dyspec", total_tokens=8).num_nodes == 9
     assert TreeSpec("dyspec", total_tokens=8).max_depth == 8
+    # Algorithm 1 has no depth limit; a depth given to it would be silently ignored.
+    with pytest.raises(ValueError, match="dyspec trees have no depth limit.*dyspec-threshold"):
+        TreeSpec("dyspec", depth=1, total_tokens=3)
     assert TreeSpec("dyspec-threshold", total_tokens=8, depth=3, threshold=0.1).max_depth == 3
     capped = TreeSpec("dyspec-threshold", total_tokens=8, depth=3, threshold=0.1, frontier=2)
     assert capped.to_json()["frontier"] == 2 and TreeSpec.from_json(capped.to_json()) == capped
