@@ -8,6 +8,10 @@ speculative decoding (the drafter's shipped default tree and head unless given) 
 rates (compile excluded, ``decode_tokens_per_s``) are pooled over the prompts, in one run.
 
     python examples/sampled_speedup.py --temperature 1.0 --out results/sampled_speedup.json
+
+``--calibration N`` runs N calibration prompts instead (ShareGPT's calibration range, never
+Spec-Bench: :func:`specjax.bench.questions.calibration_prompts`), for choosing a tree
+before it is evaluated once on Spec-Bench.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import specjax
-from specjax.bench.questions import TASKS, spec_bench_prompts
+from specjax.bench.questions import TASKS, calibration_prompts, spec_bench_prompts
 from specjax.defaults import resolve_model, shipped_drafter_for
 from specjax.tree import TreeSpec
 
@@ -35,11 +39,19 @@ def main() -> None:
                     help="a TreeSpec as JSON, e.g. '{\"kind\": \"eagle2\", \"depth\": 1, "
                          "\"top_k\": 1, \"total_tokens\": 1}' (default: the drafter's "
                          "shipped tree)")
+    ap.add_argument("--calibration", type=int, default=0, metavar="N",
+                    help="N calibration prompts instead of Spec-Bench's (default 0: Spec-Bench)")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     args = ap.parse_args()
     target = specjax.load(resolve_model(None, progress=False))
     drafter = specjax.load_drafter(shipped_drafter_for(target.cfg), target)
-    evals, _ = spec_bench_prompts(target, questions=None, tasks=TASKS, per_task=args.per_task)
+    if args.calibration:
+        ids, _ = calibration_prompts(target, num=args.calibration)
+        evals = [{"task": "calibration", "ids": p} for p in ids]
+    else:
+        evals, _ = spec_bench_prompts(target, questions=None, tasks=TASKS,
+                                      per_task=args.per_task)
+    tasks = list(dict.fromkeys(e["task"] for e in evals))
     tree = (TreeSpec.from_json(json.loads(args.tree_json)) if args.tree_json
             else drafter.default_tree)  # None: generate's own default (TreeSpec())
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -66,7 +78,8 @@ def main() -> None:
 
     result = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
               "tree": tree.to_json() if tree else None,
-              "per_task": {t: pooled([r for r in rows if r["task"] == t]) for t in TASKS},
+              "prompts": "calibration" if args.calibration else "spec-bench",
+              "per_task": {t: pooled([r for r in rows if r["task"] == t]) for t in tasks},
               "overall": pooled(rows), "per_prompt": rows}
     for name, p in [*result["per_task"].items(), ("overall", result["overall"])]:
         print(f"{name:15s} MAL {p['mal']:.2f}  vanilla {p['vanilla_tokens_per_s']:.1f}  "
