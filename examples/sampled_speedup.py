@@ -9,9 +9,9 @@ rates (compile excluded, ``decode_tokens_per_s``) are pooled over the prompts, i
 
     python examples/sampled_speedup.py --temperature 1.0 --out results/sampled_speedup.json
 
-``--calibration N`` runs N calibration prompts instead (ShareGPT's calibration range, never
-Spec-Bench: :func:`specjax.bench.questions.calibration_prompts`), for choosing a tree
-before it is evaluated once on Spec-Bench.
+``--calibration N`` runs about N calibration prompts instead (ShareGPT's calibration range,
+never Spec-Bench: :func:`specjax.bench.questions.calibration_prompts`, whose prompt mix
+rounds each kind's share), for choosing a tree before it is evaluated once on Spec-Bench.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def main() -> None:
                          "\"top_k\": 1, \"total_tokens\": 1}' (default: the drafter's "
                          "shipped tree)")
     ap.add_argument("--calibration", type=int, default=0, metavar="N",
-                    help="N calibration prompts instead of Spec-Bench's (default 0: Spec-Bench)")
+                    help="about N calibration prompts instead of Spec-Bench's (default 0: "
+                         "Spec-Bench)")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     args = ap.parse_args()
     target = specjax.load(resolve_model(None, progress=False))
