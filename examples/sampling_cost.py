@@ -2,9 +2,9 @@
 ``specjax.sampling.categorical`` (the same token, through two plain reductions), and
 ``jnp.argmax`` against ``first_argmax`` on plain logits, over a vocabulary of V ids.
 
-Each function is jitted and timed alone, in turn, ``--runs`` times (median and best, ms);
-the draws are checked equal first. Rows: 1 is vanilla decoding's draw and speculative
-decoding's bonus token; more rows are a batch.
+Each function is jitted and timed alone, in turn, ``--runs`` times (median and best, ms;
+:func:`specjax.bench.timing.time_calls`); the draws are checked equal first. Rows: 1 is
+vanilla decoding's draw and speculative decoding's bonus token; more rows are a batch.
 
     python examples/sampling_cost.py --out results/sampling_cost.json
 """
@@ -13,25 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from specjax.bench.timing import time_calls
 from specjax.sampling import categorical, first_argmax
-
-
-def timed(fn, *args, runs: int) -> dict[str, float]:
-    """Median and best wall ms of ``fn(*args)`` (compiled by one untimed call)."""
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(1e3 * (time.perf_counter() - t0))
-    return {"median_ms": float(np.median(ts)), "best_ms": float(np.min(ts))}
 
 
 def main() -> None:
@@ -56,7 +44,7 @@ def main() -> None:
         row = {"rows": n}
         for name, fn in fns.items():
             call = (sub, logits) if "categorical" in name else (logits,)
-            row[name] = timed(fn, *call, runs=args.runs)
+            row[name] = time_calls(lambda fn=fn, call=call: fn(*call), args.runs)
         rows.append(row)
         print(f"rows {n:3d}: " + "  ".join(f"{k} {v['median_ms']:.3f}" for k, v in row.items()
                                            if k != "rows") + "  (median ms)")

@@ -342,6 +342,12 @@ class DySpecBuilder:
     skips_expansions: ClassVar[bool] = False
 
     def prepare(self, spec: TreeSpec) -> dict[str, Any]:
+        if spec.depth != TreeSpec.depth:
+            # Algorithm 1 grows whatever shape its budget buys (a chain, at worst); a depth
+            # given to it would be ignored, so it is refused instead.
+            raise ValueError(f"dyspec trees have no depth limit (total_tokens shapes them); "
+                             f"got depth={spec.depth}: drop it, or use kind="
+                             f"'dyspec-threshold', whose depth caps its layers")
         return {}
 
     def num_nodes(self, spec: TreeSpec) -> int:

@@ -59,9 +59,6 @@ def register(kind: str, builder: TreeBuilder) -> None:
     BUILDERS[kind] = builder
 
 
-_DEFAULT_DEPTH = 4
-
-
 @dataclasses.dataclass(frozen=True)
 class TreeSpec:
     """Which draft tree to build; static (it fixes every shape).
@@ -91,7 +88,7 @@ class TreeSpec:
     """
 
     kind: str = "eagle2"
-    depth: int = _DEFAULT_DEPTH
+    depth: int = 4
     top_k: int = 4
     total_tokens: int = 12
     paths: tuple[tuple[int, ...], ...] = ()
@@ -113,12 +110,6 @@ class TreeSpec:
         if isinstance(self.frontier, bool) or not isinstance(self.frontier, int) or (
                 self.frontier < 0):
             raise ValueError(f"tree frontier must be an int >= 0, got {self.frontier!r}")
-        if self.kind == "dyspec" and self.depth != _DEFAULT_DEPTH:
-            # Algorithm 1 grows whatever shape its budget buys (a chain, at worst); a depth
-            # given to it would be ignored, so it is refused instead.
-            raise ValueError(f"dyspec trees have no depth limit (total_tokens shapes them); "
-                             f"got depth={self.depth}: drop it, or use kind="
-                             f"'dyspec-threshold', whose depth caps its layers")
         if self.frontier and self.kind != "dyspec-threshold":
             raise ValueError(f"only dyspec-threshold trees take a frontier cap; a {self.kind} "
                              f"tree got frontier={self.frontier}")
