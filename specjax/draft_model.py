@@ -20,7 +20,9 @@ calls, on the drafter's static config:
 * ``check_target(target_cfg)``: refuse a target of another shape.
 
 The catch-up is the same for every drafter: after verification, the accepted drafts are
-re-read through ``forward`` with ``target_features`` of the target's own states.
+re-read through ``forward`` with ``target_features`` of the target's own states, and the
+bonus token (the next root) after them in the same call, whose output the next step's root
+expansion reads instead of running the drafter again.
 """
 
 from __future__ import annotations

@@ -1,21 +1,24 @@
 """Speculative decoding: draft a tree, verify it over the full vocabulary, accept, repeat.
 
-One step, for every batch row (``L`` = committed tokens in both caches; the
-root is the last committed token, not yet cached). Each phase is a
-``jax.named_scope``, so a profile of the compiled loop shows the phases that eager
+One step, for every batch row (``L`` = committed tokens in both caches; the root is the
+last committed token: row ``L`` of the drafter cache, not yet in the target's). Each phase
+is a ``jax.named_scope``, so a profile of the compiled loop shows the phases that eager
 mode and ``specjax bench breakdown`` time:
 
 1. **draft**: a tree builder (:mod:`specjax.tree`) expands the root and then
    the frontier with the drafter (:mod:`specjax.draft_model`); expanded nodes write
-   drafter K/V at rows ``L + slot`` of the drafter cache. The vocabulary head
-   (:mod:`specjax.vocab`) decides which tokens each expansion scores.
+   drafter K/V at rows ``L + slot`` of the drafter cache. The root's own drafter row was
+   run by the previous step's catch-up (or the prefill), so its expansion only asks the
+   vocabulary head (:mod:`specjax.vocab`), which decides which tokens each expansion scores.
 2. **verify**: the target runs all T tree nodes in one forward (positions
    ``L + depth``, the ancestor mask), writing rows ``L .. L+T-1``.
 3. **accept**: :mod:`specjax.verify` picks the accepted path and a bonus token.
 4. **compact**: the target cache keeps the accepted rows (:func:`compact_cache`).
 5. **catch_up**: the drafter re-reads the accepted drafts with the *target's*
    features (EAGLE's catch-up), so its rows past the root need no compaction: they
-   are rewritten. The bonus becomes the next root.
+   are rewritten. The same call reads the bonus, the next root, right after them: its
+   output is the next step's root expansion, so a step runs the drafter's layers once
+   for the catch-up and the root together.
 6. **commit**: accepted drafts + bonus go to the output
    (:meth:`specjax.loop.Output.append`), cut at EOS / budget.
 
@@ -61,11 +64,12 @@ def spare_rows(tree: TreeSpec | None) -> int:
     """Cache rows one decode step may write past the last committed token.
 
     Vanilla decoding writes one row; a speculative step writes every tree node (verify) and
-    every drafter workspace slot (draft), and its catch-up reaches ``max_depth + 1`` rows.
+    every drafter workspace slot (draft), and its catch-up writes rows ``L + 1`` to
+    ``L + max_depth + 1`` (the accepted drafts, then the next root).
     """
     if tree is None:
         return 1
-    return max(tree.num_nodes, tree.workspace, tree.max_depth + 1)
+    return max(tree.num_nodes, tree.workspace, tree.max_depth + 2)
 
 
 def cache_capacity(prompt_len: int, max_new_tokens: int, tree: TreeSpec | None, *,
@@ -117,8 +121,9 @@ class SpecStats:
       (the vocabulary head's coverage).
     tree_nodes: [B] int32 sum over steps of the valid tree nodes, root included (dynamic
       trees realise fewer than their budget).
-    drafter_calls: [B] int32 sum over steps of the drafter calls made (a dyspec-threshold
-      tree skips the layers with nothing worth expanding).
+    drafter_calls: [B] int32 sum over steps of the expansions made, the root's included (a
+      dyspec-threshold tree skips the layers with nothing worth expanding). Each is one
+      drafter forward: the root's is the previous step's catch-up, which reads it.
     chained_steps: [B] int32 steps whose verified tree held this row's lookup chain (0
       without one): the rest verified the smaller tree (``TreeSpec.lookup_min``).
     """
@@ -150,9 +155,12 @@ class SpecState:
     limits: Limits
     tcache: KVCache  # target; lengths L
     dcache: KVCache  # drafter; same lengths between steps
-    root: Array  # [B] int32 last committed token, in neither cache yet
+    root: Array  # [B] int32 last committed token: in the drafter cache (row L), not the
+    # target's
     root_feat: Array  # [B, w] the drafter's input feature for the root (from the target's
     # states at the token before it; w = the drafter's width)
+    root_h: Array  # [B, w] the drafter's output at the root, whose row L of dcache is
+    # written: the root's expansion reads it instead of running the drafter again
     stats: SpecStats
     vocab: Any = None  # a stateful head's per-row state (EvoSpec's buffer); None otherwise
     # The prompts [B, P], PAD past each row's length, when the tree grafts a lookup chain
@@ -167,7 +175,7 @@ class Shortlists:
     root_ids: Array  # [B, C0] int32 the root expansion's candidates
     root_valid: Array  # [B, C0] bool
     mean_size: Array  # [B] float32 valid candidates per expanded node, averaged
-    calls: Array  # [] int32 drafter calls (head evaluations) this step
+    calls: Array  # [] int32 expansions (head evaluations) this step, the root's included
     # Only when SpecConfig.record_top_l > 0, one entry per expansion (step t = list index
     # for unrolled builders): (context [B, K, 2d], top-L candidate ids [B, K, L], step).
     records: tuple | None = None
@@ -214,10 +222,16 @@ def spec_prefill(params: Params, dparams: Any, prompt: Array, prompt_lens: Array
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     dcache = dm.init_cache(b, capacity, params.embed.dtype)
     _, dcache = dm.forward(dparams, params.embed, prompt, shifted, positions, dcache)
+    # The first root's drafter row (position prompt_lens), as every later root's is read by
+    # the catch-up: the first draft then only asks the head.
+    root, root_feat = output.tokens[:, 0], last_valid(feats, prompt_lens)
+    dcache = dataclasses.replace(dcache, lengths=prompt_lens)
+    root_h, dcache = dm.forward(dparams, params.embed, root[:, None], root_feat[:, None],
+                                prompt_lens[:, None], dcache)
     return constrain_state(SpecState(
         output=output, limits=limits, tcache=tcache,
-        dcache=dataclasses.replace(dcache, lengths=tcache.lengths), root=output.tokens[:, 0],
-        root_feat=last_valid(feats, prompt_lens), stats=SpecStats.zeros(b, out_len),
+        dcache=dataclasses.replace(dcache, lengths=tcache.lengths), root=root,
+        root_feat=root_feat, root_h=root_h[:, 0], stats=SpecStats.zeros(b, out_len),
         vocab=vocab, prompt=padded_prompt(prompt, prompt_lens) if spec.tree.lookup else None))
 
 
@@ -251,9 +265,18 @@ def draft_phase(params: Params, dparams: Any, head: VocabHead, state: SpecState,
         parent = jnp.max(jnp.where(strict, jnp.arange(n_ws), -1), axis=-1)
         feats = jnp.where((parent < 0)[..., None], state.root_feat[:, None, :],
                           _row_gather(node_hidden, parent))
-        h, dcache = dm.forward(dparams, params.embed, tokens, feats, lengths[:, None] + depth,
-                               dcache, block_mask=ancestors, write_rows=lengths[:, None] + slot,
-                               attention_impl=spec.attention)
+        if not root_offer:
+            # Builders expand the root first, alone (K copies of it; tree.base.ExpandFn).
+            # Its row L is in dcache and its output in root_h, from the catch-up.
+            if step != 0:
+                raise ValueError(f"a tree builder's first expansion must be the root's "
+                                 f"(step 0), got step {step}")
+            h = jnp.broadcast_to(state.root_h[:, None, :], feats.shape)
+        else:
+            h, dcache = dm.forward(dparams, params.embed, tokens, feats,
+                                   lengths[:, None] + depth, dcache, block_mask=ancestors,
+                                   write_rows=lengths[:, None] + slot,
+                                   attention_impl=spec.attention)
         node_hidden = node_hidden.at[jnp.arange(b)[:, None], slot].set(h)
         context = (dm.router_context(params.embed, tokens, feats)
                    if head.uses_context or spec.record_top_l else None)
@@ -338,14 +361,22 @@ def _verify_tree(params: Params, dparams: Any, head: VocabHead, state: SpecState
     with jax.named_scope("compact"):
         tcache = compact_cache(tcache, acc.path, k, t)
     with jax.named_scope("catch_up"):
-        # Drafter rows L+1.. re-read the accepted drafts with the target's features.
+        # Drafter rows L+1 .. L+k re-read the accepted drafts with the target's features,
+        # and row L+k+1 reads the bonus (the next root) with the feature at the last
+        # accepted node: the committed tokens after the root, each with the target's
+        # feature at the token before it. Rows past k are garbage written past the new
+        # length, which the causal block keeps from row k and the next draft overwrites.
         feats = dm.target_features(dparams, hidden, taps)
         d = min(spec.tree.max_depth, t - 1)  # the longest path a tree of T nodes can accept
         dcache = dataclasses.replace(draft.dcache, lengths=lengths + 1)
-        cu_tokens = _row_gather(tree.tokens, acc.path[:, 1:d + 1])
-        _, dcache = dm.forward(dparams, params.embed, cu_tokens,
-                               _row_gather(feats, acc.path[:, :d]),
-                               lengths[:, None] + 1 + jnp.arange(d), dcache)
+        j = jnp.arange(d + 1)
+        drafts = jnp.concatenate([_row_gather(tree.tokens, acc.path[:, 1:d + 1]),
+                                  acc.bonus[:, None]], axis=1)  # [B, d + 1]
+        cu_tokens = jnp.where(j == k[:, None], acc.bonus[:, None], drafts)
+        cu_h, dcache = dm.forward(dparams, params.embed, cu_tokens,
+                                  _row_gather(feats, acc.path[:, :d + 1]),
+                                  lengths[:, None] + 1 + j, dcache)
+        root_h = _row_gather(cu_h, k[:, None])[:, 0]
     with jax.named_scope("commit"):
         # Accepted drafts then the bonus, cut after the first EOS and at the budget.
         toks, count = committed_tokens(tree.tokens, acc)
@@ -381,6 +412,7 @@ def _verify_tree(params: Params, dparams: Any, head: VocabHead, state: SpecState
         root=jnp.where(live, acc.bonus, state.root),
         root_feat=jnp.where(live[:, None], _row_gather(feats, last[:, None])[:, 0],
                             state.root_feat),
+        root_h=jnp.where(live[:, None], root_h, state.root_h),
         stats=stats, vocab=vocab, prompt=state.prompt))
 
 

@@ -54,6 +54,7 @@ def synthetic_state(target: Target, drafter: Drafter, *, context: int, capacity:
                                    done=jnp.zeros((1,), bool)),
         limits=limits, tcache=tcache, dcache=dcache, root=first,
         root_feat=random_features((1, drafter.cfg.width), dtype, seed),
+        root_h=random_features((1, drafter.cfg.width), dtype, seed + 1),
         stats=SpecStats.zeros(1, out_len))
 
 

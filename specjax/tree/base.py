@@ -165,6 +165,10 @@ class ExpandFn(Protocol):
     index and row), so a drafter may compute and write it like any other entry; the
     builder ignores its output.
 
+    A builder's first call expands the root alone (node 0, ``step`` 0; K copies of it with
+    padding). The speculative loop answers that call without running the drafter: the
+    previous step's catch-up already read the root (``SpecState.root_h``).
+
     A builder whose ``skips_expansions`` is set (``dyspec-threshold``) makes every call
     after the root's inside ``lax.cond``: such calls must not leak traced values through
     trace-time side effects (Python lists); return what must survive in ``carry``.
