@@ -41,10 +41,14 @@ def _assert_root_carried(runner: SpecRunner, state) -> None:
                                    rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("tree", TREES.values(), ids=TREES.keys())
-def test_the_carried_root_is_a_fresh_drafter_call(tiny_target, fitted_drafter, tree,
+CASES = [(name, 0.0) for name in TREES] + [("chain-lookup", 1.0)]  # greedy, then sampled
+
+
+@pytest.mark.parametrize(("name", "temperature"), CASES,
+                         ids=[f"{n}-{'greedy' if t == 0 else 'sampled'}" for n, t in CASES])
+def test_the_carried_root_is_a_fresh_drafter_call(tiny_target, fitted_drafter, name,
                                                   temperature):
+    tree = TREES[name]
     sampling = SamplingConfig(temperature=temperature)
     runner = SpecRunner.of(tiny_target, fitted_drafter,
                            resolve_head("full", tiny_target, fitted_drafter), tree, sampling)
