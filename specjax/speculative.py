@@ -364,8 +364,9 @@ def _verify_tree(params: Params, dparams: Any, head: VocabHead, state: SpecState
         # Drafter rows L+1 .. L+k re-read the accepted drafts with the target's features,
         # and row L+k+1 reads the bonus (the next root) with the feature at the last
         # accepted node: the committed tokens after the root, each with the target's
-        # feature at the token before it. Rows past k are garbage written past the new
-        # length, which the causal block keeps from row k and the next draft overwrites.
+        # feature at the token before it. Rows past k hold garbage past the new length:
+        # the causal block hides them from row k, and later reads see only rows a draft
+        # or catch-up has written since (model.cache_mask).
         feats = dm.target_features(dparams, hidden, taps)
         d = min(spec.tree.max_depth, t - 1)  # the longest path a tree of T nodes can accept
         dcache = dataclasses.replace(draft.dcache, lengths=lengths + 1)
