@@ -49,6 +49,7 @@ from specjax.model import (
     init_cache,
     is_out_major,
     out_major_layer,
+    out_major_product,
     rope_inv_freq,
     unfuse_layer,
 )
@@ -160,6 +161,15 @@ class DrafterParams:
     layers: tuple[LayerParams, ...]
     fc_bias: Array | None = None  # [d]
     tap_fc: Array | None = None  # [len(cfg.taps) * d, d]; None when cfg.taps is ()
+    # True only in :func:`in_target_layout`'s inference copy: fc and tap_fc stored
+    # transposed, [out, in], for the CPU rowdot kernel; stored params are never so.
+    out_major: bool = pytree.static_field(default=False)
+
+    def project(self, name: str, x: Array) -> Array:
+        """``x @ fc`` or ``x @ tap_fc`` ([..., in] -> [..., d]), through the CPU rowdot
+        kernel when the copy is out-major (its few-row products are the catch-up's)."""
+        w = getattr(self, name)
+        return out_major_product(x, w) if self.out_major else x @ w
 
 
 def tapped_features(dp: DrafterParams, hidden: Array, taps: tuple[Array, ...]) -> Array:
@@ -172,12 +182,20 @@ def tapped_features(dp: DrafterParams, hidden: Array, taps: tuple[Array, ...]) -
     if dp.tap_fc is None:
         return hidden
     x = jnp.concatenate([_unit_rms(t) for t in taps], axis=-1)
-    return hidden + (x @ dp.tap_fc.astype(jnp.float32)).astype(hidden.dtype)
+    return hidden + dp.project("tap_fc", x.astype(jnp.float32)).astype(hidden.dtype)
 
 
 def _unit_rms(x: Array) -> Array:
     xf = x.astype(jnp.float32)
     return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-6)
+
+
+def fc_input(dp: DrafterParams, embed: Array, tokens: Array, features: Array) -> Array:
+    """The first layer's input, ``fc([embedding(x_t); feature_{t-1}])``: tokens [B, T] and
+    features [B, T, d] -> [B, T, d]."""
+    x = dp.project("fc", jnp.concatenate([embed[tokens].astype(features.dtype), features],
+                                         axis=-1))
+    return x if dp.fc_bias is None else x + dp.fc_bias
 
 
 def drafter_hidden(dp: DrafterParams, cfg: DrafterConfig, embed: Array, tokens: Array,
@@ -197,9 +215,7 @@ def drafter_hidden(dp: DrafterParams, cfg: DrafterConfig, embed: Array, tokens: 
       (hidden [B, T, d], cache with the new rows written; lengths unchanged).
     """
     b, t = tokens.shape
-    x = jnp.concatenate([embed[tokens].astype(features.dtype), features], axis=-1) @ dp.fc
-    if dp.fc_bias is not None:
-        x = x + dp.fc_bias
+    x = fc_input(dp, embed, tokens, features)
     if block_mask is None:
         block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     if write_rows is None:
@@ -216,15 +232,17 @@ def drafter_hidden(dp: DrafterParams, cfg: DrafterConfig, embed: Array, tokens: 
 
 
 def in_target_layout(dp: Any, target: Params) -> Any:
-    """``dp`` (an EAGLE drafter's :class:`DrafterParams`) with its layers in the layout the
-    target was loaded in; any other drafter's params (EAGLE-3's) unchanged.
+    """``dp`` (an EAGLE drafter's :class:`DrafterParams`) with its products in the layout
+    the target was loaded in; any other drafter's params (EAGLE-3's) unchanged.
 
     When :func:`specjax.load` stored the target's products [out, in] for the CPU rowdot
-    kernel, the drafter's layers get the same layout, so their few-row products take the
-    kernel too: the catch-up re-reads up to the tree's depth of accepted rows every step
-    (9 with a lookup chain of 8), and an EAGLE-2 or DySpec frontier expands several rows
-    a level. The same numbers, for inference only: checkpoints, fingerprints, training
-    and LoRA merges keep the stored :class:`LayerParams`.
+    kernel, the drafter's layers, ``fc`` and ``tap_fc`` get the same layout, so their
+    few-row products take the kernel too (XLA's small-M dot ran each [1152, 576] product
+    of two rows in ~0.35 ms, several times the kernel): the catch-up re-reads the accepted
+    rows and the next root every step (2 rows, or 10 with a lookup chain of 8), and an
+    EAGLE-2 or DySpec frontier expands several rows a level. The same numbers, for
+    inference only: checkpoints, fingerprints, training and LoRA merges keep the stored
+    params.
     """
     if not isinstance(dp, DrafterParams) or not is_out_major(target):
         return dp
@@ -232,7 +250,9 @@ def in_target_layout(dp: Any, target: Params) -> Any:
     # generate call with one loaded drafter reuses it; a new merge (LoRA) makes a new one.
     laid = _LAID.get(id(dp))
     if laid is None:
-        laid = dataclasses.replace(dp, layers=tuple(out_major_layer(lp) for lp in dp.layers))
+        tap_fc = None if dp.tap_fc is None else dp.tap_fc.T
+        laid = dataclasses.replace(dp, fc=dp.fc.T, tap_fc=tap_fc, out_major=True,
+                                   layers=tuple(out_major_layer(lp) for lp in dp.layers))
         _LAID[id(dp)] = laid
         weakref.finalize(dp, _LAID.pop, id(dp), None)
     return laid

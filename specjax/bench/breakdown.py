@@ -45,7 +45,13 @@ from specjax.bench.phases import draft_latency, random_features, resolve_drafter
 from specjax.bench.timing import time_calls, verify_latency
 from specjax.bench.trees import add_tree_args, tree_dict, tree_from_args, tree_label
 from specjax.defaults import resolve_model
-from specjax.drafter import DrafterConfig, DrafterParams, in_target_layout, init_drafter_cache
+from specjax.drafter import (
+    DrafterConfig,
+    DrafterParams,
+    fc_input,
+    in_target_layout,
+    init_drafter_cache,
+)
 from specjax.loaded import Drafter, Target
 from specjax.loop import bucket
 from specjax.model import (
@@ -70,8 +76,7 @@ COLORS = {"embed_fc": "tab:green", "layer": "tab:blue", "head_topk": "tab:red",
 @jax.jit
 def _embed_fc(embed: Array, dp: DrafterParams, tokens: Array, feats: Array) -> Array:
     """(a): [B, K] tokens and [B, K, d] features -> fc input projection [B, K, d]."""
-    x = jnp.concatenate([embed[tokens].astype(feats.dtype), feats], axis=-1) @ dp.fc
-    return x if dp.fc_bias is None else x + dp.fc_bias
+    return fc_input(dp, embed, tokens, feats)
 
 
 @partial(jax.jit, static_argnames=("dcfg",), donate_argnames=("k_buf", "v_buf"))

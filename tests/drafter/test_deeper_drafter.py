@@ -21,6 +21,7 @@ from specjax.drafter import (
     init_drafter_cache,
     read_drafter,
     save_drafter,
+    tapped_features,
 )
 from specjax.loaded import Drafter
 from specjax.model import LayerParams
@@ -117,9 +118,9 @@ def test_greedy_equals_vanilla_with_a_two_layer_drafter(tiny_target, fitted_draf
 
 def test_drafter_takes_the_targets_layout(deep, tiny_target, fitted_drafter):
     """A drafter run beside an out-major target ([out, in] products, the CPU rowdot layout)
-    gets that layout too, for inference only: the same hidden states at 1, 5 and 40 rows
-    (kernel, kernel, XLA's dot), the stored params untouched; a target in the [in, out]
-    layout leaves the drafter as it is."""
+    gets that layout too (layers, fc, tap_fc), for inference only: the same hidden states
+    and tapped features at 1, 5 and 40 rows (kernel, kernel, XLA's dot), the stored params
+    untouched; a target in the [in, out] layout leaves the drafter as it is."""
     from specjax.drafter import in_target_layout
     from specjax.model import fuse_params, is_out_major, to_out_major, unfuse_params
     from specjax.runner import SpecRunner
@@ -130,6 +131,7 @@ def test_drafter_takes_the_targets_layout(deep, tiny_target, fitted_drafter):
     stored = deep.params()
     laid = in_target_layout(stored, target_om)
     assert all(lp.out_major for lp in laid.layers) and laid.layers[0].attn_norm is None
+    assert laid.out_major and laid.fc.shape == stored.fc.shape[::-1] and not stored.out_major
     assert isinstance(stored.layers[0], LayerParams)  # the input is not changed
     assert in_target_layout(stored, target_om) is laid  # kept while `stored` lives
     assert in_target_layout(stored, fuse_params(unfuse_params(tiny_target.params))) is stored
@@ -142,6 +144,19 @@ def test_drafter_takes_the_targets_layout(deep, tiny_target, fitted_drafter):
                               init_drafter_cache(deep.cfg, 1, 48))
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=0,
                                    err_msg=f"T={t}")
+    # A tapped drafter's tap_fc is laid out too (random here: a fresh one starts at zero).
+    tapped = EagleDrafter(DrafterConfig(TARGET, num_layers=2, taps=(0, 1)), rngs=nnx.Rngs(2))
+    d = TARGET.hidden_size
+    stored_t = dataclasses.replace(tapped.params(), tap_fc=0.05 * jax.random.normal(
+        jax.random.key(7), (2 * d, d)))
+    laid_t = in_target_layout(stored_t, target_om)
+    assert laid_t.tap_fc.shape == (d, 2 * d)
+    hidden, *taps = (jax.random.normal(jax.random.key(i), (1, 40, d)) for i in range(3))
+    for t in (1, 5, 40):
+        np.testing.assert_allclose(
+            np.asarray(tapped_features(laid_t, hidden[:, :t], tuple(x[:, :t] for x in taps))),
+            np.asarray(tapped_features(stored_t, hidden[:, :t], tuple(x[:, :t] for x in taps))),
+            atol=2e-5, rtol=0, err_msg=f"taps, T={t}")
     # The runner lays the drafter out as the target it serves (tiny_target: as load chose).
     runner = SpecRunner.of(tiny_target, fitted_drafter, full_head(tiny_target.cfg.vocab_size),
                            TreeSpec(), SamplingConfig(temperature=0.0))
