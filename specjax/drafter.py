@@ -49,8 +49,8 @@ from specjax.model import (
     init_cache,
     is_out_major,
     out_major_layer,
-    out_major_product,
     rope_inv_freq,
+    stored_product,
     unfuse_layer,
 )
 
@@ -168,8 +168,7 @@ class DrafterParams:
     def project(self, name: str, x: Array) -> Array:
         """``x @ fc`` or ``x @ tap_fc`` ([..., in] -> [..., d]), through the CPU rowdot
         kernel when the copy is out-major (its few-row products are the catch-up's)."""
-        w = getattr(self, name)
-        return out_major_product(x, w) if self.out_major else x @ w
+        return stored_product(x, getattr(self, name), self.out_major)
 
 
 def tapped_features(dp: DrafterParams, hidden: Array, taps: tuple[Array, ...]) -> Array:
@@ -182,7 +181,7 @@ def tapped_features(dp: DrafterParams, hidden: Array, taps: tuple[Array, ...]) -
     if dp.tap_fc is None:
         return hidden
     x = jnp.concatenate([_unit_rms(t) for t in taps], axis=-1)
-    return hidden + dp.project("tap_fc", x.astype(jnp.float32)).astype(hidden.dtype)
+    return hidden + dp.project("tap_fc", x).astype(hidden.dtype)  # x is float32
 
 
 def _unit_rms(x: Array) -> Array:
@@ -238,7 +237,7 @@ def in_target_layout(dp: Any, target: Params) -> Any:
     When :func:`specjax.load` stored the target's products [out, in] for the CPU rowdot
     kernel, the drafter's layers, ``fc`` and ``tap_fc`` get the same layout, so their
     few-row products take the kernel too (XLA's small-M dot ran each [1152, 576] product
-    of two rows in ~0.35 ms, several times the kernel): the catch-up re-reads the accepted
+    of two rows in ~0.35 ms, the kernel in ~0.15): the catch-up re-reads the accepted
     rows and the next root every step (2 rows, or 10 with a lookup chain of 8), and an
     EAGLE-2 or DySpec frontier expands several rows a level. The same numbers, for
     inference only: checkpoints, fingerprints, training and LoRA merges keep the stored

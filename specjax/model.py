@@ -111,8 +111,13 @@ class FusedLayerParams:
     def project(self, name: str, x: Array) -> Array:
         """``x @ w`` for the stored product ``name`` ([..., in] -> [..., out]), through the
         CPU rowdot kernel when the layer is out-major."""
-        w = getattr(self, name)
-        return out_major_product(x, w) if self.out_major else x @ w
+        return stored_product(x, getattr(self, name), self.out_major)
+
+
+def stored_product(x: Array, w: Array, out_major: bool) -> Array:
+    """``x`` [..., in] times a weight stored [in, out], or [out, in] when ``out_major``
+    (:func:`to_out_major`, the CPU rowdot kernel's layout) -> [..., out]."""
+    return out_major_product(x, w) if out_major else x @ w
 
 
 def fuse_layer(lp: LayerParams | FusedLayerParams) -> FusedLayerParams:
