@@ -16,7 +16,10 @@ projections, from samples of the text the target verified:
   ``L_base`` is the sample's step-1 KL (no gradient): an uncertain drafter trains on the
   next token only, an aligned one on longer horizons.
 * **Updates.** A replay buffer of B (32) samples; when it fills, one optax step on the
-  batch, then it empties.
+  batch, then it empties. ``replay`` > 0 is not the paper's: the last ``replay`` samples
+  are kept, an update runs per B new samples, and each of its steps draws a fresh batch of
+  B from that window (experience replay), so one request's correlated samples are mixed
+  with earlier ones instead of being fitted alone.
 
 The context is cut to the last ``context`` tokens before the root (the drafter's KV of
 older rows is dropped), so a sample has a fixed shape and a batch is one array; with one
@@ -55,6 +58,7 @@ class OnlineConfig:
     kd_temperature: float = 1.0
     lr: float = 1e-5
     steps_per_update: int = 1
+    replay: int = 0  # 0: the paper's buffer, emptied by each update; N: a window of N samples
 
 
 @pytree.dataclass
@@ -163,22 +167,35 @@ def make_optimizer(oc: OnlineConfig) -> optax.GradientTransformation:
 def update(lora: Lora, opt_state: Any, base: DrafterParams, cfg: DrafterConfig, embed: Array,
            head: Array, s: Samples, oc: OnlineConfig) -> tuple[Lora, Any, dict]:
     """``oc.steps_per_update`` optax steps on one full buffer. Jit with static cfg / oc."""
+    batches = jax.tree.map(lambda a: jnp.broadcast_to(a, (oc.steps_per_update, *a.shape)), s)
+    return update_on_batches(lora, opt_state, base, cfg, embed, head, batches, oc)
+
+
+def update_on_batches(lora: Lora, opt_state: Any, base: DrafterParams, cfg: DrafterConfig,
+                      embed: Array, head: Array, batches: Samples, oc: OnlineConfig
+                      ) -> tuple[Lora, Any, dict]:
+    """One optax step per batch of ``batches`` (each field with a leading [S] axis: S
+    batches of B samples, the replay window's draws). Jit with static cfg / oc.
+
+    Returns (lora, opt_state, stats): the first step's loss, the last's, and the last
+    step's per-step KL and L_base.
+    """
     tx = make_optimizer(oc)
 
-    def one(carry, _):
+    def one(carry, s):
         lora, opt_state = carry
         (loss, stats), grads = jax.value_and_grad(alignment_loss, has_aux=True)(
             lora, base, cfg, embed, head, s, oc)
         upd, opt_state = tx.update(grads, opt_state, lora)
         return (optax.apply_updates(lora, upd), opt_state), (loss, stats)
 
-    (lora, opt_state), (losses, stats) = jax.lax.scan(one, (lora, opt_state), None,
-                                                      length=oc.steps_per_update)
+    (lora, opt_state), (losses, stats) = jax.lax.scan(one, (lora, opt_state), batches)
     return lora, opt_state, {"loss": losses[0], "loss_after": losses[-1], **jax.tree.map(
         lambda a: a[-1], stats)}
 
 
 update_jit = jax.jit(update, static_argnames=("cfg", "oc"))
+update_on_batches_jit = jax.jit(update_on_batches, static_argnames=("cfg", "oc"))
 
 
 def memory_bytes(lora: Lora, base: DrafterParams, opt: optax.GradientTransformation) -> dict:

@@ -34,6 +34,7 @@ from specjax.train.online import (
     memory_bytes,
     merge,
     update_jit,
+    update_on_batches_jit,
 )
 
 
@@ -113,6 +114,10 @@ class OnlineSession:
     opt_state: Any = None
     vocab_state: Any = None
     buffer: list = dataclasses.field(default_factory=list)
+    # oc.replay > 0: the last oc.replay samples (one Samples) and how many arrived since the
+    # last update; not saved by ``save`` (a restored session refills it).
+    window: Samples | None = None
+    pending: int = 0
     stats: dict = dataclasses.field(default_factory=lambda: {
         "requests": 0, "samples": 0, "updates": 0, "update_s": [], "loss": []})
 
@@ -124,6 +129,10 @@ class OnlineSession:
             raise ValueError("online LoRA alignment adapts EAGLE-1/2 drafters (one decoder "
                              f"layer with W_q, W_v); this drafter is {kind}; pass adapt=False "
                              "to keep only the vocabulary state")
+        if self.oc.replay and self.oc.replay < self.oc.buffer:
+            raise ValueError(f"a replay window of {self.oc.replay} samples cannot give a batch "
+                             f"of {self.oc.buffer}: use replay >= {self.oc.buffer}, or 0 for "
+                             "the paper's buffer")
         if self.lora is None:
             self.lora = init_lora(self.drafter.cfg, self.oc.rank, self.oc.alpha,
                                   jax.random.PRNGKey(self.seed))
@@ -172,8 +181,11 @@ class OnlineSession:
                             self._active(), self.oc)
         if s is None:
             return
-        self.buffer.append(s)
         self.stats["samples"] += len(s.tokens)
+        if self.oc.replay:
+            self._replay(s)
+            return
+        self.buffer.append(s)
         if sum(len(b.tokens) for b in self.buffer) < self.oc.buffer:
             return
         # "Updates run when it fills": one update on the newest B samples, then it empties.
@@ -183,6 +195,30 @@ class OnlineSession:
         self.lora, self.opt_state, st = jax.block_until_ready(update_jit(
             self.lora, self.opt_state, self.drafter.params, self.drafter.cfg,
             self.target.params.embed, self.target.params.head, batch, self.oc))
+        self._record(t0, st)
+
+    def _replay(self, s: Samples) -> None:
+        """Experience replay (``oc.replay`` > 0, not the paper's): keep the newest
+        ``oc.replay`` samples; per B new ones, ``steps_per_update`` steps, each on B samples
+        drawn without replacement from the window (a batch never repeats a sample, so the
+        window must hold B before the first update)."""
+        w = s if self.window is None else _concat([self.window, s])
+        self.window = jax.tree.map(lambda a: a[-self.oc.replay:], w)
+        self.pending += len(s.tokens)
+        n, b = len(self.window.tokens), self.oc.buffer
+        rng = np.random.default_rng([self.seed, self.stats["updates"]])
+        while self.pending >= b and n >= b:
+            idx = np.stack([rng.choice(n, b, replace=False)
+                            for _ in range(self.oc.steps_per_update)])  # [S, B]
+            batches = jax.tree.map(lambda a, idx=idx: jnp.asarray(a[idx]), self.window)
+            t0 = time.perf_counter()
+            self.lora, self.opt_state, st = jax.block_until_ready(update_on_batches_jit(
+                self.lora, self.opt_state, self.drafter.params, self.drafter.cfg,
+                self.target.params.embed, self.target.params.head, batches, self.oc))
+            self._record(t0, st)
+            self.pending -= b
+
+    def _record(self, t0: float, st: dict) -> None:
         self.stats["update_s"].append(time.perf_counter() - t0)
         self.stats["loss"].append(float(st["loss"]))
         self.stats["updates"] += 1

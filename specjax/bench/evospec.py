@@ -233,7 +233,7 @@ def step_cost(target: Any, drafter: Any, *, core: int = 8192, n_dyn: int = 256,
 def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
                       domains: Sequence[str] = DEFAULT_DOMAINS, per_domain: int = 20,
                       max_new_tokens: int = 128, core: int = 8192, n_dyn: int = 256,
-                      lr: float = 1e-5, steps_per_update: int = 1,
+                      lr: float = 1e-5, steps_per_update: int = 1, replay: int = 0,
                       context: int = DEFAULT_CONTEXT,
                       skip: int = DEFAULT_SKIP,
                       tree: TreeSpec | None = None,
@@ -243,9 +243,11 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     """Run the topic-switch stream (``per_domain`` requests of each domain, in order)
     through ``configs`` and write ``out`` (JSON) and its plot; returns the JSON's dict.
 
-    ``lr``, ``steps_per_update`` and ``context`` set the online LoRA (the paper's: 1e-5, one
-    step per full replay buffer; ``context`` rows kept before each sample's anchor, which
-    also sets the first answer row that can be one). ``tree`` (a TreeSpec) is the draft tree
+    ``lr``, ``steps_per_update``, ``replay`` and ``context`` set the online LoRA (the
+    paper's: 1e-5, one step per full replay buffer, emptied by each update; ``replay`` > 0
+    keeps a window of that many samples and draws each step's batch from it; ``context``
+    rows kept before each sample's anchor, which also sets the first answer row that can
+    be one). ``tree`` (a TreeSpec) is the draft tree
     of every configuration; None: TreeSpec's default, the EAGLE-2 tree (the paper drafts
     EAGLE-3 trees). Raises ValueError for an unknown configuration or domain."""
     import jax
@@ -271,6 +273,9 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
         raise ValueError(f"a topic switch needs two or more domains, got {list(domains)}")
     if steps_per_update < 1:
         raise ValueError(f"steps_per_update must be >= 1, got {steps_per_update}")
+    if replay < 0 or 0 < replay < OnlineConfig.buffer:
+        raise ValueError(f"replay must be 0 (the paper's buffer) or a window of >= "
+                         f"{OnlineConfig.buffer} samples, got {replay}")
     if context < 1:
         raise ValueError(f"context must be >= 1 row, got {context}")
     if skip < 0:
@@ -289,12 +294,13 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     stream = [(d, p) for d in domains for p in domain_prompts(
         target.tokenizer, d, per_domain, skip=skip, exclude=exclude,
         max_tokens=FOLLOWUP_MAX_TOKENS if d == FOLLOWUP else 256)]
-    oc = OnlineConfig(lr=lr, steps_per_update=steps_per_update, context=context)
+    oc = OnlineConfig(lr=lr, steps_per_update=steps_per_update, context=context, replay=replay)
     tree = TreeSpec() if tree is None else tree
     config = {"domains": list(domains), "per_domain": per_domain, "core": core,
               "n_dyn": n_dyn, "lr": lr, "steps_per_update": steps_per_update,
               # Absent at the default, so partial results written before it still resume.
               **({"context": context} if context != DEFAULT_CONTEXT else {}),
+              **({"replay": replay} if replay else {}),
               "skip": skip,  # always: the default moved (600 until it was held out)
               "max_new_tokens": max_new_tokens, "drafter": label,
               "tree": dataclasses.asdict(tree), "configs": configs}
@@ -383,6 +389,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--steps-per-update", type=int, default=1,
                    help="optax steps on each full replay buffer (default 1, the paper's)")
+    p.add_argument("--replay", type=int, default=0,
+                   help="0 (default, the paper's): each update fits the buffer's B samples, "
+                        "then empties it; N: keep the last N samples and draw every step's "
+                        "batch from them (experience replay, one update per B new samples)")
     p.add_argument("--context", type=int, default=DEFAULT_CONTEXT,
                    help="rows kept before each replay sample's anchor (an answer row needs "
                         f"this many rows before it to be a sample; default {DEFAULT_CONTEXT})")
@@ -426,7 +436,8 @@ def _run(args: argparse.Namespace) -> int:
     r = run_evospec_bench(args.model, args.drafter, domains=domains,
                           per_domain=args.per_domain, max_new_tokens=args.max_new_tokens,
                           core=args.core, n_dyn=args.n_dyn, lr=args.lr,
-                          steps_per_update=args.steps_per_update, context=args.context,
+                          steps_per_update=args.steps_per_update, replay=args.replay,
+                          context=args.context,
                           skip=args.skip, tree=tree,
                           configs=[c.strip() for c in args.configs.split(",") if c.strip()],
                           out=args.out)

@@ -22,10 +22,12 @@ from specjax.train.online import (
     memory_bytes,
     merge,
     update_jit,
+    update_on_batches_jit,
 )
 from specjax.train.online_session import OnlineSession, collect_samples
 from specjax.vocab.arc import ArcConfig
 from specjax.vocab.evospec import evospec_head
+from specjax.vocab.head import full_head
 from tests.speculative.conftest import PROMPTS
 
 OC = OnlineConfig(rank=4, alpha=8.0, buffer=4, horizon=3, context=8, top_k=8, lr=1e-2)
@@ -122,6 +124,24 @@ def test_updates_lower_the_loss_on_the_buffer(tiny_target, fitted_drafter):
     assert stats["kl"].shape == (OC.horizon,)
 
 
+def test_steps_on_stacked_copies_of_a_buffer_are_the_papers_update(tiny_target,
+                                                                  fitted_drafter):
+    ids, p = _sequence(tiny_target)
+    dp, cfg = fitted_drafter.params, fitted_drafter.cfg
+    s = jax.tree.map(jnp.asarray, collect_samples(
+        tiny_target, dp, cfg, ids, p, np.ones(tiny_target.cfg.vocab_size, bool), OC))
+    lora = init_lora(cfg, OC.rank, OC.alpha, jax.random.PRNGKey(0))
+    opt = make_optimizer(OC).init(lora)
+    args = (dp, cfg, tiny_target.params.embed, tiny_target.params.head)
+    oc = dataclasses.replace(OC, steps_per_update=3)
+    want, _, st = update_jit(lora, opt, *args, s, oc)
+    stacked = jax.tree.map(lambda a: jnp.stack([a] * 3), s)
+    got, _, st2 = update_on_batches_jit(lora, opt, *args, stacked, oc)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert float(st["loss_after"]) == pytest.approx(float(st2["loss_after"]), rel=1e-5)
+
+
 def test_the_horizon_weights_follow_eq_4(tiny_target, fitted_drafter):
     ids, p = _sequence(tiny_target)
     dp, cfg = fitted_drafter.params, fitted_drafter.cfg
@@ -166,3 +186,25 @@ def test_a_session_adapts_and_keeps_greedy_output(tiny_target, fitted_drafter, t
                     strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert other.stats["updates"] == sess.stats["updates"]
+
+
+def test_a_replay_window_keeps_the_newest_samples_and_updates_per_buffer(tiny_target,
+                                                                         fitted_drafter):
+    oc = dataclasses.replace(OC, replay=6, steps_per_update=2)
+    v = tiny_target.cfg.vocab_size
+    sess = OnlineSession(tiny_target, fitted_drafter, full_head(v), oc=oc)
+    tree = TreeSpec("chain", depth=2)
+    for prompt in PROMPTS * 2:
+        res = sess.generate([prompt], max_new_tokens=24, stop_on_eos=False, tree=tree)
+        assert res.tokens == specjax.generate(tiny_target, [prompt], max_new_tokens=24,
+                                              stop_on_eos=False).tokens
+        seen = sess.stats["samples"]
+        # Every sample counts towards an update (none discarded); the window holds the last 6.
+        assert sess.stats["updates"] * oc.buffer == seen - sess.pending
+        assert sess.pending < oc.buffer or len(sess.window.tokens) < oc.buffer
+        assert len(sess.window.tokens) == min(seen, oc.replay)
+    assert sess.stats["updates"] > 0, "the fitted drafter should miss often enough to update"
+    assert float(jnp.abs(sess.lora.b_q).max()) > 0
+    with pytest.raises(ValueError, match="replay window of 3 samples"):
+        OnlineSession(tiny_target, fitted_drafter, sess.vocab,
+                      oc=dataclasses.replace(OC, replay=3))
