@@ -14,7 +14,8 @@ projections, from samples of the text the target verified:
   the target's top-K support is compared with the target's: ``T^2 KL(p_T || q_T)`` at
   distillation temperature T, weighted by ``w_j = exp(-beta * L_base * (j - 1))`` where
   ``L_base`` is the sample's step-1 KL (no gradient): an uncertain drafter trains on the
-  next token only, an aligned one on longer horizons.
+  next token only, an aligned one on longer horizons. ``support="vocab"`` (not the
+  paper's) adds the drafter's mass outside the top-K support to each term.
 * **Updates.** A replay buffer of B (32) samples; when it fills, one optax step on the
   batch, then it empties. ``replay`` > 0 is not the paper's: the last ``replay`` samples
   are kept, an update runs per B new samples, and each of its steps draws a fresh batch of
@@ -43,6 +44,8 @@ from specjax import pytree
 from specjax.drafter import DrafterConfig, DrafterParams, drafter_hidden, init_drafter_cache
 from specjax.model import unfuse_layer
 
+SUPPORTS = ("topk", "vocab")
+
 
 @dataclasses.dataclass(frozen=True)
 class OnlineConfig:
@@ -59,6 +62,12 @@ class OnlineConfig:
     lr: float = 1e-5
     steps_per_update: int = 1
     replay: int = 0  # 0: the paper's buffer, emptied by each update; N: a window of N samples
+    support: str = "topk"  # "topk": eq. 5's; "vocab": also the mass outside it (alignment_loss)
+
+    def __post_init__(self) -> None:
+        if self.support not in SUPPORTS:
+            raise ValueError(f"support must be one of {', '.join(SUPPORTS)}, got "
+                             f"{self.support!r}")
 
 
 @pytree.dataclass
@@ -144,7 +153,14 @@ def alignment_loss(lora: Lora, base: DrafterParams, cfg: DrafterConfig, embed: A
                    head: Array, s: Samples, oc: OnlineConfig) -> tuple[Array, dict]:
     """Eq. 5 averaged over samples: sum_j w_j T^2 KL(p_T^(j) || q_T^(j)) on the top-K support.
 
-    Returns (loss, {"kl": [G] mean KL per step, "l_base": mean step-1 KL}).
+    With ``oc.support == "vocab"`` (not the paper's) each step's term also adds
+    ``-log q_T(K)``, where q_T(K) is the mass the drafter's softmax over every head row
+    puts on the support (the term is 0 when all of it is there): eq. 5 alone is unchanged
+    when all K logits fall together, which lets tokens outside the support overtake the
+    target's. The weights w_j use eq. 5's KL either way.
+
+    Returns (loss, {"kl": [G] mean eq. 5 KL per step, "l_base": mean step-1 KL,
+    "outside": [G] mean -log q_T(K) per step}).
     """
     h = draft_horizon(merge(base, lora), cfg, embed, s, oc.horizon)  # [N, G, d]
     rows = jnp.take(head, s.top_ids, axis=0)  # [N, G, K, d]
@@ -153,11 +169,20 @@ def alignment_loss(lora: Lora, base: DrafterParams, cfg: DrafterConfig, embed: A
     p = jax.nn.softmax(s.top_logits / t, axis=-1)
     kl = jnp.sum(p * (jnp.log(p + 1e-30) - jax.nn.log_softmax(q_logits / t, axis=-1)), -1)
     kl = jnp.where(s.valid, kl, 0.0)  # [N, G]
+    term = kl
+    if oc.support == "vocab":
+        every = jnp.einsum("ngd,vd->ngv", h, head, preferred_element_type=jnp.float32) / t
+        outside = jax.nn.logsumexp(every, -1) - jax.nn.logsumexp(q_logits / t, -1)
+        outside = jnp.where(s.valid, outside, 0.0)  # [N, G], >= 0
+        term = kl + outside
+    else:
+        outside = jnp.zeros_like(kl)
     l_base = jax.lax.stop_gradient(kl[:, 0])
     w = jnp.exp(-oc.beta * l_base[:, None] * jnp.arange(oc.horizon)[None, :])
-    loss = jnp.sum(w * t * t * kl) / kl.shape[0]
+    loss = jnp.sum(w * t * t * term) / kl.shape[0]
     denom = jnp.maximum(jnp.sum(s.valid, axis=0), 1)
-    return loss, {"kl": jnp.sum(kl, axis=0) / denom, "l_base": jnp.mean(l_base)}
+    return loss, {"kl": jnp.sum(kl, axis=0) / denom, "l_base": jnp.mean(l_base),
+                  "outside": jnp.sum(outside, axis=0) / denom}
 
 
 def make_optimizer(oc: OnlineConfig) -> optax.GradientTransformation:

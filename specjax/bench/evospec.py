@@ -234,6 +234,7 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
                       domains: Sequence[str] = DEFAULT_DOMAINS, per_domain: int = 20,
                       max_new_tokens: int = 128, core: int = 8192, n_dyn: int = 256,
                       lr: float = 1e-5, steps_per_update: int = 1, replay: int = 0,
+                      support: str = "topk",
                       context: int = DEFAULT_CONTEXT,
                       skip: int = DEFAULT_SKIP,
                       tree: TreeSpec | None = None,
@@ -245,7 +246,8 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
 
     ``lr``, ``steps_per_update``, ``replay`` and ``context`` set the online LoRA (the
     paper's: 1e-5, one step per full replay buffer, emptied by each update; ``replay`` > 0
-    keeps a window of that many samples and draws each step's batch from it; ``context``
+    keeps a window of that many samples and draws each step's batch from it; ``support``
+    "vocab" adds the drafter's mass outside the target's top-K to the loss; ``context``
     rows kept before each sample's anchor, which also sets the first answer row that can
     be one). ``tree`` (a TreeSpec) is the draft tree
     of every configuration; None: TreeSpec's default, the EAGLE-2 tree (the paper drafts
@@ -260,7 +262,7 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     from specjax.bench.questions import resolve_questions
     from specjax.defaults import resolve_model
     from specjax.speculative import TreeSpec
-    from specjax.train.online import OnlineConfig
+    from specjax.train.online import SUPPORTS, OnlineConfig
     from specjax.train.prompts import load_exclusions
 
     bad = [c for c in configs if c not in CONFIGS]
@@ -276,6 +278,8 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     if replay < 0 or 0 < replay < OnlineConfig.buffer:
         raise ValueError(f"replay must be 0 (the paper's buffer) or a window of >= "
                          f"{OnlineConfig.buffer} samples, got {replay}")
+    if support not in SUPPORTS:
+        raise ValueError(f"support must be one of {', '.join(SUPPORTS)}, got {support!r}")
     if context < 1:
         raise ValueError(f"context must be >= 1 row, got {context}")
     if skip < 0:
@@ -294,13 +298,15 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     stream = [(d, p) for d in domains for p in domain_prompts(
         target.tokenizer, d, per_domain, skip=skip, exclude=exclude,
         max_tokens=FOLLOWUP_MAX_TOKENS if d == FOLLOWUP else 256)]
-    oc = OnlineConfig(lr=lr, steps_per_update=steps_per_update, context=context, replay=replay)
+    oc = OnlineConfig(lr=lr, steps_per_update=steps_per_update, context=context, replay=replay,
+                      support=support)
     tree = TreeSpec() if tree is None else tree
     config = {"domains": list(domains), "per_domain": per_domain, "core": core,
               "n_dyn": n_dyn, "lr": lr, "steps_per_update": steps_per_update,
               # Absent at the default, so partial results written before it still resume.
               **({"context": context} if context != DEFAULT_CONTEXT else {}),
               **({"replay": replay} if replay else {}),
+              **({"support": support} if support != "topk" else {}),
               "skip": skip,  # always: the default moved (600 until it was held out)
               "max_new_tokens": max_new_tokens, "drafter": label,
               "tree": dataclasses.asdict(tree), "configs": configs}
@@ -393,6 +399,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="0 (default, the paper's): each update fits the buffer's B samples, "
                         "then empties it; N: keep the last N samples and draw every step's "
                         "batch from them (experience replay, one update per B new samples)")
+    p.add_argument("--support", choices=("topk", "vocab"), default="topk",
+                   help="topk (default, the paper's eq. 5): KL between softmaxes over the "
+                        "target's top-K; vocab: also -log of the drafter's mass on them, its "
+                        "softmax over the whole vocabulary")
     p.add_argument("--context", type=int, default=DEFAULT_CONTEXT,
                    help="rows kept before each replay sample's anchor (an answer row needs "
                         f"this many rows before it to be a sample; default {DEFAULT_CONTEXT})")
@@ -437,6 +447,7 @@ def _run(args: argparse.Namespace) -> int:
                           per_domain=args.per_domain, max_new_tokens=args.max_new_tokens,
                           core=args.core, n_dyn=args.n_dyn, lr=args.lr,
                           steps_per_update=args.steps_per_update, replay=args.replay,
+                          support=args.support,
                           context=args.context,
                           skip=args.skip, tree=tree,
                           configs=[c.strip() for c in args.configs.split(",") if c.strip()],

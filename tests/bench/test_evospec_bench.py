@@ -64,6 +64,8 @@ def test_bad_configurations_domains_and_steps_are_refused_before_any_model_loads
         run_evospec_bench("/nonexistent", None, steps_per_update=0, progress=False)
     with pytest.raises(ValueError, match="a window of >= 32 samples, got 8"):
         run_evospec_bench("/nonexistent", None, replay=8, progress=False)
+    with pytest.raises(ValueError, match="support must be one of topk, vocab"):
+        run_evospec_bench("/nonexistent", None, support="full", progress=False)
     with pytest.raises(ValueError, match="context must be >= 1 row"):
         run_evospec_bench("/nonexistent", None, context=0, progress=False)
     with pytest.raises(ValueError, match="needs two or more domains"):

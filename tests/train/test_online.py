@@ -142,6 +142,32 @@ def test_steps_on_stacked_copies_of_a_buffer_are_the_papers_update(tiny_target,
     assert float(st["loss_after"]) == pytest.approx(float(st2["loss_after"]), rel=1e-5)
 
 
+def test_the_vocab_support_adds_the_drafters_mass_outside_the_top_k(tiny_target,
+                                                                    fitted_drafter):
+    ids, p = _sequence(tiny_target)
+    dp, cfg = fitted_drafter.params, fitted_drafter.cfg
+    head, embed = tiny_target.params.head, tiny_target.params.embed
+    s = jax.tree.map(jnp.asarray, collect_samples(
+        tiny_target, dp, cfg, ids, p, np.ones(tiny_target.cfg.vocab_size, bool), OC))
+    lora = init_lora(cfg, OC.rank, OC.alpha, jax.random.PRNGKey(0))
+    oc = dataclasses.replace(OC, beta=0.0)  # every step weighs 1: the loss is a plain sum
+    paper, st = alignment_loss(lora, dp, cfg, embed, head, s, oc)
+    vocab, sv = alignment_loss(lora, dp, cfg, embed, head, s,
+                               dataclasses.replace(oc, support="vocab"))
+    np.testing.assert_allclose(sv["kl"], st["kl"], rtol=1e-5)  # eq. 5's part is unchanged
+    # Reference: -log of the drafter's softmax mass on the target's top-K ids.
+    q = jax.nn.softmax(draft_horizon(dp, cfg, embed, s, OC.horizon) @ head.T, axis=-1)
+    mass = jnp.take_along_axis(q, s.top_ids, axis=-1).sum(-1)  # [N, G]
+    outside = jnp.where(s.valid, -jnp.log(mass), 0.0)
+    assert float(outside.min()) >= 0.0
+    np.testing.assert_allclose(sv["outside"], outside.sum(0) / jnp.maximum(s.valid.sum(0), 1),
+                               rtol=1e-4, atol=1e-6)
+    assert float(vocab) == pytest.approx(float(paper) + float(outside.sum()) / len(s.tokens),
+                                         rel=1e-4)
+    with pytest.raises(ValueError, match="support must be one of topk, vocab"):
+        OnlineConfig(support="all")
+
+
 def test_the_horizon_weights_follow_eq_4(tiny_target, fitted_drafter):
     ids, p = _sequence(tiny_target)
     dp, cfg = fitted_drafter.params, fitted_drafter.cfg
