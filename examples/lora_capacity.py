@@ -197,6 +197,9 @@ def main() -> None:
                 fit, _ = chain_rows(merged, cfg, embed, head_rows, ids_active, seen, oc.horizon)
                 # Paired over held-out requests (rows of one answer are not independent).
                 m = {"first_draft": float(first.mean()), "chain_accepted": float(chain.mean()),
+                     "first_draft_full_context": _full_context_first_draft(
+                         target, dataclasses.replace(drafter, params=merged),
+                         seqs[args.train:], active, oc.context),
                      "pool_first_draft": float(fit.mean()),
                      "chain_gain": paired_gain(_per_request(chain, request),
                                                _per_request(chain0, request))}
