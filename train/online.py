@@ -27,9 +27,9 @@ older rows is dropped, the sequence's first tokens with it), so a sample has a f
 and a batch is one array. The cut is not harmless: on held-out code answers the stage-2
 drafter's first draft agrees 0.402 of the time with its whole context and 0.247 with the
 last 64 rows (docs/benchmarks.md, thirty-second session), so the loss fits a regime that
-inference never runs. This module holds the
-pure pieces (LoRA, the sample layout, the loss, the update); the session that collects
-samples between requests is :mod:`specjax.train.online_session`.
+inference never runs. This module holds the pure pieces (LoRA, the sample layout, the
+loss, the update); the session that collects samples between requests is
+:mod:`specjax.train.online_session`.
 """
 
 from __future__ import annotations
