@@ -48,7 +48,7 @@ from specjax.train.online import (
     merge,
     update_jit,
 )
-from specjax.train.online_session import _teacher_forced, collect_samples
+from specjax.train.online_session import collect_samples, teacher_forced
 from specjax.train.prompts import load_exclusions
 from specjax.vocab import resolve_head
 
@@ -67,8 +67,7 @@ def _full_context_first_draft(target, drafter, seqs, active, context: int) -> fl
     drafted with its whole sequence before it rather than the last ``context`` rows."""
     hits = rows_seen = 0
     for ids, p in seqs:
-        _, _, _, logits = _teacher_forced(target, drafter.params, drafter.cfg, ids, 1)
-        pred = np.asarray(jnp.where(jnp.asarray(active)[None], logits, -jnp.inf).argmax(-1))
+        *_, pred = teacher_forced(target, drafter.params, drafter.cfg, ids, 1, active)
         nxt = np.asarray(ids[1:])
         rows = np.arange(max(p - 1, context), len(ids) - 1)  # collect_samples' rows
         rows = rows[active[nxt[rows]]]

@@ -20,19 +20,19 @@ import argparse
 import json
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
 import specjax
 from specjax.api import encode_prompts
-from specjax.bench.evospec import DEFAULT_SKIP, _session, domain_prompts
+from specjax.bench.evospec import DEFAULT_SKIP, domain_prompts
 from specjax.bench.phases import resolve_drafter
 from specjax.bench.questions import resolve_questions
 from specjax.defaults import resolve_model
 from specjax.train.online import OnlineConfig
-from specjax.train.online_session import _teacher_forced
+from specjax.train.online_session import OnlineSession, teacher_forced
 from specjax.train.prompts import load_exclusions
+from specjax.vocab import resolve_head
 
 
 def main() -> None:
@@ -53,9 +53,11 @@ def main() -> None:
 
     target = specjax.load(resolve_model(None))
     drafter, label = resolve_drafter(args.drafter, target)
-    sess = _session("lora", target, drafter, args.core, 0, OnlineConfig(context=args.context))
+    # The stream's `lora` configuration: the static FR core, the adapter restored into it.
+    sess = OnlineSession(target, drafter, resolve_head(f"fr:{args.core}", target, drafter),
+                         oc=OnlineConfig(context=args.context))
     sess.restore(args.state)
-    active, adapted = sess._active(), sess.current_drafter()
+    active, adapted = sess.active_vocabulary(), sess.current_drafter()
     exclude = load_exclusions([resolve_questions(None)])
     out = {"state": args.state, "drafter": label, "core": args.core, "top_k": args.top_k,
            "updates": sess.stats["updates"], "domains": {}}
@@ -73,11 +75,10 @@ def main() -> None:
             keep = active[nxt]  # a token outside the core is the vocabulary's miss
             pred = {}
             for name, dr in (("frozen", drafter), ("adapted", adapted)):
-                _, top_ids, _, logits = _teacher_forced(target, dr.params, dr.cfg, ids,
-                                                        args.top_k)
-                logits = jnp.where(jnp.asarray(active)[None], logits, -jnp.inf)
-                pred[name] = np.asarray(logits.argmax(-1))[rows]
-            top = np.asarray(top_ids)[rows]
+                _, top_ids, _, first = teacher_forced(target, dr.params, dr.cfg, ids,
+                                                      args.top_k, active)
+                pred[name] = first[rows]
+            top = top_ids[rows]
             hit = {k: keep & (v == nxt) for k, v in pred.items()}
             lost = hit["frozen"] & ~hit["adapted"]
             c["rows"] += int(keep.sum())

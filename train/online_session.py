@@ -38,9 +38,16 @@ from specjax.train.online import (
 )
 
 
-def _teacher_forced(target: Target, dp: Any, cfg: Any, ids: list[int], k: int):
-    """(drafter input features [T, d] (the target's final-norm states, plus the drafter's
-    tapped layers when it has any), target top-K ids/logits [T, K], drafter logits [T, V])."""
+def teacher_forced(target: Target, dp: Any, cfg: Any, ids: list[int], k: int,
+                   active: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One teacher-forced pass of target and drafter over ``ids`` (T tokens), each row
+    reading its whole sequence before it (as at inference).
+
+    active: [V] bool the vocabulary the drafter drafts from. Returns (drafter input
+    features [T, d] (the target's final-norm states, plus the drafter's tapped layers when
+    it has any), the target's top-k ids and logits [T, k], and the drafter's first draft
+    [T]: its argmax over ``active`` at row t, a draft of ids[t + 1]).
+    """
     from specjax.drafter import drafter_hidden, init_drafter_cache
 
     n = bucket(len(ids))
@@ -55,8 +62,9 @@ def _teacher_forced(target: Target, dp: Any, cfg: Any, ids: list[int], k: int):
     h, _ = drafter_hidden(dp, cfg, target.params.embed, toks, shifted, pos,
                           init_drafter_cache(cfg, 1, n, hidden.dtype))
     t = len(ids)
+    logits = jnp.where(jnp.asarray(active)[None], h[0, :t] @ target.params.head.T, -jnp.inf)
     return (np.asarray(feats[0, :t], np.float32), np.asarray(top[1][:t]),
-            np.asarray(top[0][:t]), h[0, :t] @ target.params.head.T)
+            np.asarray(top[0][:t]), np.asarray(logits.argmax(-1)))
 
 
 def collect_samples(target: Target, dp: Any, cfg: Any, ids: list[int], prompt_len: int,
@@ -71,9 +79,7 @@ def collect_samples(target: Target, dp: Any, cfg: Any, ids: list[int], prompt_le
     row whose target token is in the vocabulary, hit or miss (an evaluation set, or
     OSD-style distillation on the whole verified text).
     """
-    feats, top_ids, top_logits, dlogits = _teacher_forced(target, dp, cfg, ids, oc.top_k)
-    dlogits = np.asarray(jnp.where(jnp.asarray(active)[None], dlogits, -jnp.inf))
-    pred = dlogits.argmax(-1)
+    feats, top_ids, top_logits, pred = teacher_forced(target, dp, cfg, ids, oc.top_k, active)
     nxt = np.asarray(ids[1:] + [-1])
     c, g = oc.context, oc.horizon
     rows = np.arange(max(prompt_len - 1, c), len(ids) - 1)
@@ -144,7 +150,8 @@ class OnlineSession:
             return self.drafter
         return dataclasses.replace(self.drafter, params=merge(self.drafter.params, self.lora))
 
-    def _active(self) -> np.ndarray:
+    def active_vocabulary(self) -> np.ndarray:
+        """[V] bool: the ids the next request drafts from (the head's, with EvoSpec's buffer)."""
         v = self.target.cfg.vocab_size
         head = self.vocab
         if not getattr(head, "stateful", False):
@@ -178,7 +185,7 @@ class OnlineSession:
     def _learn(self, prompt: list[int], output: list[int]) -> None:
         dr = self.current_drafter()
         s = collect_samples(self.target, dr.params, dr.cfg, prompt + output, len(prompt),
-                            self._active(), self.oc)
+                            self.active_vocabulary(), self.oc)
         if s is None:
             return
         self.stats["samples"] += len(s.tokens)
