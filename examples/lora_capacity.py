@@ -11,6 +11,8 @@ the teacher-forced first-draft agreement and the expected accepted length of a g
 chain of depth ``horizon`` (the leading run of agreeing drafts, each drafting from its own
 features as at inference), over the static FR core the stream's ``lora`` drafts from, with
 the chain's gain over the frozen drafter paired per held-out request (95% bootstrap).
+Every anchor, in the loss and in the metric, drafts with its whole context, as at
+inference (until the thirty-third session both saw the last ``--context`` rows only).
 The answers are cached beside ``--out``.
 
     python examples/lora_capacity.py --domain code --train 40 --eval 12 --core 2048 \\
@@ -43,56 +45,48 @@ from specjax.train.online import (
     OnlineConfig,
     Samples,
     draft_horizon,
+    gather_anchors,
     init_lora,
     make_optimizer,
     merge,
+    num_anchors,
     update_jit,
 )
-from specjax.train.online_session import collect_samples, teacher_forced
+from specjax.train.online_session import collect_samples
 from specjax.train.prompts import load_exclusions
 from specjax.vocab import resolve_head
 
 
-def _pool(target, drafter, seqs, active, oc, mismatched_only) -> tuple[Samples, np.ndarray]:
-    """The anchors of ``seqs`` and, per anchor, the index of the request it came from."""
-    parts = [(i, s) for i, (ids, p) in enumerate(seqs)
-             if (s := collect_samples(target, drafter.params, drafter.cfg, ids, p, active, oc,
-                                      mismatched_only=mismatched_only)) is not None]
-    request = np.concatenate([np.full(len(s.tokens), i) for i, s in parts])
-    return jax.tree.map(lambda *xs: np.concatenate(xs), *[s for _, s in parts]), request
+def _pool(target, drafter, seqs, active, oc, mismatched_only) -> list[Samples]:
+    """The anchors of each of ``seqs`` (one Samples per sequence that has any)."""
+    parts = [collect_samples(target, drafter.params, drafter.cfg, ids, p, active, oc,
+                             mismatched_only=mismatched_only) for ids, p in seqs]
+    return [s for s in parts if s is not None]
 
 
-def _full_context_first_draft(target, drafter, seqs, active, context: int) -> float:
-    """First-draft agreement (argmax over ``active``) on the held-out pool's rows, each
-    drafted with its whole sequence before it rather than the last ``context`` rows."""
-    hits = rows_seen = 0
-    for ids, p in seqs:
-        *_, pred = teacher_forced(target, drafter.params, drafter.cfg, ids, 1, active)
-        nxt = np.asarray(ids[1:])
-        rows = np.arange(max(p - 1, context), len(ids) - 1)  # collect_samples' rows
-        rows = rows[active[nxt[rows]]]
-        hits += int((pred[rows] == nxt[rows]).sum())
-        rows_seen += len(rows)
-    return hits / max(rows_seen, 1)
-
-
-def _cut(s: Samples, context: int, horizon: int) -> Samples:
+def _horizon(s: Samples, horizon: int) -> Samples:
     """Samples collected for a longer horizon, cut to their first ``horizon`` draft steps."""
-    return dataclasses.replace(s, tokens=s.tokens[:, :context + horizon],
-                               top_ids=s.top_ids[:, :horizon],
+    return dataclasses.replace(s, top_ids=s.top_ids[:, :horizon],
                                top_logits=s.top_logits[:, :horizon], valid=s.valid[:, :horizon])
 
 
-def chain_rows(dp, cfg, embed, head_rows, ids_active, s: Samples, horizon: int
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """Per anchor of ``s``: does the first draft agree, and how many drafts a greedy chain
-    of depth ``horizon`` accepts (the leading run of agreeing drafts, each drafted from the
-    previous one's feature), drafting over the active rows ``head_rows`` [N_active, d]."""
-    h = draft_horizon(dp, cfg, embed, s, horizon)  # [N, G, d]
-    pred = ids_active[jnp.argmax(h @ head_rows.T, axis=-1)]  # [N, G] token ids
-    agree = (pred == s.top_ids[..., 0]) & s.valid
-    run = jnp.cumprod(agree.astype(jnp.int32), axis=1)
-    return np.asarray(agree[:, 0], np.float64), np.asarray(jnp.sum(run, axis=1), np.float64)
+def chain_rows(dp, cfg, embed, head_rows, ids_active, parts: list[Samples], horizon: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per anchor of ``parts``: does the first draft agree, and how many drafts a greedy
+    chain of depth ``horizon`` accepts (the leading run of agreeing drafts, each drafted
+    from the previous one's feature, the first with the anchor's whole context), drafting
+    over the active rows ``head_rows`` [N_active, d]; and the part each anchor is from."""
+    first, accepted, part = [], [], []
+    for i, s in enumerate(parts):  # one sequence at a time: its KV is copied per anchor
+        s = jax.tree.map(jnp.asarray, s)
+        h = draft_horizon(dp, cfg, embed, s, horizon)  # [M, G, d]
+        pred = ids_active[jnp.argmax(h @ head_rows.T, axis=-1)]  # [M, G] token ids
+        agree = (pred == s.top_ids[..., 0]) & s.valid
+        run = jnp.cumprod(agree.astype(jnp.int32), axis=1)
+        first.append(np.asarray(agree[:, 0], np.float64))
+        accepted.append(np.asarray(jnp.sum(run, axis=1), np.float64))
+        part.append(np.full(len(first[-1]), i))
+    return np.concatenate(first), np.concatenate(accepted), np.concatenate(part)
 
 
 def _per_request(x: np.ndarray, request: np.ndarray) -> np.ndarray:
@@ -127,7 +121,8 @@ def main() -> None:
                          "stops; before it, the drafter was trained on these prompts)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--core", type=int, default=2048)
-    ap.add_argument("--context", type=int, default=64, help="rows kept before each anchor")
+    ap.add_argument("--answers-per-batch", type=int, default=4,
+                    help="answers each batch's B anchors are drawn from")
     ap.add_argument("--gate", choices=("mismatched", "all"), default="mismatched")
     ap.add_argument("--kd-temperature", type=float, default=1.0,
                     help="T_KD of the loss (EvoSpec's 1; lower sharpens the target's "
@@ -155,29 +150,23 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     seqs = _answers(target, prompts, args.max_new_tokens, out.with_suffix(".answers.json"))
-    oc = OnlineConfig(context=args.context, kd_temperature=args.kd_temperature)
-    pool, _ = _pool(target, drafter, seqs[:args.train], active, oc, args.gate == "mismatched")
-    held, request = _pool(target, drafter, seqs[args.train:], active, oc, False)
-    held = jax.tree.map(jnp.asarray, held)
+    oc = OnlineConfig(kd_temperature=args.kd_temperature)
+    pool = _pool(target, drafter, seqs[:args.train], active, oc, args.gate == "mismatched")
+    held = _pool(target, drafter, seqs[args.train:], active, oc, False)
     dp, cfg, embed = drafter.params, drafter.cfg, target.params.embed
-    first0, chain0 = chain_rows(dp, cfg, embed, head_rows, ids_active, held, oc.horizon)
-    base = {"first_draft": float(first0.mean()), "chain_accepted": float(chain0.mean()),
-            # The same rows drafted with their whole context, as at inference: a sample
-            # keeps only --context rows before its anchor, which the metric above (and the
-            # loss) sees.
-            "first_draft_full_context": _full_context_first_draft(
-                target, drafter, seqs[args.train:], active, oc.context)}
-    print(f"pool {len(pool.tokens)} anchors ({args.gate}), held-out {len(held.tokens)} rows; "
-          f"frozen drafter: {base}")
-    result = {"drafter": label, "args": vars(args), "pool": int(len(pool.tokens)),
-              "heldout_rows": int(len(held.tokens)), "frozen": base, "runs": {}}
+    first0, chain0, request = chain_rows(dp, cfg, embed, head_rows, ids_active, held,
+                                         oc.horizon)
+    base = {"first_draft": float(first0.mean()), "chain_accepted": float(chain0.mean())}
+    pairs = [(p, a) for p, s in enumerate(pool) for a in range(num_anchors(s))]
+    print(f"pool {len(pairs)} anchors ({args.gate}) in {len(pool)} answers, held-out "
+          f"{len(first0)} rows; frozen drafter: {base}")
+    result = {"drafter": label, "args": vars(args), "pool": len(pairs),
+              "heldout_rows": len(first0), "frozen": base, "runs": {}}
     rs = np.random.default_rng(0)
-    # A fixed slice of the pool shows the fit itself. With the mismatch gate its first-draft
-    # agreement starts low but not at 0: the gate saw the whole context, a sample keeps
-    # ``--context`` rows of it.
-    idx = rs.permutation(len(pool.tokens))[:1024]
-    seen = jax.tree.map(lambda a: jnp.asarray(a[idx]), pool)
-    fit0, _ = chain_rows(dp, cfg, embed, head_rows, ids_active, seen, oc.horizon)
+    # A fixed slice of the pool (its first answers) shows the fit itself. With the mismatch
+    # gate its first-draft agreement starts at 0: the gate and the metric see the same rows.
+    seen = pool[:4]
+    fit0, _, _ = chain_rows(dp, cfg, embed, head_rows, ids_active, seen, oc.horizon)
     base["pool_first_draft"] = float(fit0.mean())
     for lr in [float(x) for x in args.lrs.split(",")]:
         o = dataclasses.replace(oc, lr=lr, horizon=args.horizon)
@@ -185,20 +174,24 @@ def main() -> None:
         opt = make_optimizer(o).init(lora)
         curve = [{"step": 0, **base}]
         for step in tqdm(range(1, args.steps + 1), desc=f"lr {lr:g}"):
-            pick = rs.choice(len(pool.tokens), o.buffer, replace=len(pool.tokens) < o.buffer)
-            batch = _cut(jax.tree.map(lambda a: jnp.asarray(a[pick]), pool),  # noqa: B023
-                         oc.context, o.horizon)
+            # B anchors from --answers-per-batch answers, as a stream's buffer holds the
+            # last request or few (and each answer in a batch costs a pass over its rows).
+            answers = rs.choice(len(pool), min(args.answers_per_batch, len(pool)),
+                                replace=False)
+            mine = [q for q in pairs if q[0] in set(answers)]
+            pick = [mine[i] for i in rs.choice(len(mine), o.buffer,
+                                               replace=len(mine) < o.buffer)]
+            batch = jax.tree.map(jnp.asarray, _horizon(
+                gather_anchors(pool, pick, n=args.answers_per_batch), o.horizon))
             lora, opt, _ = update_jit(lora, opt, dp, cfg, embed, target.params.head, batch, o)
             if step % args.eval_every == 0 or step == args.steps:
                 merged = merge(dp, lora)
-                first, chain = chain_rows(merged, cfg, embed, head_rows, ids_active, held,
-                                          oc.horizon)
-                fit, _ = chain_rows(merged, cfg, embed, head_rows, ids_active, seen, oc.horizon)
+                first, chain, _ = chain_rows(merged, cfg, embed, head_rows, ids_active, held,
+                                             oc.horizon)
+                fit, _, _ = chain_rows(merged, cfg, embed, head_rows, ids_active, seen,
+                                       oc.horizon)
                 # Paired over held-out requests (rows of one answer are not independent).
                 m = {"first_draft": float(first.mean()), "chain_accepted": float(chain.mean()),
-                     "first_draft_full_context": _full_context_first_draft(
-                         target, dataclasses.replace(drafter, params=merged),
-                         seqs[args.train:], active, oc.context),
                      "pool_first_draft": float(fit.mean()),
                      "chain_gain": paired_gain(_per_request(chain, request),
                                                _per_request(chain0, request))}

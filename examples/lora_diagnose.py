@@ -45,7 +45,6 @@ def main() -> None:
     ap.add_argument("--last", type=int, default=8)
     ap.add_argument("--skip", type=int, default=DEFAULT_SKIP)
     ap.add_argument("--core", type=int, default=2048)
-    ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=OnlineConfig.top_k)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--out", default="results/lora_diagnose.json")
@@ -54,8 +53,7 @@ def main() -> None:
     target = specjax.load(resolve_model(None))
     drafter, label = resolve_drafter(args.drafter, target)
     # The stream's `lora` configuration: the static FR core, the adapter restored into it.
-    sess = OnlineSession(target, drafter, resolve_head(f"fr:{args.core}", target, drafter),
-                         oc=OnlineConfig(context=args.context))
+    sess = OnlineSession(target, drafter, resolve_head(f"fr:{args.core}", target, drafter))
     sess.restore(args.state)
     active, adapted = sess.active_vocabulary(), sess.current_drafter()
     exclude = load_exclusions([resolve_questions(None)])

@@ -6,9 +6,11 @@ projections, from samples of the text the target verified:
 
 * **Samples.** A sample is a draft anchor: the root row t of a step whose first draft was
   wrong although the target's token was in the active vocabulary (a token outside it is the
-  vocabulary's job, not the weights'). It holds the ``context`` tokens before the root and
-  the ``horizon`` (gamma) verified tokens from it, the target's features for the
-  teacher-forced context, and the target's top-K logits at the gamma drafted positions.
+  vocabulary's job, not the weights'). As in the paper's algorithm 1, it keeps its whole
+  context x_<t (the verified sequence before it, at its true positions), the ``horizon``
+  (gamma) verified tokens from it, the target's features for the teacher-forced context,
+  and the target's top-K logits at the gamma drafted positions. Anchors of one sequence
+  share it (:class:`Samples`).
 * **Loss (eq. 5).** The drafter drafts gamma steps from the anchor, each step reading its
   own previous feature (as at inference) and the verified token; step j's distribution on
   the target's top-K support is compared with the target's: ``T^2 KL(p_T || q_T)`` at
@@ -22,19 +24,20 @@ projections, from samples of the text the target verified:
   B from that window (experience replay), so one request's correlated samples are mixed
   with earlier ones instead of being fitted alone.
 
-The context is cut to the last ``context`` tokens before the root (the drafter's KV of
-older rows is dropped, the sequence's first tokens with it), so a sample has a fixed shape
-and a batch is one array. The cut is not harmless: on held-out code answers the stage-2
-drafter's first draft agrees 0.402 of the time with its whole context and 0.247 with the
-last 64 rows (docs/benchmarks.md, thirty-second session), so the loss fits a regime that
-inference never runs. This module holds the pure pieces (LoRA, the sample layout, the
-loss, the update); the session that collects samples between requests is
-:mod:`specjax.train.online_session`.
+Until the thirty-third session a sample kept only the last 64 (``context``) rows before
+its root, at positions from 0, so that samples had one shape. That cut regime is not
+inference's: on held-out code answers the stage-2 drafter's first draft agrees 0.402 of
+the time with its whole context and 0.247 with the cut, and an adapter fitted on cut
+samples raised the cut figure while it lowered the whole-context one (0.402 -> 0.329;
+docs/benchmarks.md, thirty-second session). This module holds the pure pieces (LoRA, the
+sample layout, the loss, the update); the session that collects samples between requests
+is :mod:`specjax.train.online_session`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -45,6 +48,7 @@ from jax import Array
 
 from specjax import pytree
 from specjax.drafter import DrafterConfig, DrafterParams, drafter_hidden, init_drafter_cache
+from specjax.loop import bucket
 from specjax.model import unfuse_layer
 
 SUPPORTS = ("topk", "vocab")
@@ -58,7 +62,6 @@ class OnlineConfig:
     alpha: float = 32.0
     buffer: int = 32  # B: samples per update
     horizon: int = 6  # gamma: draft steps scored per sample
-    context: int = 128  # tokens before the root kept in a sample
     top_k: int = 32  # K_logit: target logits kept per position
     beta: float = 0.3
     kd_temperature: float = 1.0
@@ -112,18 +115,23 @@ def merge(base: DrafterParams, lora: Lora) -> DrafterParams:
 
 @pytree.dataclass
 class Samples:
-    """A batch of draft anchors (see the module doc). N samples, C context, G = horizon.
+    """Draft anchors, each with its whole context (the paper's (x_<i, z_i)), grouped by the
+    verified sequence they come from: N sequences of W rows, M anchors, G = horizon, K.
 
-    tokens: [N, C + G] int32: C context tokens, then the root and the next G - 1 verified
-      tokens (the tokens the G draft steps read).
-    feats: [N, C + 1, d] the target's final-norm features at the C + 1 positions before
-      each of tokens[:, :C + 1] (the feature a drafter row reads; zeros before position 0).
-    top_ids, top_logits: [N, G, K] the target's top-K at the G drafted positions.
-    valid: [N, G] bool positions inside the sequence.
+    tokens: [N, W] int32 the sequences, zero-padded (W >= length + G, so every anchor's G
+      draft steps read a row inside the array).
+    feats: [N, W, d] the feature row i reads: the target's final-norm state at i - 1 (the
+      drafter's input; zeros at row 0 and in the padding).
+    seq: [M] int32 the sequence of each anchor; anchors: [M] int32 its root row t (the
+      first draft drafts tokens[seq, t + 1]).
+    top_ids, top_logits: [M, G, K] the target's top-K at rows t .. t + G - 1.
+    valid: [M, G] bool positions inside the sequence (the position's next token exists).
     """
 
     tokens: Array
     feats: Array
+    seq: Array
+    anchors: Array
     top_ids: Array
     top_logits: Array
     valid: Array
@@ -131,25 +139,63 @@ class Samples:
 
 def draft_horizon(dp: DrafterParams, cfg: DrafterConfig, embed: Array, s: Samples,
                   horizon: int) -> Array:
-    """The drafter's G unrolled steps from each anchor: hidden states [N, G, d].
+    """The drafter's G unrolled steps from each anchor: hidden states [M, G, d].
 
-    Context rows (and the root) read the target's features; step j > 0 reads step j-1's
-    own output, as a chain draft does at inference.
+    Every row of a sequence is drafted once, teacher-forced on the target's features, as
+    the decode loop's drafter reads its whole context: step 1 of anchor t is row t. Each
+    anchor then gets that KV (rows <= t; the later rows are overwritten or masked out by
+    the cache length) and drafts steps 2..G, step j at position t + j - 1 reading step
+    j - 1's own output and the verified token, as a chain draft does at inference.
     """
-    n, width = s.tokens.shape
-    c = width - horizon
-    cache = init_drafter_cache(cfg, n, width, s.feats.dtype)
-    pos = jnp.broadcast_to(jnp.arange(c + 1), (n, c + 1))
-    h, cache = drafter_hidden(dp, cfg, embed, s.tokens[:, :c + 1], s.feats, pos, cache)
-    cache = dataclasses.replace(cache, lengths=jnp.full((n,), c + 1, jnp.int32))
-    outs = [h[:, -1]]
+    n, w = s.tokens.shape
+    cache = init_drafter_cache(cfg, n, w, s.feats.dtype)
+    pos = jnp.broadcast_to(jnp.arange(w), (n, w))
+    h, cache = drafter_hidden(dp, cfg, embed, s.tokens, s.feats, pos, cache)
+    outs = [h[s.seq, s.anchors]]  # [M, d]
+    cache = dataclasses.replace(cache, k=tuple(k[s.seq] for k in cache.k),
+                                v=tuple(v[s.seq] for v in cache.v), lengths=s.anchors + 1)
     for j in range(1, horizon):
-        pos = jnp.full((n, 1), c + j, jnp.int32)
-        h, cache = drafter_hidden(dp, cfg, embed, s.tokens[:, c + j:c + j + 1],
-                                  outs[-1][:, None], pos, cache)
+        p = (s.anchors + j)[:, None]  # [M, 1]
+        h, cache = drafter_hidden(dp, cfg, embed, s.tokens[s.seq[:, None], p],
+                                  outs[-1][:, None], p, cache)
         cache = dataclasses.replace(cache, lengths=cache.lengths + 1)
         outs.append(h[:, 0])
     return jnp.stack(outs, axis=1)
+
+
+def num_anchors(s: Samples) -> int:
+    return int(s.anchors.shape[0])
+
+
+def gather_anchors(parts: Sequence[Samples], picks: Sequence[tuple[int, int]],
+                   n: int = 0, w: int = 0) -> Samples:
+    """One batch (numpy) of the anchors ``picks``, (part, anchor) pairs, from ``parts``
+    (each one sequence, as :func:`specjax.train.online_session.collect_samples` gives).
+
+    The batch holds the picked anchors' sequences, padded to the longest one's W (at least
+    ``w``) and their count to a power of two (at least ``n``) with empty sequences, which
+    no anchor reads, so updates on batches of B anchors compile for a few (N, W) only.
+    """
+    used = sorted({p for p, _ in picks})
+    row = {p: i for i, p in enumerate(used)}
+    w = max(w, *(parts[p].tokens.shape[1] for p in used))
+    n = max(n, bucket(len(used), 1))
+    first = parts[used[0]]
+    tokens = np.zeros((n, w), np.int32)
+    feats = np.zeros((n, w, first.feats.shape[-1]), first.feats.dtype)
+    for p in used:
+        t = parts[p].tokens.shape[1]
+        tokens[row[p], :t] = parts[p].tokens[0]
+        feats[row[p], :t] = parts[p].feats[0]
+    pa = np.asarray(picks).reshape(-1, 2)
+
+    def per_anchor(name: str) -> np.ndarray:
+        return np.stack([getattr(parts[p], name)[a] for p, a in pa])
+
+    return Samples(tokens=tokens, feats=feats,
+                   seq=np.asarray([row[p] for p, _ in pa], np.int32),
+                   anchors=per_anchor("anchors"), top_ids=per_anchor("top_ids"),
+                   top_logits=per_anchor("top_logits"), valid=per_anchor("valid"))
 
 
 def alignment_loss(lora: Lora, base: DrafterParams, cfg: DrafterConfig, embed: Array,

@@ -29,10 +29,12 @@ from specjax.train.online import (
     Lora,
     OnlineConfig,
     Samples,
+    gather_anchors,
     init_lora,
     make_optimizer,
     memory_bytes,
     merge,
+    num_anchors,
     update_jit,
     update_on_batches_jit,
 )
@@ -70,40 +72,60 @@ def teacher_forced(target: Target, dp: Any, cfg: Any, ids: list[int], k: int,
 def collect_samples(target: Target, dp: Any, cfg: Any, ids: list[int], prompt_len: int,
                     active: np.ndarray, oc: OnlineConfig, *, mismatched_only: bool = True
                     ) -> Samples | None:
-    """Draft anchors of one verified sequence (the gate of the module doc), as numpy arrays.
+    """Draft anchors of one verified sequence (the gate of the module doc), as numpy arrays
+    (one sequence: N = 1, W = bucket(T + G)).
 
-    ids: prompt + output tokens; active: [V] bool the active vocabulary at the end of the
-    request (EvoSpec's core and buffer). A row t predicts ids[t + 1]; anchors are the rows
-    in the output's range with at least ``oc.context`` rows before them whose active-vocab
-    argmax misses an in-vocabulary target token. ``mismatched_only=False`` keeps every such
-    row whose target token is in the vocabulary, hit or miss (an evaluation set, or
-    OSD-style distillation on the whole verified text).
+    ids: prompt + output tokens (T); active: [V] bool the active vocabulary at the end of
+    the request (EvoSpec's core and buffer). A row t predicts ids[t + 1]; anchors are the
+    rows in the output's range whose active-vocab argmax misses an in-vocabulary target
+    token. ``mismatched_only=False`` keeps every such row whose target token is in the
+    vocabulary, hit or miss (an evaluation set, or OSD-style distillation on the whole
+    verified text).
     """
     feats, top_ids, top_logits, pred = teacher_forced(target, dp, cfg, ids, oc.top_k, active)
     nxt = np.asarray(ids[1:] + [-1])
-    c, g = oc.context, oc.horizon
-    rows = np.arange(max(prompt_len - 1, c), len(ids) - 1)
+    g = oc.horizon
+    rows = np.arange(max(prompt_len - 1, 0), len(ids) - 1)
     keep = active[nxt[rows]]
     if mismatched_only:
         keep &= pred[rows] != nxt[rows]
     rows = rows[keep]
     if rows.size == 0:
         return None
-    d = feats.shape[1]
-    padded_ids = np.asarray(ids + [0] * g, np.int32)
-    tokens = np.stack([padded_ids[t - c:t + g] for t in rows])
-    zero = np.zeros((1, d), np.float32)
-    f = np.concatenate([zero, feats])  # f[i] = feature read by row i
-    tf = np.stack([f[t - c:t + 1] for t in rows])
+    t, w = len(ids), bucket(len(ids) + g)
+    tokens = np.zeros((1, w), np.int32)
+    tokens[0, :t] = ids
+    f = np.zeros((1, w, feats.shape[1]), np.float32)
+    f[0, 1:t] = feats[:-1]  # row i reads the feature at i - 1
     span = rows[:, None] + np.arange(g)[None]
-    valid = span < len(ids) - 1  # the position's next token exists
-    span = np.minimum(span, len(ids) - 1)
-    return Samples(tokens=tokens, feats=tf, top_ids=top_ids[span], top_logits=top_logits[span],
-                   valid=valid)
+    valid = span < t - 1  # the position's next token exists
+    span = np.minimum(span, t - 1)
+    return Samples(tokens=tokens, feats=f, seq=np.zeros(rows.size, np.int32),
+                   anchors=rows.astype(np.int32), top_ids=top_ids[span],
+                   top_logits=top_logits[span], valid=valid)
 
 
-def _concat(parts: list[Samples]) -> Samples:
-    return jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
+def drop_oldest(parts: list[Samples], keep: int) -> list[Samples]:
+    """The newest ``keep`` anchors of ``parts`` (oldest first; a part whose anchors all
+    go is dropped with its sequence)."""
+    out, room = [], keep
+    for s in reversed(parts):
+        n = num_anchors(s)
+        if room <= 0:
+            break
+        if n > room:
+            cut = slice(n - room, n)
+            s = dataclasses.replace(s, seq=s.seq[cut], anchors=s.anchors[cut],
+                                    top_ids=s.top_ids[cut], top_logits=s.top_logits[cut],
+                                    valid=s.valid[cut])
+        out.append(s)
+        room -= num_anchors(s)
+    return out[::-1]
+
+
+def _pairs(parts: list[Samples]) -> list[tuple[int, int]]:
+    """Every (part, anchor) pair of ``parts``, oldest first."""
+    return [(p, a) for p, s in enumerate(parts) for a in range(num_anchors(s))]
 
 
 @dataclasses.dataclass
@@ -119,10 +141,10 @@ class OnlineSession:
     lora: Lora | None = None
     opt_state: Any = None
     vocab_state: Any = None
-    buffer: list = dataclasses.field(default_factory=list)
-    # oc.replay > 0: the last oc.replay samples (one Samples) and how many arrived since the
-    # last update; not saved by ``save`` (a restored session refills it).
-    window: Samples | None = None
+    buffer: list = dataclasses.field(default_factory=list)  # Samples, one per request
+    # oc.replay > 0: the last oc.replay samples (Samples, one per request) and how many
+    # arrived since the last update; not saved by ``save`` (a restored session refills it).
+    window: list = dataclasses.field(default_factory=list)
     pending: int = 0
     stats: dict = dataclasses.field(default_factory=lambda: {
         "requests": 0, "samples": 0, "updates": 0, "update_s": [], "loss": []})
@@ -188,15 +210,16 @@ class OnlineSession:
                             self.active_vocabulary(), self.oc)
         if s is None:
             return
-        self.stats["samples"] += len(s.tokens)
+        self.stats["samples"] += num_anchors(s)
         if self.oc.replay:
             self._replay(s)
             return
         self.buffer.append(s)
-        if sum(len(b.tokens) for b in self.buffer) < self.oc.buffer:
+        if sum(num_anchors(b) for b in self.buffer) < self.oc.buffer:
             return
         # "Updates run when it fills": one update on the newest B samples, then it empties.
-        batch = jax.tree.map(lambda a: jnp.asarray(a[-self.oc.buffer:]), _concat(self.buffer))
+        newest = drop_oldest(self.buffer, self.oc.buffer)
+        batch = jax.tree.map(jnp.asarray, gather_anchors(newest, _pairs(newest)))
         self.buffer = []
         t0 = time.perf_counter()
         self.lora, self.opt_state, st = jax.block_until_ready(update_jit(
@@ -204,24 +227,31 @@ class OnlineSession:
             self.target.params.embed, self.target.params.head, batch, self.oc))
         self._record(t0, st)
 
+    def window_size(self) -> int:
+        """Samples in the replay window (``oc.replay`` > 0)."""
+        return sum(num_anchors(s) for s in self.window)
+
     def _replay(self, s: Samples) -> None:
         """Experience replay (``oc.replay`` > 0, not the paper's): keep the newest
         ``oc.replay`` samples; per B new ones, ``steps_per_update`` steps, each on B samples
         drawn without replacement from the window (a batch never repeats a sample, so the
         window must hold B before the first update)."""
-        w = s if self.window is None else _concat([self.window, s])
-        self.window = jax.tree.map(lambda a: a[-self.oc.replay:], w)
-        self.pending += len(s.tokens)
-        n, b = len(self.window.tokens), self.oc.buffer
+        self.window = drop_oldest([*self.window, s], self.oc.replay)
+        self.pending += num_anchors(s)
+        pairs, b = _pairs(self.window), self.oc.buffer
         rng = np.random.default_rng([self.seed, self.stats["updates"]])
-        while self.pending >= b and n >= b:
-            idx = np.stack([rng.choice(n, b, replace=False)
-                            for _ in range(self.oc.steps_per_update)])  # [S, B]
-            batches = jax.tree.map(lambda a, idx=idx: jnp.asarray(a[idx]), self.window)
+        while self.pending >= b and len(pairs) >= b:
+            # Each step's batch is padded to the same (N, W) so the steps stack.
+            draws = [[pairs[i] for i in rng.choice(len(pairs), b, replace=False)]
+                     for _ in range(self.oc.steps_per_update)]
+            n = bucket(max(len({p for p, _ in d}) for d in draws), 1)
+            w = max(self.window[p].tokens.shape[1] for d in draws for p, _ in d)
+            batches = [gather_anchors(self.window, d, n, w) for d in draws]
+            stacked = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *batches)
             t0 = time.perf_counter()
             self.lora, self.opt_state, st = jax.block_until_ready(update_on_batches_jit(
                 self.lora, self.opt_state, self.drafter.params, self.drafter.cfg,
-                self.target.params.embed, self.target.params.head, batches, self.oc))
+                self.target.params.embed, self.target.params.head, stacked, self.oc))
             self._record(t0, st)
             self.pending -= b
 

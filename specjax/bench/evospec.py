@@ -59,9 +59,6 @@ FOLLOWUP = "followup"
 FOLLOWUP_MAX_TOKENS = 512  # a context, not one turn: longer than the others' 256
 STREAM_DOMAINS = (*DOMAINS, TRANSLATE, FOLLOWUP)
 CONFIGS = ("full", "fr", "buffer", "lora", "evospec")
-# OnlineConfig.context's default, written here because specjax.train.online loads JAX and
-# this module's CLI flags must not (a test keeps the two equal).
-DEFAULT_CONTEXT = 128
 # ShareGPT records skipped before the stream's prompts are chosen: by default the stream
 # starts where training data stops (specjax.train.data.CALIBRATION_START, written here
 # because that module loads JAX; a test keeps the two equal). Drafter training reads the
@@ -235,7 +232,6 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
                       max_new_tokens: int = 128, core: int = 8192, n_dyn: int = 256,
                       lr: float = 1e-5, steps_per_update: int = 1, replay: int = 0,
                       support: str = "topk",
-                      context: int = DEFAULT_CONTEXT,
                       skip: int = DEFAULT_SKIP,
                       tree: TreeSpec | None = None,
                       configs: Sequence[str] = CONFIGS,
@@ -244,14 +240,13 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     """Run the topic-switch stream (``per_domain`` requests of each domain, in order)
     through ``configs`` and write ``out`` (JSON) and its plot; returns the JSON's dict.
 
-    ``lr``, ``steps_per_update``, ``replay`` and ``context`` set the online LoRA (the
+    ``lr``, ``steps_per_update``, ``replay`` and ``support`` set the online LoRA (the
     paper's: 1e-5, one step per full replay buffer, emptied by each update; ``replay`` > 0
     keeps a window of that many samples and draws each step's batch from it; ``support``
-    "vocab" adds the drafter's mass outside the target's top-K to the loss; ``context``
-    rows kept before each sample's anchor, which also sets the first answer row that can
-    be one). ``tree`` (a TreeSpec) is the draft tree
-    of every configuration; None: TreeSpec's default, the EAGLE-2 tree (the paper drafts
-    EAGLE-3 trees). Raises ValueError for an unknown configuration or domain."""
+    "vocab" adds the drafter's mass outside the target's top-K to the loss). ``tree`` (a
+    TreeSpec) is the draft tree of every configuration; None: TreeSpec's default, the
+    EAGLE-2 tree (the paper drafts EAGLE-3 trees). Raises ValueError for an unknown
+    configuration or domain."""
     import jax
     from tqdm.auto import tqdm
 
@@ -280,8 +275,6 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
                          f"{OnlineConfig.buffer} samples, got {replay}")
     if support not in SUPPORTS:
         raise ValueError(f"support must be one of {', '.join(SUPPORTS)}, got {support!r}")
-    if context < 1:
-        raise ValueError(f"context must be >= 1 row, got {context}")
     if skip < 0:
         raise ValueError(f"skip must be >= 0 ShareGPT records, got {skip}")
     if skip < HELD_OUT_START:
@@ -298,13 +291,14 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     stream = [(d, p) for d in domains for p in domain_prompts(
         target.tokenizer, d, per_domain, skip=skip, exclude=exclude,
         max_tokens=FOLLOWUP_MAX_TOKENS if d == FOLLOWUP else 256)]
-    oc = OnlineConfig(lr=lr, steps_per_update=steps_per_update, context=context, replay=replay,
+    oc = OnlineConfig(lr=lr, steps_per_update=steps_per_update, replay=replay,
                       support=support)
     tree = TreeSpec() if tree is None else tree
     config = {"domains": list(domains), "per_domain": per_domain, "core": core,
               "n_dyn": n_dyn, "lr": lr, "steps_per_update": steps_per_update,
-              # Absent at the default, so partial results written before it still resume.
-              **({"context": context} if context != DEFAULT_CONTEXT else {}),
+              # Samples keep their whole context since the thirty-third session (they were
+              # cut to 128 or --context rows): partial results from before do not resume.
+              "lora_samples": "whole context",
               **({"replay": replay} if replay else {}),
               **({"support": support} if support != "topk" else {}),
               "skip": skip,  # always: the default moved (600 until it was held out)
@@ -403,9 +397,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="topk (default, the paper's eq. 5): KL between softmaxes over the "
                         "target's top-K; vocab: also -log of the drafter's mass on them, its "
                         "softmax over the whole vocabulary")
-    p.add_argument("--context", type=int, default=DEFAULT_CONTEXT,
-                   help="rows kept before each replay sample's anchor (an answer row needs "
-                        f"this many rows before it to be a sample; default {DEFAULT_CONTEXT})")
     p.add_argument("--skip", type=int, default=DEFAULT_SKIP,
                    help="ShareGPT records skipped before the stream's prompts are chosen "
                         f"(default {DEFAULT_SKIP}, where drafter training data stops; an "
@@ -448,7 +439,6 @@ def _run(args: argparse.Namespace) -> int:
                           core=args.core, n_dyn=args.n_dyn, lr=args.lr,
                           steps_per_update=args.steps_per_update, replay=args.replay,
                           support=args.support,
-                          context=args.context,
                           skip=args.skip, tree=tree,
                           configs=[c.strip() for c in args.configs.split(",") if c.strip()],
                           out=args.out)

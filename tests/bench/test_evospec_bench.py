@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from specjax.bench.evospec import DEFAULT_CONTEXT, DOMAINS, recovery, run_evospec_bench
+from specjax.bench.evospec import DOMAINS, recovery, run_evospec_bench
 from specjax.speculative import TreeSpec
 
 
@@ -66,8 +66,6 @@ def test_bad_configurations_domains_and_steps_are_refused_before_any_model_loads
         run_evospec_bench("/nonexistent", None, replay=8, progress=False)
     with pytest.raises(ValueError, match="support must be one of topk, vocab"):
         run_evospec_bench("/nonexistent", None, support="full", progress=False)
-    with pytest.raises(ValueError, match="context must be >= 1 row"):
-        run_evospec_bench("/nonexistent", None, context=0, progress=False)
     with pytest.raises(ValueError, match="needs two or more domains"):
         run_evospec_bench("/nonexistent", None, domains=("code",), progress=False)
     with pytest.raises(ValueError, match="skip must be >= 0"):
@@ -126,13 +124,6 @@ def test_followup_is_a_domain_of_later_turns_with_their_context(tmp_path, monkey
     assert [p[0].count(1) for p in got] == [3, 3] and len(got[1][0]) == len(got[0][0])
     with pytest.raises(ValueError, match="only 1 usable followup prompts after record 3"):
         domain_prompts(Chat(), "followup", 2, skip=3, max_tokens=30, exclude=set())
-
-
-def test_the_default_context_is_the_online_configs():
-    # The bench leaves `context` out of its resume key at this default, so the two must agree.
-    from specjax.train.online import OnlineConfig
-
-    assert DEFAULT_CONTEXT == OnlineConfig().context
 
 
 @pytest.mark.bench

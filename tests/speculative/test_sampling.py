@@ -190,7 +190,7 @@ def test_an_online_adapted_drafter_keeps_the_target_distribution(small_vocab, ex
                         arc=ArcConfig(capacity=6, ghost=6, p_init=3, warmup=0,
                                       min_residency=0, max_insert=6), recall_k=3)
     sess = OnlineSession(target, drafter, head, oc=OnlineConfig(
-        rank=4, alpha=8.0, buffer=4, horizon=2, context=4, top_k=8, lr=1e-2))
+        rank=4, alpha=8.0, buffer=4, horizon=2, top_k=8, lr=1e-2))
     for i in range(6):
         sess.generate([PROMPT], max_new_tokens=12, temperature=TEMP, seed=100 + i,
                       stop_on_eos=False, tree=TREES["chain-sampled"])

@@ -17,20 +17,22 @@ from specjax.train.online import (
     OnlineConfig,
     alignment_loss,
     draft_horizon,
+    gather_anchors,
     init_lora,
     make_optimizer,
     memory_bytes,
     merge,
+    num_anchors,
     update_jit,
     update_on_batches_jit,
 )
-from specjax.train.online_session import OnlineSession, collect_samples
+from specjax.train.online_session import OnlineSession, collect_samples, drop_oldest
 from specjax.vocab.arc import ArcConfig
 from specjax.vocab.evospec import evospec_head
 from specjax.vocab.head import full_head
 from tests.speculative.conftest import PROMPTS
 
-OC = OnlineConfig(rank=4, alpha=8.0, buffer=4, horizon=3, context=8, top_k=8, lr=1e-2)
+OC = OnlineConfig(rank=4, alpha=8.0, buffer=4, horizon=3, top_k=8, lr=1e-2)
 
 
 def _sequence(target):
@@ -55,23 +57,32 @@ def test_unrolled_steps_match_a_drafter_fed_its_own_features(tiny_target, fitted
 
     ids, p = _sequence(tiny_target)
     dp, cfg, embed = fitted_drafter.params, fitted_drafter.cfg, tiny_target.params.embed
-    n, t, g = len(ids), p - 1, 3  # the anchor: the prompt's last row, whole prefix as context
-    toks = jnp.asarray([ids])
-    pos = jnp.arange(n)[None]
+    n, g, w = len(ids), 3, len(ids) + 5
+    other = ids[::-1]  # a second sequence in the batch: each anchor reads its own
+    toks = jnp.asarray([ids + [0] * 5, other + [0] * 5])
+    pos = jnp.broadcast_to(jnp.arange(w), (2, w))
     hid, _, _ = forward_hidden(tiny_target.params, tiny_target.cfg, toks, pos,
-                               init_cache(tiny_target.cfg, 1, n))
+                               init_cache(tiny_target.cfg, 2, w))
     feats = jnp.concatenate([jnp.zeros_like(hid[:, :1]), hid[:, :-1]], axis=1)
-    s = Samples(tokens=toks[:, :t + g], feats=feats[:, :t + 1],
-                top_ids=jnp.zeros((1, g, 2), jnp.int32), top_logits=jnp.zeros((1, g, 2)),
-                valid=jnp.ones((1, g), bool))
+    # Anchors: the prompt's last row and a later one of sequence 0; a row of sequence 1.
+    seq, anchors = jnp.asarray([0, 1, 0]), jnp.asarray([p - 1, p + 2, n - 4])
+    m = len(anchors)
+    s = Samples(tokens=toks, feats=feats, seq=seq, anchors=anchors,
+                top_ids=jnp.zeros((m, g, 2), jnp.int32), top_logits=jnp.zeros((m, g, 2)),
+                valid=jnp.ones((m, g), bool))
     h = draft_horizon(dp, cfg, embed, s, g)
-    # Reference: rows 0..t read the target's features, row t + j reads row t + j - 1's output.
-    f = feats[:, :t + 1]
-    for j in range(g):
-        ref, _ = drafter_hidden(dp, cfg, embed, toks[:, :t + 1 + j], f, pos[:, :t + 1 + j],
-                                init_drafter_cache(cfg, 1, t + 1 + j))
-        np.testing.assert_allclose(h[0, j], ref[0, -1], rtol=1e-4, atol=1e-4)
-        f = jnp.concatenate([f, ref[:, -1:]], axis=1)
+    assert h.shape == (m, g, feats.shape[-1])
+    for i in range(m):
+        # Reference: rows 0..t read the target's features (the whole context, at their
+        # positions), row t + j reads row t + j - 1's output.
+        b, t = int(seq[i]), int(anchors[i])
+        f = feats[b:b + 1, :t + 1]
+        for j in range(g):
+            ref, _ = drafter_hidden(dp, cfg, embed, toks[b:b + 1, :t + 1 + j], f,
+                                    pos[b:b + 1, :t + 1 + j],
+                                    init_drafter_cache(cfg, 1, t + 1 + j))
+            np.testing.assert_allclose(h[i, j], ref[0, -1], rtol=1e-4, atol=1e-4)
+            f = jnp.concatenate([f, ref[:, -1:]], axis=1)
 
 
 def test_samples_are_gated_on_misses_inside_the_vocabulary(tiny_target, fitted_drafter):
@@ -82,9 +93,12 @@ def test_samples_are_gated_on_misses_inside_the_vocabulary(tiny_target, fitted_d
     none_active = np.zeros(v, bool)
     assert collect_samples(tiny_target, dp, cfg, ids, p, none_active, OC) is None
     if s is not None:
-        roots = s.tokens[:, OC.context]
-        assert s.tokens.shape == (len(roots), OC.context + OC.horizon)
-        assert s.top_ids.shape == (len(roots), OC.horizon, OC.top_k)
+        m = num_anchors(s)
+        # One sequence, whole: the prompt and the output, room for the last anchor's steps.
+        assert s.tokens.shape[0] == 1 and s.tokens.shape[1] >= len(ids) + OC.horizon
+        np.testing.assert_array_equal(s.tokens[0, :len(ids)], ids)
+        assert s.top_ids.shape == (m, OC.horizon, OC.top_k)
+        np.testing.assert_array_equal(s.seq, 0)
 
 
 def test_without_the_mismatch_gate_every_in_vocabulary_row_is_an_anchor(tiny_target,
@@ -94,17 +108,40 @@ def test_without_the_mismatch_gate_every_in_vocabulary_row_is_an_anchor(tiny_tar
     v = tiny_target.cfg.vocab_size
     every = collect_samples(tiny_target, dp, cfg, ids, p, np.ones(v, bool), OC,
                             mismatched_only=False)
-    first = max(p - 1, OC.context)
-    # A row t (>= the context, in the output's range) anchors a draft of ids[t + 1].
-    assert len(every.tokens) == len(ids) - 1 - first
-    np.testing.assert_array_equal(every.tokens[:, OC.context], ids[first:len(ids) - 1])
+    first = p - 1
+    # A row t in the output's range anchors a draft of ids[t + 1].
+    np.testing.assert_array_equal(every.anchors, np.arange(first, len(ids) - 1))
     missed = collect_samples(tiny_target, dp, cfg, ids, p, np.ones(v, bool), OC)
-    assert missed is None or len(missed.tokens) <= len(every.tokens)
+    assert missed is None or num_anchors(missed) <= num_anchors(every)
     # Only rows whose next token is active: drop one output token from the vocabulary.
     active = np.ones(v, bool)
     active[ids[first + 1]] = False
     fewer = collect_samples(tiny_target, dp, cfg, ids, p, active, OC, mismatched_only=False)
-    assert len(fewer.tokens) == len(every.tokens) - ids[first + 1:].count(ids[first + 1])
+    assert num_anchors(fewer) == num_anchors(every) - ids[first + 1:].count(ids[first + 1])
+
+
+def test_a_batch_gathers_anchors_from_several_sequences(tiny_target, fitted_drafter):
+    ids, p = _sequence(tiny_target)
+    dp, cfg = fitted_drafter.params, fitted_drafter.cfg
+    every = np.ones(tiny_target.cfg.vocab_size, bool)
+    parts = [collect_samples(tiny_target, dp, cfg, x, q, every, OC, mismatched_only=False)
+             for x, q in ((ids, p), (ids[:p + 6], p), (ids[:p + 3], p))]
+    picks = [(2, 0), (0, 4), (2, 1), (0, 0)]
+    b = gather_anchors(parts, picks)
+    # Parts 0 and 2 are used: two sequences, padded to the longest, in part order.
+    assert b.tokens.shape == (2, parts[0].tokens.shape[1])
+    np.testing.assert_array_equal(b.seq, [1, 0, 1, 0])
+    np.testing.assert_array_equal(b.anchors, [p - 1, p + 3, p, p - 1])
+    np.testing.assert_array_equal(b.tokens[1, :parts[2].tokens.shape[1]], parts[2].tokens[0])
+    np.testing.assert_array_equal(b.top_ids[1], parts[0].top_ids[4])
+    # Padded up to a requested shape with empty sequences.
+    big = gather_anchors(parts, picks, n=4, w=2 * b.tokens.shape[1])
+    assert big.tokens.shape == (4, 2 * b.tokens.shape[1])
+    np.testing.assert_array_equal(big.tokens[2:], 0)
+    # The newest anchors, across parts.
+    kept = drop_oldest(parts, num_anchors(parts[2]) + 2)
+    assert len(kept) == 2 and num_anchors(kept[0]) == 2
+    np.testing.assert_array_equal(kept[0].anchors, parts[1].anchors[-2:])
 
 
 def test_updates_lower_the_loss_on_the_buffer(tiny_target, fitted_drafter):
@@ -162,7 +199,7 @@ def test_the_vocab_support_adds_the_drafters_mass_outside_the_top_k(tiny_target,
     assert float(outside.min()) >= 0.0
     np.testing.assert_allclose(sv["outside"], outside.sum(0) / jnp.maximum(s.valid.sum(0), 1),
                                rtol=1e-4, atol=1e-6)
-    assert float(vocab) == pytest.approx(float(paper) + float(outside.sum()) / len(s.tokens),
+    assert float(vocab) == pytest.approx(float(paper) + float(outside.sum()) / num_anchors(s),
                                          rel=1e-4)
     with pytest.raises(ValueError, match="support must be one of topk, vocab"):
         OnlineConfig(support="all")
@@ -227,8 +264,8 @@ def test_a_replay_window_keeps_the_newest_samples_and_updates_per_buffer(tiny_ta
         seen = sess.stats["samples"]
         # Every sample counts towards an update (none discarded); the window holds the last 6.
         assert sess.stats["updates"] * oc.buffer == seen - sess.pending
-        assert sess.pending < oc.buffer or len(sess.window.tokens) < oc.buffer
-        assert len(sess.window.tokens) == min(seen, oc.replay)
+        assert sess.pending < oc.buffer or sess.window_size() < oc.buffer
+        assert sess.window_size() == min(seen, oc.replay)
     assert sess.stats["updates"] > 0, "the fitted drafter should miss often enough to update"
     assert float(jnp.abs(sess.lora.b_q).max()) > 0
     with pytest.raises(ValueError, match="replay window of 3 samples"):
