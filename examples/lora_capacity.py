@@ -70,23 +70,29 @@ def _horizon(s: Samples, horizon: int) -> Samples:
                                top_logits=s.top_logits[:, :horizon], valid=s.valid[:, :horizon])
 
 
-def chain_rows(dp, cfg, embed, head_rows, ids_active, parts: list[Samples], horizon: int
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def chain_rows(dp, cfg, embed, head, ids_active, parts: list[Samples], horizon: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per anchor of ``parts``: does the first draft agree, and how many drafts a greedy
     chain of depth ``horizon`` accepts (the leading run of agreeing drafts, each drafted
     from the previous one's feature, the first with the anchor's whole context), drafting
-    over the active rows ``head_rows`` [N_active, d]; and the part each anchor is from."""
-    first, accepted, part = [], [], []
+    over the active rows ``ids_active`` of ``head`` [V, d]; the first draft's KL on the
+    target's top-K (eq. 5's step-1 term, what the loss lowers); and the part each anchor
+    is from."""
+    head_rows = head[ids_active]
+    first, accepted, kl, part = [], [], [], []
     for i, s in enumerate(parts):  # one sequence at a time: its KV is copied per anchor
         s = jax.tree.map(jnp.asarray, s)
         h = draft_horizon(dp, cfg, embed, s, horizon)  # [M, G, d]
         pred = ids_active[jnp.argmax(h @ head_rows.T, axis=-1)]  # [M, G] token ids
         agree = (pred == s.top_ids[..., 0]) & s.valid
         run = jnp.cumprod(agree.astype(jnp.int32), axis=1)
+        q = jnp.einsum("md,mkd->mk", h[:, 0], head[s.top_ids[:, 0]])
+        p = jax.nn.softmax(s.top_logits[:, 0], axis=-1)
+        kl.append(np.asarray(jnp.sum(p * (jnp.log(p + 1e-30) - jax.nn.log_softmax(q)), -1)))
         first.append(np.asarray(agree[:, 0], np.float64))
         accepted.append(np.asarray(jnp.sum(run, axis=1), np.float64))
         part.append(np.full(len(first[-1]), i))
-    return np.concatenate(first), np.concatenate(accepted), np.concatenate(part)
+    return tuple(np.concatenate(x) for x in (first, accepted, kl, part))
 
 
 def _per_request(x: np.ndarray, request: np.ndarray) -> np.ndarray:
@@ -143,7 +149,6 @@ def main() -> None:
     ids_active = jnp.asarray(np.asarray(head.ids))
     active = np.zeros(v, bool)
     active[np.asarray(head.ids)] = True
-    head_rows = target.params.head[ids_active]
     exclude = load_exclusions([resolve_questions(None)])
     prompts = domain_prompts(target.tokenizer, args.domain, args.train + args.eval,
                              skip=args.skip, max_tokens=256, exclude=exclude)
@@ -154,9 +159,11 @@ def main() -> None:
     pool = _pool(target, drafter, seqs[:args.train], active, oc, args.gate == "mismatched")
     held = _pool(target, drafter, seqs[args.train:], active, oc, False)
     dp, cfg, embed = drafter.params, drafter.cfg, target.params.embed
-    first0, chain0, request = chain_rows(dp, cfg, embed, head_rows, ids_active, held,
-                                         oc.horizon)
-    base = {"first_draft": float(first0.mean()), "chain_accepted": float(chain0.mean())}
+    lm = target.params.head
+    first0, chain0, kl0, request = chain_rows(dp, cfg, embed, lm, ids_active, held,
+                                              oc.horizon)
+    base = {"first_draft": float(first0.mean()), "chain_accepted": float(chain0.mean()),
+            "first_draft_kl": float(kl0.mean())}
     pairs = [(p, a) for p, s in enumerate(pool) for a in range(num_anchors(s))]
     print(f"pool {len(pairs)} anchors ({args.gate}) in {len(pool)} answers, held-out "
           f"{len(first0)} rows; frozen drafter: {base}")
@@ -166,7 +173,7 @@ def main() -> None:
     # A fixed slice of the pool (its first answers) shows the fit itself. With the mismatch
     # gate its first-draft agreement starts at 0: the gate and the metric see the same rows.
     seen = pool[:4]
-    fit0, _, _ = chain_rows(dp, cfg, embed, head_rows, ids_active, seen, oc.horizon)
+    fit0, *_ = chain_rows(dp, cfg, embed, lm, ids_active, seen, oc.horizon)
     base["pool_first_draft"] = float(fit0.mean())
     for lr in [float(x) for x in args.lrs.split(",")]:
         o = dataclasses.replace(oc, lr=lr, horizon=args.horizon)
@@ -186,12 +193,12 @@ def main() -> None:
             lora, opt, _ = update_jit(lora, opt, dp, cfg, embed, target.params.head, batch, o)
             if step % args.eval_every == 0 or step == args.steps:
                 merged = merge(dp, lora)
-                first, chain, _ = chain_rows(merged, cfg, embed, head_rows, ids_active, held,
-                                             oc.horizon)
-                fit, _, _ = chain_rows(merged, cfg, embed, head_rows, ids_active, seen,
-                                       oc.horizon)
+                first, chain, kl, _ = chain_rows(merged, cfg, embed, lm, ids_active, held,
+                                                 oc.horizon)
+                fit, *_ = chain_rows(merged, cfg, embed, lm, ids_active, seen, oc.horizon)
                 # Paired over held-out requests (rows of one answer are not independent).
                 m = {"first_draft": float(first.mean()), "chain_accepted": float(chain.mean()),
+                     "first_draft_kl": float(kl.mean()),
                      "pool_first_draft": float(fit.mean()),
                      "chain_gain": paired_gain(_per_request(chain, request),
                                                _per_request(chain0, request))}
