@@ -42,6 +42,7 @@ from specjax.bench.phases import resolve_drafter
 from specjax.bench.questions import resolve_questions
 from specjax.defaults import resolve_model
 from specjax.train.online import (
+    LORA_TARGETS,
     OnlineConfig,
     Samples,
     draft_horizon,
@@ -136,6 +137,10 @@ def main() -> None:
     ap.add_argument("--horizon", type=int, default=OnlineConfig.horizon,
                     help="draft steps the loss scores (gamma; default the stream's 6); the "
                          "metric's chain keeps depth 6 whatever this is")
+    ap.add_argument("--targets", default="wq,wv",
+                    help="matrices LoRA adapts (default the paper's W_q, W_v; any of "
+                         f"{', '.join(LORA_TARGETS)}: the first drafter layer's, fc its "
+                         "input fusion)")
     ap.add_argument("--lrs", default="1e-4,3e-4,1e-3")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--eval-every", type=int, default=25)
@@ -155,7 +160,8 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     seqs = _answers(target, prompts, args.max_new_tokens, out.with_suffix(".answers.json"))
-    oc = OnlineConfig(kd_temperature=args.kd_temperature)
+    oc = OnlineConfig(kd_temperature=args.kd_temperature,
+                      targets=tuple(t.strip() for t in args.targets.split(",")))
     pool = _pool(target, drafter, seqs[:args.train], active, oc, args.gate == "mismatched")
     held = _pool(target, drafter, seqs[args.train:], active, oc, False)
     dp, cfg, embed = drafter.params, drafter.cfg, target.params.embed
@@ -177,7 +183,7 @@ def main() -> None:
     base["pool_first_draft"] = float(fit0.mean())
     for lr in [float(x) for x in args.lrs.split(",")]:
         o = dataclasses.replace(oc, lr=lr, horizon=args.horizon)
-        lora = init_lora(cfg, o.rank, o.alpha, jax.random.PRNGKey(0))
+        lora = init_lora(cfg, o.rank, o.alpha, jax.random.PRNGKey(0), o.targets)
         opt = make_optimizer(o).init(lora)
         curve = [{"step": 0, **base}]
         for step in tqdm(range(1, args.steps + 1), desc=f"lr {lr:g}"):

@@ -52,6 +52,8 @@ from specjax.loop import bucket
 from specjax.model import unfuse_layer
 
 SUPPORTS = ("topk", "vocab")
+# Matrices LoRA can adapt: the first drafter layer's projections, and the input fusion fc.
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "fc")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,48 +71,66 @@ class OnlineConfig:
     steps_per_update: int = 1
     replay: int = 0  # 0: the paper's buffer, emptied by each update; N: a window of N samples
     support: str = "topk"  # "topk": eq. 5's; "vocab": also the mass outside it (alignment_loss)
+    targets: tuple[str, ...] = ("wq", "wv")  # the paper's; any of LORA_TARGETS (not the paper's)
 
     def __post_init__(self) -> None:
         if self.support not in SUPPORTS:
             raise ValueError(f"support must be one of {', '.join(SUPPORTS)}, got "
                              f"{self.support!r}")
+        bad = [t for t in self.targets if t not in LORA_TARGETS]
+        if bad or not self.targets or len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"LoRA targets must be distinct names of {', '.join(LORA_TARGETS)}"
+                             f", got {list(self.targets)}")
 
 
 @pytree.dataclass
 class Lora:
-    """Low-rank deltas: W_q + s * a_q @ b_q and W_v + s * a_v @ b_v, s = alpha / rank.
+    """Low-rank deltas W + s * a[name] @ b[name], s = alpha / rank, on the matrices named
+    by the keys (:data:`LORA_TARGETS`; the paper's are W_q and W_v).
 
-    a_q: [d, r]; b_q: [r, Hq*Dh]; a_v: [d, r]; b_v: [r, Hkv*Dh].
+    a[name]: [in, r]; b[name]: [r, out], the named matrix's shape [in, out].
     """
 
-    a_q: Array
-    b_q: Array
-    a_v: Array
-    b_v: Array
+    a: dict[str, Array]
+    b: dict[str, Array]
     scale: float = pytree.static_field()
 
 
-def init_lora(cfg: DrafterConfig, rank: int, alpha: float, key: Array) -> Lora:
-    """LoRA's initialisation: a ~ N(0, 1/d), b = 0, so the merged drafter starts as the base."""
+def _target_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, int]]:
     t = cfg.target
-    d, q, kv = t.hidden_size, t.num_heads * t.head_dim, t.num_kv_heads * t.head_dim
-    k1, k2 = jax.random.split(key)
-    return Lora(a_q=jax.random.normal(k1, (d, rank)) / np.sqrt(d), b_q=jnp.zeros((rank, q)),
-                a_v=jax.random.normal(k2, (d, rank)) / np.sqrt(d), b_v=jnp.zeros((rank, kv)),
+    d, f = t.hidden_size, t.intermediate_size
+    q, kv = t.num_heads * t.head_dim, t.num_kv_heads * t.head_dim
+    return {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d), "w_gate": (d, f),
+            "w_up": (d, f), "w_down": (f, d), "fc": (2 * d, d)}
+
+
+def init_lora(cfg: DrafterConfig, rank: int, alpha: float, key: Array,
+              targets: Sequence[str] = ("wq", "wv")) -> Lora:
+    """LoRA's initialisation on ``targets``: a ~ N(0, 1/in), b = 0, so the merged drafter
+    starts as the base."""
+    shapes = _target_shapes(cfg)
+    keys = jax.random.split(key, len(targets))
+    a = {n: jax.random.normal(k, (shapes[n][0], rank)) / np.sqrt(shapes[n][0])
+         for n, k in zip(targets, keys, strict=True)}
+    return Lora(a=a, b={n: jnp.zeros((rank, shapes[n][1])) for n in targets},
                 scale=alpha / rank)
 
 
 def merge(base: DrafterParams, lora: Lora) -> DrafterParams:
-    """The drafter with the deltas folded into W_q and W_v (what the decode loop runs).
+    """The drafter with the deltas folded in (what the decode loop runs).
 
-    The paper's drafter has one layer; a deeper drafter adapts its first layer's (the one
-    that reads the fused [embedding; feature] input), and its other layers stay frozen.
+    The paper's drafter has one layer; a deeper drafter adapts its first layer's matrices
+    (the layer that reads the fused [embedding; feature] input), and its other layers stay
+    frozen. ``fc`` is that fusion, [2d, d].
     """
+    def plus(name: str, w: Array) -> Array:
+        return w + lora.scale * (lora.a[name] @ lora.b[name]).astype(w.dtype)
+
     layer = unfuse_layer(base.layers[0])
-    layer = dataclasses.replace(
-        layer, wq=layer.wq + lora.scale * (lora.a_q @ lora.b_q).astype(layer.wq.dtype),
-        wv=layer.wv + lora.scale * (lora.a_v @ lora.b_v).astype(layer.wv.dtype))
-    return dataclasses.replace(base, layers=(layer, *base.layers[1:]))
+    layer = dataclasses.replace(layer, **{n: plus(n, getattr(layer, n))
+                                          for n in lora.a if n != "fc"})
+    fc = plus("fc", base.fc) if "fc" in lora.a else base.fc
+    return dataclasses.replace(base, fc=fc, layers=(layer, *base.layers[1:]))
 
 
 @pytree.dataclass

@@ -163,7 +163,7 @@ class OnlineSession:
                              "the paper's buffer")
         if self.lora is None:
             self.lora = init_lora(self.drafter.cfg, self.oc.rank, self.oc.alpha,
-                                  jax.random.PRNGKey(self.seed))
+                                  jax.random.PRNGKey(self.seed), self.oc.targets)
             self.opt_state = make_optimizer(self.oc).init(self.lora)
 
     def current_drafter(self) -> Drafter:
@@ -278,16 +278,29 @@ class OnlineSession:
         return path
 
     def restore(self, path: str | Path) -> None:
-        """Read what :meth:`save` wrote into this session (same drafter, head and settings)."""
+        """Read what :meth:`save` wrote into this session (same drafter, head and settings).
+
+        Raises ValueError, before reading anything, when the saved LoRA adapts other
+        matrices than ``oc.targets``."""
         import orbax.checkpoint as ocp
 
+        path = Path(path).absolute()
+        saved = ocp.StandardCheckpointer().metadata(path).item_metadata["lora"]
+        if "a" not in saved:  # a_q, b_q, a_v, b_v: before deltas were keyed by matrix
+            raise ValueError(f"{path} holds a session saved before the thirty-third session's "
+                             "LoRA layout (a_q/b_q, a_v/b_v); this version cannot read it: "
+                             "start a new session")
+        names = tuple(sorted(saved["a"].keys()))
+        if names != tuple(sorted(self.lora.a)):
+            raise ValueError(f"{path} holds LoRA on {', '.join(names)}; this session adapts "
+                             f"{', '.join(sorted(self.lora.a))}: restore it into a session "
+                             f"with OnlineConfig(targets={names})")
         vocab_state = self.vocab_state
         if vocab_state is None and getattr(self.vocab, "stateful", False):
             vocab_state = self.vocab.init_state(1)
         abstract = {"lora": self.lora, "opt_state": self.opt_state, "vocab_state": vocab_state,
                     "stats": {"requests": 0, "updates": 0}}
-        got = ocp.StandardCheckpointer().restore(
-            Path(path).absolute(), jax.tree.map(np.asarray, abstract))
+        got = ocp.StandardCheckpointer().restore(path, jax.tree.map(np.asarray, abstract))
         self.lora, self.opt_state = got["lora"], got["opt_state"]
         self.vocab_state = got["vocab_state"]
         self.stats["requests"] = int(got["stats"]["requests"])

@@ -231,7 +231,7 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
                       domains: Sequence[str] = DEFAULT_DOMAINS, per_domain: int = 20,
                       max_new_tokens: int = 128, core: int = 8192, n_dyn: int = 256,
                       lr: float = 1e-5, steps_per_update: int = 1, replay: int = 0,
-                      support: str = "topk",
+                      support: str = "topk", lora_targets: Sequence[str] = ("wq", "wv"),
                       skip: int = DEFAULT_SKIP,
                       tree: TreeSpec | None = None,
                       configs: Sequence[str] = CONFIGS,
@@ -243,7 +243,8 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     ``lr``, ``steps_per_update``, ``replay`` and ``support`` set the online LoRA (the
     paper's: 1e-5, one step per full replay buffer, emptied by each update; ``replay`` > 0
     keeps a window of that many samples and draws each step's batch from it; ``support``
-    "vocab" adds the drafter's mass outside the target's top-K to the loss). ``tree`` (a
+    "vocab" adds the drafter's mass outside the target's top-K to the loss;
+    ``lora_targets`` the matrices it adapts, of ``LORA_TARGETS``). ``tree`` (a
     TreeSpec) is the draft tree of every configuration; None: TreeSpec's default, the
     EAGLE-2 tree (the paper drafts EAGLE-3 trees). Raises ValueError for an unknown
     configuration or domain."""
@@ -275,6 +276,8 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
                          f"{OnlineConfig.buffer} samples, got {replay}")
     if support not in SUPPORTS:
         raise ValueError(f"support must be one of {', '.join(SUPPORTS)}, got {support!r}")
+    lora_targets = tuple(lora_targets)
+    OnlineConfig(targets=lora_targets)  # refuses unknown names before anything loads
     if skip < 0:
         raise ValueError(f"skip must be >= 0 ShareGPT records, got {skip}")
     if skip < HELD_OUT_START:
@@ -292,7 +295,7 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
         target.tokenizer, d, per_domain, skip=skip, exclude=exclude,
         max_tokens=FOLLOWUP_MAX_TOKENS if d == FOLLOWUP else 256)]
     oc = OnlineConfig(lr=lr, steps_per_update=steps_per_update, replay=replay,
-                      support=support)
+                      support=support, targets=lora_targets)
     tree = TreeSpec() if tree is None else tree
     config = {"domains": list(domains), "per_domain": per_domain, "core": core,
               "n_dyn": n_dyn, "lr": lr, "steps_per_update": steps_per_update,
@@ -301,6 +304,7 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
               "lora_samples": "whole context",
               **({"replay": replay} if replay else {}),
               **({"support": support} if support != "topk" else {}),
+              **({"lora_targets": list(lora_targets)} if lora_targets != ("wq", "wv") else {}),
               "skip": skip,  # always: the default moved (600 until it was held out)
               "max_new_tokens": max_new_tokens, "drafter": label,
               "tree": dataclasses.asdict(tree), "configs": configs}
@@ -397,6 +401,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="topk (default, the paper's eq. 5): KL between softmaxes over the "
                         "target's top-K; vocab: also -log of the drafter's mass on them, its "
                         "softmax over the whole vocabulary")
+    p.add_argument("--lora-targets", default="wq,wv",
+                   help="matrices the online LoRA adapts (default wq,wv, the paper's; also "
+                        "wk, wo, w_gate, w_up, w_down of the first drafter layer, and fc, "
+                        "its input fusion)")
     p.add_argument("--skip", type=int, default=DEFAULT_SKIP,
                    help="ShareGPT records skipped before the stream's prompts are chosen "
                         f"(default {DEFAULT_SKIP}, where drafter training data stops; an "
@@ -439,6 +447,7 @@ def _run(args: argparse.Namespace) -> int:
                           core=args.core, n_dyn=args.n_dyn, lr=args.lr,
                           steps_per_update=args.steps_per_update, replay=args.replay,
                           support=args.support,
+                          lora_targets=[t.strip() for t in args.lora_targets.split(",")],
                           skip=args.skip, tree=tree,
                           configs=[c.strip() for c in args.configs.split(",") if c.strip()],
                           out=args.out)

@@ -66,6 +66,8 @@ def test_bad_configurations_domains_and_steps_are_refused_before_any_model_loads
         run_evospec_bench("/nonexistent", None, replay=8, progress=False)
     with pytest.raises(ValueError, match="support must be one of topk, vocab"):
         run_evospec_bench("/nonexistent", None, support="full", progress=False)
+    with pytest.raises(ValueError, match="LoRA targets must be distinct names"):
+        run_evospec_bench("/nonexistent", None, lora_targets=("wq", "mlp"), progress=False)
     with pytest.raises(ValueError, match="needs two or more domains"):
         run_evospec_bench("/nonexistent", None, domains=("code",), progress=False)
     with pytest.raises(ValueError, match="skip must be >= 0"):

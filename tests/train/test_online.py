@@ -11,9 +11,10 @@ import pytest
 
 import specjax
 from specjax.drafter import drafter_hidden, init_drafter_cache
-from specjax.model import forward_hidden, init_cache
+from specjax.model import forward_hidden, init_cache, unfuse_layer
 from specjax.speculative import TreeSpec
 from specjax.train.online import (
+    LORA_TARGETS,
     OnlineConfig,
     alignment_loss,
     draft_horizon,
@@ -41,12 +42,28 @@ def _sequence(target):
     return ids, len(PROMPTS[1])
 
 
-def test_zero_deltas_leave_the_drafter_unchanged(tiny_target, fitted_drafter):
-    lora = init_lora(fitted_drafter.cfg, 4, 8.0, jax.random.PRNGKey(0))
+@pytest.mark.parametrize("targets", [("wq", "wv"), LORA_TARGETS])
+def test_zero_deltas_leave_the_drafter_unchanged(tiny_target, fitted_drafter, targets):
+    lora = init_lora(fitted_drafter.cfg, 4, 8.0, jax.random.PRNGKey(0), targets)
     merged = merge(fitted_drafter.params, lora)
     for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(fitted_drafter.params),
                     strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
+    # A delta moves exactly the matrix it names (fc, or the first layer's).
+    for name in targets:
+        moved = dataclasses.replace(lora, b={**lora.b, name: lora.b[name] + 1.0})
+        got = merge(fitted_drafter.params, moved)
+        base = unfuse_layer(fitted_drafter.params.layers[0])
+        layer = unfuse_layer(got.layers[0])
+        delta = lora.scale * lora.a[name] @ (lora.b[name] + 1.0)
+        if name == "fc":
+            np.testing.assert_allclose(got.fc, fitted_drafter.params.fc + delta, atol=1e-5)
+        else:
+            np.testing.assert_allclose(getattr(layer, name), getattr(base, name) + delta,
+                                       atol=1e-5)
+            np.testing.assert_array_equal(got.fc, fitted_drafter.params.fc)
+    with pytest.raises(ValueError, match="LoRA targets must be distinct names"):
+        OnlineConfig(targets=("wq", "w_in"))
     mem = memory_bytes(lora, fitted_drafter.params, make_optimizer(OC))
     assert mem["lora_trainable"] < mem["full_trainable"] * 0.75
     assert mem["lora_optimizer"] < mem["full_optimizer"] * 0.75
@@ -240,7 +257,7 @@ def test_a_session_adapts_and_keeps_greedy_output(tiny_target, fitted_drafter, t
                                    stop_on_eos=False).tokens
         assert res.tokens == vanilla
     assert sess.stats["updates"] > 0 and sess.stats["samples"] > 0
-    assert float(jnp.abs(sess.lora.b_q).max()) > 0  # the deltas moved
+    assert float(jnp.abs(sess.lora.b["wq"]).max()) > 0  # the deltas moved
     path = sess.save(tmp_path / "session")
     other = _session(tiny_target, fitted_drafter)
     other.restore(path)
@@ -249,6 +266,12 @@ def test_a_session_adapts_and_keeps_greedy_output(tiny_target, fitted_drafter, t
                     strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert other.stats["updates"] == sess.stats["updates"]
+    # A session whose LoRA adapts other matrices cannot read it: a clear error, nothing read.
+    wider = OnlineSession(tiny_target, fitted_drafter, other.vocab,
+                          oc=dataclasses.replace(OC, targets=("wq", "wv", "w_up")))
+    with pytest.raises(ValueError, match="holds LoRA on wq, wv; this session adapts w_up, wq, wv"):
+        wider.restore(path)
+    assert float(jnp.abs(wider.lora.b["wq"]).max()) == 0
 
 
 def test_a_replay_window_keeps_the_newest_samples_and_updates_per_buffer(tiny_target,
@@ -267,7 +290,7 @@ def test_a_replay_window_keeps_the_newest_samples_and_updates_per_buffer(tiny_ta
         assert sess.pending < oc.buffer or sess.window_size() < oc.buffer
         assert sess.window_size() == min(seen, oc.replay)
     assert sess.stats["updates"] > 0, "the fitted drafter should miss often enough to update"
-    assert float(jnp.abs(sess.lora.b_q).max()) > 0
+    assert float(jnp.abs(sess.lora.b["wq"]).max()) > 0
     with pytest.raises(ValueError, match="replay window of 3 samples"):
         OnlineSession(tiny_target, fitted_drafter, sess.vocab,
                       oc=dataclasses.replace(OC, replay=3))
