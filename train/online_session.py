@@ -280,12 +280,17 @@ class OnlineSession:
     def restore(self, path: str | Path) -> None:
         """Read what :meth:`save` wrote into this session (same drafter, head and settings).
 
-        Raises ValueError, before reading anything, when the saved LoRA adapts other
-        matrices than ``oc.targets``."""
+        Raises FileNotFoundError when ``path`` holds no saved session, and ValueError,
+        before reading anything, when the saved LoRA adapts other matrices than
+        ``oc.targets``."""
         import orbax.checkpoint as ocp
 
         path = Path(path).absolute()
-        saved = ocp.StandardCheckpointer().metadata(path).item_metadata["lora"]
+        meta = ocp.StandardCheckpointer().metadata(path).item_metadata if path.is_dir() else None
+        if meta is None or "lora" not in meta:
+            raise FileNotFoundError(f"no saved session at {path}: pass the folder "
+                                    "OnlineSession.save wrote")
+        saved = meta["lora"]
         if "a" not in saved:  # a_q, b_q, a_v, b_v: before deltas were keyed by matrix
             raise ValueError(f"{path} holds a session saved before the thirty-third session's "
                              "LoRA layout (a_q/b_q, a_v/b_v); this version cannot read it: "

@@ -272,6 +272,8 @@ def test_a_session_adapts_and_keeps_greedy_output(tiny_target, fitted_drafter, t
     with pytest.raises(ValueError, match="holds LoRA on wq, wv; this session adapts w_up, wq, wv"):
         wider.restore(path)
     assert float(jnp.abs(wider.lora.b["wq"]).max()) == 0
+    with pytest.raises(FileNotFoundError, match="no saved session"):
+        wider.restore(tmp_path / "elsewhere")
 
 
 def test_a_replay_window_keeps_the_newest_samples_and_updates_per_buffer(tiny_target,
