@@ -184,6 +184,7 @@ def draft_horizon(dp: DrafterParams, cfg: DrafterConfig, embed: Array, s: Sample
 
 
 def num_anchors(s: Samples) -> int:
+    """M, the samples of ``s`` (its sequences are shared and not counted)."""
     return int(s.anchors.shape[0])
 
 
