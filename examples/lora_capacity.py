@@ -51,6 +51,7 @@ from specjax.train.online import (
     make_optimizer,
     merge,
     num_anchors,
+    topk_kl,
     update_jit,
 )
 from specjax.train.online_session import collect_samples
@@ -87,9 +88,7 @@ def chain_rows(dp, cfg, embed, head, ids_active, parts: list[Samples], horizon: 
         pred = ids_active[jnp.argmax(h @ head_rows.T, axis=-1)]  # [M, G] token ids
         agree = (pred == s.top_ids[..., 0]) & s.valid
         run = jnp.cumprod(agree.astype(jnp.int32), axis=1)
-        q = jnp.einsum("md,mkd->mk", h[:, 0], head[s.top_ids[:, 0]])
-        p = jax.nn.softmax(s.top_logits[:, 0], axis=-1)
-        kl.append(np.asarray(jnp.sum(p * (jnp.log(p + 1e-30) - jax.nn.log_softmax(q)), -1)))
+        kl.append(np.asarray(topk_kl(h[:, 0], head, s.top_ids[:, 0], s.top_logits[:, 0])[0]))
         first.append(np.asarray(agree[:, 0], np.float64))
         accepted.append(np.asarray(jnp.sum(run, axis=1), np.float64))
         part.append(np.full(len(first[-1]), i))
@@ -189,9 +188,9 @@ def main() -> None:
         for step in tqdm(range(1, args.steps + 1), desc=f"lr {lr:g}"):
             # B anchors from --answers-per-batch answers, as a stream's buffer holds the
             # last request or few (and each answer in a batch costs a pass over its rows).
-            answers = rs.choice(len(pool), min(args.answers_per_batch, len(pool)),
-                                replace=False)
-            mine = [q for q in pairs if q[0] in set(answers)]
+            answers = set(rs.choice(len(pool), min(args.answers_per_batch, len(pool)),
+                                    replace=False).tolist())
+            mine = [q for q in pairs if q[0] in answers]
             pick = [mine[i] for i in rs.choice(len(mine), o.buffer,
                                                replace=len(mine) < o.buffer)]
             batch = jax.tree.map(jnp.asarray, _horizon(

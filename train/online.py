@@ -105,7 +105,7 @@ def _target_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, int]]:
 
 
 def init_lora(cfg: DrafterConfig, rank: int, alpha: float, key: Array,
-              targets: Sequence[str] = ("wq", "wv")) -> Lora:
+              targets: Sequence[str] = OnlineConfig.targets) -> Lora:
     """LoRA's initialisation on ``targets``: a ~ N(0, 1/in), b = 0, so the merged drafter
     starts as the base."""
     shapes = _target_shapes(cfg)
@@ -219,6 +219,20 @@ def gather_anchors(parts: Sequence[Samples], picks: Sequence[tuple[int, int]],
                    top_logits=per_anchor("top_logits"), valid=per_anchor("valid"))
 
 
+def topk_kl(h: Array, head: Array, top_ids: Array, top_logits: Array,
+            t: float = 1.0) -> tuple[Array, Array]:
+    """KL(p_T || q_T) on the target's top-K support, eq. 5's per-step term (without T^2).
+
+    h: [..., d] drafter hidden states; head: [V, d]; top_ids, top_logits: [..., K] the
+    target's. Returns (kl [...], the drafter's logits on the support [..., K]).
+    """
+    rows = jnp.take(head, top_ids, axis=0)  # [..., K, d]
+    q_logits = jnp.einsum("...d,...kd->...k", h, rows, preferred_element_type=jnp.float32)
+    p = jax.nn.softmax(top_logits / t, axis=-1)
+    kl = jnp.sum(p * (jnp.log(p + 1e-30) - jax.nn.log_softmax(q_logits / t, axis=-1)), -1)
+    return kl, q_logits
+
+
 def alignment_loss(lora: Lora, base: DrafterParams, cfg: DrafterConfig, embed: Array,
                    head: Array, s: Samples, oc: OnlineConfig) -> tuple[Array, dict]:
     """Eq. 5 averaged over samples: sum_j w_j T^2 KL(p_T^(j) || q_T^(j)) on the top-K support.
@@ -233,11 +247,8 @@ def alignment_loss(lora: Lora, base: DrafterParams, cfg: DrafterConfig, embed: A
     "outside": [G] mean -log q_T(K) per step}).
     """
     h = draft_horizon(merge(base, lora), cfg, embed, s, oc.horizon)  # [N, G, d]
-    rows = jnp.take(head, s.top_ids, axis=0)  # [N, G, K, d]
-    q_logits = jnp.einsum("ngd,ngkd->ngk", h, rows, preferred_element_type=jnp.float32)
     t = oc.kd_temperature
-    p = jax.nn.softmax(s.top_logits / t, axis=-1)
-    kl = jnp.sum(p * (jnp.log(p + 1e-30) - jax.nn.log_softmax(q_logits / t, axis=-1)), -1)
+    kl, q_logits = topk_kl(h, head, s.top_ids, s.top_logits, t)
     kl = jnp.where(s.valid, kl, 0.0)  # [N, G]
     term = kl
     if oc.support == "vocab":

@@ -59,6 +59,10 @@ FOLLOWUP = "followup"
 FOLLOWUP_MAX_TOKENS = 512  # a context, not one turn: longer than the others' 256
 STREAM_DOMAINS = (*DOMAINS, TRANSLATE, FOLLOWUP)
 CONFIGS = ("full", "fr", "buffer", "lora", "evospec")
+# OnlineConfig.targets' default (the paper's W_q, W_v), written here because
+# specjax.train.online loads JAX and this module's CLI flags must not (a test keeps the two
+# equal); the resume key names the targets only when they differ from it.
+DEFAULT_LORA_TARGETS = ("wq", "wv")
 # ShareGPT records skipped before the stream's prompts are chosen: by default the stream
 # starts where training data stops (specjax.train.data.CALIBRATION_START, written here
 # because that module loads JAX; a test keeps the two equal). Drafter training reads the
@@ -231,7 +235,8 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
                       domains: Sequence[str] = DEFAULT_DOMAINS, per_domain: int = 20,
                       max_new_tokens: int = 128, core: int = 8192, n_dyn: int = 256,
                       lr: float = 1e-5, steps_per_update: int = 1, replay: int = 0,
-                      support: str = "topk", lora_targets: Sequence[str] = ("wq", "wv"),
+                      support: str = "topk",
+                      lora_targets: Sequence[str] = DEFAULT_LORA_TARGETS,
                       skip: int = DEFAULT_SKIP,
                       tree: TreeSpec | None = None,
                       configs: Sequence[str] = CONFIGS,
@@ -258,7 +263,7 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     from specjax.bench.questions import resolve_questions
     from specjax.defaults import resolve_model
     from specjax.speculative import TreeSpec
-    from specjax.train.online import SUPPORTS, OnlineConfig
+    from specjax.train.online import OnlineConfig
     from specjax.train.prompts import load_exclusions
 
     bad = [c for c in configs if c not in CONFIGS]
@@ -274,10 +279,10 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     if replay < 0 or 0 < replay < OnlineConfig.buffer:
         raise ValueError(f"replay must be 0 (the paper's buffer) or a window of >= "
                          f"{OnlineConfig.buffer} samples, got {replay}")
-    if support not in SUPPORTS:
-        raise ValueError(f"support must be one of {', '.join(SUPPORTS)}, got {support!r}")
     lora_targets = tuple(lora_targets)
-    OnlineConfig(targets=lora_targets)  # refuses unknown names before anything loads
+    # Refuses an unknown support or target before anything loads.
+    oc = OnlineConfig(lr=lr, steps_per_update=steps_per_update, replay=replay,
+                      support=support, targets=lora_targets)
     if skip < 0:
         raise ValueError(f"skip must be >= 0 ShareGPT records, got {skip}")
     if skip < HELD_OUT_START:
@@ -294,8 +299,6 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     stream = [(d, p) for d in domains for p in domain_prompts(
         target.tokenizer, d, per_domain, skip=skip, exclude=exclude,
         max_tokens=FOLLOWUP_MAX_TOKENS if d == FOLLOWUP else 256)]
-    oc = OnlineConfig(lr=lr, steps_per_update=steps_per_update, replay=replay,
-                      support=support, targets=lora_targets)
     tree = TreeSpec() if tree is None else tree
     config = {"domains": list(domains), "per_domain": per_domain, "core": core,
               "n_dyn": n_dyn, "lr": lr, "steps_per_update": steps_per_update,
@@ -304,7 +307,8 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
               "lora_samples": "whole context",
               **({"replay": replay} if replay else {}),
               **({"support": support} if support != "topk" else {}),
-              **({"lora_targets": list(lora_targets)} if lora_targets != ("wq", "wv") else {}),
+              **({"lora_targets": list(lora_targets)}
+                 if lora_targets != DEFAULT_LORA_TARGETS else {}),
               "skip": skip,  # always: the default moved (600 until it was held out)
               "max_new_tokens": max_new_tokens, "drafter": label,
               "tree": dataclasses.asdict(tree), "configs": configs}
@@ -401,7 +405,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="topk (default, the paper's eq. 5): KL between softmaxes over the "
                         "target's top-K; vocab: also -log of the drafter's mass on them, its "
                         "softmax over the whole vocabulary")
-    p.add_argument("--lora-targets", default="wq,wv",
+    p.add_argument("--lora-targets", default=",".join(DEFAULT_LORA_TARGETS),
                    help="matrices the online LoRA adapts (default wq,wv, the paper's; also "
                         "wk, wo, w_gate, w_up, w_down of the first drafter layer, and fc, "
                         "its input fusion)")

@@ -152,6 +152,14 @@ def test_the_tree_flags_name_the_streams_tree_and_default_to_eagle2():
     assert (chain.kind, chain.depth, chain.lookup) == ("chain", 3, 0)
 
 
+def test_the_default_lora_targets_are_the_online_configs():
+    # The bench leaves the targets out of its resume key at this default.
+    from specjax.bench.evospec import DEFAULT_LORA_TARGETS
+    from specjax.train.online import OnlineConfig
+
+    assert DEFAULT_LORA_TARGETS == OnlineConfig().targets
+
+
 def test_the_default_stream_starts_where_training_data_stops():
     from specjax.bench.evospec import DEFAULT_DOMAINS, DEFAULT_SKIP, HELD_OUT_START, add_parser
     from specjax.train.data import CALIBRATION_START
