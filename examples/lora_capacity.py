@@ -138,8 +138,8 @@ def main() -> None:
                          "metric's chain keeps depth 6 whatever this is")
     ap.add_argument("--targets", default="wq,wv",
                     help="matrices LoRA adapts (default the paper's W_q, W_v; any of "
-                         f"{', '.join(LORA_TARGETS)}: the first drafter layer's, fc its "
-                         "input fusion)")
+                         f"{', '.join(LORA_TARGETS)}: the first drafter layer's, NAME@i "
+                         "layer i's, fc its input fusion)")
     ap.add_argument("--lrs", default="1e-4,3e-4,1e-3")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--eval-every", type=int, default=25)

@@ -52,8 +52,19 @@ from specjax.loop import bucket
 from specjax.model import unfuse_layer
 
 SUPPORTS = ("topk", "vocab")
-# Matrices LoRA can adapt: the first drafter layer's projections, and the input fusion fc.
+# Matrices LoRA can adapt: a drafter layer's projections ("wq" is the first layer's, "wq@1"
+# the second's), and the input fusion fc.
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "fc")
+
+
+def split_target(name: str) -> tuple[str, int]:
+    """A LoRA target's matrix and drafter layer: "wv" -> ("wv", 0), "wv@1" -> ("wv", 1)."""
+    matrix, _, layer = name.partition("@")
+    ok = matrix in LORA_TARGETS and (not layer or (layer.isdigit() and matrix != "fc"))
+    if not ok:
+        raise ValueError(f"LoRA target {name!r}: expected one of {', '.join(LORA_TARGETS)}, "
+                         "optionally with @<drafter layer> (e.g. wv@1; not fc)")
+    return matrix, int(layer or 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,22 +82,24 @@ class OnlineConfig:
     steps_per_update: int = 1
     replay: int = 0  # 0: the paper's buffer, emptied by each update; N: a window of N samples
     support: str = "topk"  # "topk": eq. 5's; "vocab": also the mass outside it (alignment_loss)
-    targets: tuple[str, ...] = ("wq", "wv")  # the paper's; any of LORA_TARGETS (not the paper's)
+    # The paper's; any of LORA_TARGETS, "@i" for drafter layer i > 0 (not the paper's).
+    targets: tuple[str, ...] = ("wq", "wv")
 
     def __post_init__(self) -> None:
         if self.support not in SUPPORTS:
             raise ValueError(f"support must be one of {', '.join(SUPPORTS)}, got "
                              f"{self.support!r}")
-        bad = [t for t in self.targets if t not in LORA_TARGETS]
-        if bad or not self.targets or len(set(self.targets)) != len(self.targets):
+        where = [split_target(t) for t in self.targets]
+        if not self.targets or len(set(where)) != len(where):
             raise ValueError(f"LoRA targets must be distinct names of {', '.join(LORA_TARGETS)}"
-                             f", got {list(self.targets)}")
+                             f" (@i for layer i), got {list(self.targets)}")
 
 
 @pytree.dataclass
 class Lora:
     """Low-rank deltas W + s * a[name] @ b[name], s = alpha / rank, on the matrices named
-    by the keys (:data:`LORA_TARGETS`; the paper's are W_q and W_v).
+    by the keys (:data:`LORA_TARGETS`, "@i" for drafter layer i; the paper's are W_q and
+    W_v of its one layer).
 
     a[name]: [in, r]; b[name]: [r, out], the named matrix's shape [in, out].
     """
@@ -109,28 +122,40 @@ def init_lora(cfg: DrafterConfig, rank: int, alpha: float, key: Array,
     """LoRA's initialisation on ``targets``: a ~ N(0, 1/in), b = 0, so the merged drafter
     starts as the base."""
     shapes = _target_shapes(cfg)
+    for n in targets:
+        if split_target(n)[1] >= cfg.num_layers:
+            raise ValueError(f"LoRA target {n!r}: the drafter has {cfg.num_layers} layer(s), "
+                             f"numbered 0..{cfg.num_layers - 1}")
+    shape = {n: shapes[split_target(n)[0]] for n in targets}
     keys = jax.random.split(key, len(targets))
-    a = {n: jax.random.normal(k, (shapes[n][0], rank)) / np.sqrt(shapes[n][0])
+    a = {n: jax.random.normal(k, (shape[n][0], rank)) / np.sqrt(shape[n][0])
          for n, k in zip(targets, keys, strict=True)}
-    return Lora(a=a, b={n: jnp.zeros((rank, shapes[n][1])) for n in targets},
+    return Lora(a=a, b={n: jnp.zeros((rank, shape[n][1])) for n in targets},
                 scale=alpha / rank)
 
 
 def merge(base: DrafterParams, lora: Lora) -> DrafterParams:
     """The drafter with the deltas folded in (what the decode loop runs).
 
-    The paper's drafter has one layer; a deeper drafter adapts its first layer's matrices
-    (the layer that reads the fused [embedding; feature] input), and its other layers stay
-    frozen. ``fc`` is that fusion, [2d, d].
+    The paper's drafter has one layer; in a deeper drafter a plain name adapts the first
+    layer (the one that reads the fused [embedding; feature] input), "name@i" layer i, and
+    layers without a target stay as they are. ``fc`` is that fusion, [2d, d].
     """
     def plus(name: str, w: Array) -> Array:
         return w + lora.scale * (lora.a[name] @ lora.b[name]).astype(w.dtype)
 
-    layer = unfuse_layer(base.layers[0])
-    layer = dataclasses.replace(layer, **{n: plus(n, getattr(layer, n))
-                                          for n in lora.a if n != "fc"})
+    per_layer: dict[int, dict[str, str]] = {}
+    for name in lora.a:
+        if name != "fc":
+            matrix, i = split_target(name)
+            per_layer.setdefault(i, {})[matrix] = name
+    layers = list(base.layers)
+    for i, names in per_layer.items():
+        layer = unfuse_layer(layers[i])
+        layers[i] = dataclasses.replace(layer, **{m: plus(n, getattr(layer, m))
+                                                  for m, n in names.items()})
     fc = plus("fc", base.fc) if "fc" in lora.a else base.fc
-    return dataclasses.replace(base, fc=fc, layers=(layer, *base.layers[1:]))
+    return dataclasses.replace(base, fc=fc, layers=tuple(layers))
 
 
 @pytree.dataclass

@@ -42,29 +42,51 @@ def _sequence(target):
     return ids, len(PROMPTS[1])
 
 
-@pytest.mark.parametrize("targets", [("wq", "wv"), LORA_TARGETS])
+def _two_layers(drafter):
+    """The fitted drafter with a copy of its layer stacked on top (a two-layer drafter)."""
+    cfg = dataclasses.replace(drafter.cfg, num_layers=2)
+    layer = unfuse_layer(drafter.params.layers[0])
+    return cfg, dataclasses.replace(drafter.params, layers=(layer, layer))
+
+
+@pytest.mark.parametrize("targets", [("wq", "wv"), LORA_TARGETS,
+                                     ("wq", "wv", "wq@1", "wv@1", "w_down@1")])
 def test_zero_deltas_leave_the_drafter_unchanged(tiny_target, fitted_drafter, targets):
-    lora = init_lora(fitted_drafter.cfg, 4, 8.0, jax.random.PRNGKey(0), targets)
-    merged = merge(fitted_drafter.params, lora)
-    for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(fitted_drafter.params),
-                    strict=True):
+    cfg, params = fitted_drafter.cfg, fitted_drafter.params
+    if any("@" in t for t in targets):
+        cfg, params = _two_layers(fitted_drafter)
+    lora = init_lora(cfg, 4, 8.0, jax.random.PRNGKey(0), targets)
+    merged = merge(params, lora)
+    for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(params), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
-    # A delta moves exactly the matrix it names (fc, or the first layer's).
+    # A delta moves exactly the matrix it names (fc, or layer i's for "name@i", the first's
+    # for a plain name) and nothing else.
     for name in targets:
         moved = dataclasses.replace(lora, b={**lora.b, name: lora.b[name] + 1.0})
-        got = merge(fitted_drafter.params, moved)
-        base = unfuse_layer(fitted_drafter.params.layers[0])
-        layer = unfuse_layer(got.layers[0])
+        got = merge(params, moved)
         delta = lora.scale * lora.a[name] @ (lora.b[name] + 1.0)
+        matrix, _, at = name.partition("@")
+        want = dataclasses.replace(params, layers=tuple(map(unfuse_layer, params.layers)))
         if name == "fc":
-            np.testing.assert_allclose(got.fc, fitted_drafter.params.fc + delta, atol=1e-5)
+            want = dataclasses.replace(want, fc=params.fc + delta)
         else:
-            np.testing.assert_allclose(getattr(layer, name), getattr(base, name) + delta,
-                                       atol=1e-5)
-            np.testing.assert_array_equal(got.fc, fitted_drafter.params.fc)
-    with pytest.raises(ValueError, match="LoRA targets must be distinct names"):
+            i = int(at or 0)
+            layer = want.layers[i]
+            layer = dataclasses.replace(layer, **{matrix: getattr(layer, matrix) + delta})
+            want = dataclasses.replace(want, layers=(*want.layers[:i], layer,
+                                                     *want.layers[i + 1:]))
+        got = dataclasses.replace(got, layers=tuple(map(unfuse_layer, got.layers)))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+    with pytest.raises(ValueError, match="LoRA target 'w_in': expected one of"):
         OnlineConfig(targets=("wq", "w_in"))
-    mem = memory_bytes(lora, fitted_drafter.params, make_optimizer(OC))
+    with pytest.raises(ValueError, match="not fc"):
+        OnlineConfig(targets=("fc@1",))
+    with pytest.raises(ValueError, match="distinct"):
+        OnlineConfig(targets=("wq", "wq@0"))
+    with pytest.raises(ValueError, match="the drafter has 1 layer"):
+        init_lora(fitted_drafter.cfg, 4, 8.0, jax.random.PRNGKey(0), ("wv@1",))
+    mem = memory_bytes(lora, params, make_optimizer(OC))
     assert mem["lora_trainable"] < mem["full_trainable"] * 0.75
     assert mem["lora_optimizer"] < mem["full_optimizer"] * 0.75
 
