@@ -5,7 +5,10 @@ turns chosen by keywords: programming, medicine or law; or ``translate``: ShareG
 non-English paragraphs as translation requests, a task where this target mostly copies its
 source; or ``followup``: later user turns with the conversation before them as context,
 any topic; programming then translation by default), runs in order through five
-configurations, each with its own state carried from request to request:
+configurations, each with its own state carried from request to request. ``dialogue`` (alone,
+no switch) is the paper's appendix F instead: the user turns of long conversations in order,
+each request the conversation so far with the target's own replies
+(:mod:`specjax.bench.dialogue`). The configurations:
 
 * ``full``: the full vocabulary, a frozen drafter;
 * ``fr``: FR-Spec's static core (the same N as EvoSpec's core), frozen;
@@ -57,7 +60,9 @@ TRANSLATE = "translate"
 # past the record where training stops, ShareGPT has about 2,100 of them within 1,024 tokens.
 FOLLOWUP = "followup"
 FOLLOWUP_MAX_TOKENS = 512  # a context, not one turn: longer than the others' 256
-STREAM_DOMAINS = (*DOMAINS, TRANSLATE, FOLLOWUP)
+# Long conversations turn by turn (specjax.bench.dialogue): a stream of its own, no switch.
+DIALOGUE = "dialogue"
+STREAM_DOMAINS = (*DOMAINS, TRANSLATE, FOLLOWUP, DIALOGUE)
 CONFIGS = ("full", "fr", "buffer", "lora", "evospec")
 # OnlineConfig.targets' default (the paper's W_q, W_v), written here because
 # specjax.train.online loads JAX and this module's CLI flags must not (a test keeps the two
@@ -165,14 +170,16 @@ def paired_gain(a: Sequence[float], b: Sequence[float], *, draws: int = 10_000,
             "losses": int((d < 0).sum()), "ties": int((d == 0).sum()), "requests": int(d.size)}
 
 
-def _gains(mal: dict[str, list[float]], switch: int) -> dict[str, Any]:
+def _gains(mal: dict[str, list[float]], split: int, later: str = "after_switch"
+           ) -> dict[str, Any]:
     """LoRA's effect (lora - fr, evospec - buffer: the same head with and without it) and
-    the buffer's (buffer - fr), over the whole stream and after the switch."""
+    the buffer's (buffer - fr), over the whole stream and from request ``split`` on (key
+    ``later``: after the switch, or a dialogue's second half)."""
     out: dict[str, Any] = {}
     for a, b in (("lora", "fr"), ("evospec", "buffer"), ("buffer", "fr")):
         if a in mal and b in mal:
             out[f"{a}-{b}"] = {"all": paired_gain(mal[a], mal[b]),
-                               "after_switch": paired_gain(mal[a][switch:], mal[b][switch:])}
+                               later: paired_gain(mal[a][split:], mal[b][split:])}
     return out
 
 
@@ -249,7 +256,8 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     paper's: 1e-5, one step per full replay buffer, emptied by each update; ``replay`` > 0
     keeps a window of that many samples and draws each step's batch from it; ``support``
     "vocab" adds the drafter's mass outside the target's top-K to the loss;
-    ``lora_targets`` the matrices it adapts, of ``LORA_TARGETS``). ``tree`` (a
+    ``lora_targets`` the matrices it adapts, of ``LORA_TARGETS``, "@i" for drafter layer
+    i). ``tree`` (a
     TreeSpec) is the draft tree of every configuration; None: TreeSpec's default, the
     EAGLE-2 tree (the paper drafts EAGLE-3 trees). Raises ValueError for an unknown
     configuration or domain."""
@@ -258,6 +266,7 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
 
     import specjax
     from specjax.bench.common import first_mismatch, machine_info, save_figure, write_json
+    from specjax.bench.dialogue import Histories, traces
     from specjax.bench.partial import append_record, partial_path, read_partial
     from specjax.bench.phases import resolve_drafter
     from specjax.bench.questions import resolve_questions
@@ -272,7 +281,11 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     configs = [c for c in CONFIGS if c in configs]  # a fixed order, whatever was asked
     if unknown := [d for d in domains if d not in STREAM_DOMAINS]:
         raise ValueError(f"unknown domains {unknown}; choose from {', '.join(STREAM_DOMAINS)}")
-    if len(domains) < 2:
+    dialogue = DIALOGUE in domains
+    if dialogue and len(domains) > 1:
+        raise ValueError(f"{DIALOGUE} is a stream of its own (long conversations, no topic "
+                         f"switch): pass --domains {DIALOGUE} alone")
+    if len(domains) < 2 and not dialogue:
         raise ValueError(f"a topic switch needs two or more domains, got {list(domains)}")
     if steps_per_update < 1:
         raise ValueError(f"steps_per_update must be >= 1, got {steps_per_update}")
@@ -296,9 +309,14 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     target = specjax.load(resolve_model(model, progress=progress))
     drafter, label = resolve_drafter(drafter_dir, target)
     exclude = load_exclusions([resolve_questions(None)])
-    stream = [(d, p) for d in domains for p in domain_prompts(
-        target.tokenizer, d, per_domain, skip=skip, exclude=exclude,
-        max_tokens=FOLLOWUP_MAX_TOKENS if d == FOLLOWUP else 256)]
+    if dialogue:
+        stream = [(DIALOGUE, t) for t in traces(target.tokenizer, per_domain, skip=skip,
+                                                exclude=exclude)]
+    else:
+        stream = [(d, p) for d in domains for p in domain_prompts(
+            target.tokenizer, d, per_domain, skip=skip, exclude=exclude,
+            max_tokens=FOLLOWUP_MAX_TOKENS if d == FOLLOWUP else 256)]
+    histories = Histories(target.tokenizer)
     tree = TreeSpec() if tree is None else tree
     config = {"domains": list(domains), "per_domain": per_domain, "core": core,
               "n_dyn": n_dyn, "lr": lr, "steps_per_update": steps_per_update,
@@ -325,11 +343,18 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
             s.restore(state_dir / c)
     bar = tqdm(total=len(stream), initial=len(done), desc="bench evospec", disable=not progress)
     records = list(done)
-    for i, (domain, prompt) in enumerate(stream):
+    for i, (domain, item) in enumerate(stream):
         if i < len(done):
+            if domain == DIALOGUE:  # the conversation goes on from the replies so far
+                histories.record(item, done[i]["reply"])
             continue
+        prompt = histories.prompt(item) if domain == DIALOGUE else item
         vanilla = specjax.generate(target, prompt, max_new_tokens=max_new_tokens).tokens[0]
         rec: dict[str, Any] = {"config": config, "index": i, "domain": domain}
+        if domain == DIALOGUE:
+            rec["reply"] = target.tokenizer.decode(vanilla, skip_special_tokens=True)
+            rec["record"], rec["turn"] = item.record, item.index
+            histories.record(item, rec["reply"])
         for c, s in sessions.items():
             before = s.stats["updates"]
             res = s.generate(prompt, max_new_tokens=max_new_tokens, tree=tree)
@@ -343,21 +368,31 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
         records.append(rec)
         bar.update()
     bar.close()
-    switch = per_domain
+    # A dialogue has no switch: "before" and "after" are its first and second half.
+    switch = None if dialogue else per_domain
+    split = len(records) // 2 if dialogue else per_domain
     mal = {c: [r[c]["mal"] for r in records] for c in configs}
     adapted = [c for c in ("lora", "evospec") if c in sessions]
     result = {
-        "config": config, "machine": machine_info(), "switch_at": switch,
+        "config": config, "machine": machine_info(), "switch_at": switch, "split_at": split,
         "mal": mal, "greedy_identical": all(r[c]["mismatch_at"] is None for r in records
                                             for c in configs),
-        "mean_before": {c: float(np.mean(v[:switch])) for c, v in mal.items()},
-        "mean_after": {c: float(np.mean(v[switch:])) for c, v in mal.items()},
+        "mean_before": {c: float(np.mean(v[:split])) for c, v in mal.items()},
+        "mean_after": {c: float(np.mean(v[split:])) for c, v in mal.items()},
         # Requests after the switch until EvoSpec (or, without it, the buffer) is within 3%
-        # of the full head; None when the run lacks either side.
-        "recovery_requests": next((recovery(mal[c], mal["full"], switch)
-                                   for c in ("evospec", "buffer") if c in mal and "full" in mal),
-                                  None),
-        "paired_gain": _gains(mal, switch),
+        # of the full head; None when the run lacks either side or has no switch.
+        "recovery_requests": None if dialogue else next(
+            (recovery(mal[c], mal["full"], switch)
+             for c in ("evospec", "buffer") if c in mal and "full" in mal), None),
+        "paired_gain": _gains(mal, split, "second_half" if dialogue else "after_switch"),
+        **({"conversation_starts": [i for i, r in enumerate(records)
+                                    if i == 0 or r["record"] != records[i - 1]["record"]]}
+           if dialogue else {}),
+        # Appendix F's figure: each conversation's MAL over its turns.
+        **({"per_conversation": {c: {str(k): float(np.mean(
+            [r[c]["mal"] for r in records if r["record"] == k]))
+            for k in dict.fromkeys(r["record"] for r in records)} for c in configs}}
+           if dialogue else {}),
         "lora_updates": {c: sessions[c].stats["updates"] for c in adapted},
         "lora_update_s": {c: sessions[c].stats["update_s"] for c in adapted},
         "memory": sessions[adapted[0]].memory() if adapted else None,
@@ -374,10 +409,16 @@ def _plot(result: dict, path: Path, save_figure: Any) -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     for c, v in result["mal"].items():
         ax.plot(range(1, len(v) + 1), v, marker=".", label=c)
-    ax.axvline(result["switch_at"] + 0.5, color="k", ls="--", lw=1)
+    if result["switch_at"] is not None:
+        ax.axvline(result["switch_at"] + 0.5, color="k", ls="--", lw=1)
+        ax.set_title(" -> ".join(result["config"]["domains"]) + " (switch dashed)")
+    else:  # a dialogue: each conversation's first turn dotted
+        for k in result["conversation_starts"][1:]:
+            ax.axvline(k + 0.5, color="grey", ls=":", lw=1)
+        ax.set_title(f"{len(result['conversation_starts'])} long conversations, turn by turn "
+                     "(a new one dotted)")
     ax.set_xlabel("request")
     ax.set_ylabel("mean accepted length")
-    ax.set_title(" -> ".join(result["config"]["domains"]) + " (switch dashed)")
     ax.legend()
     save_figure(fig, path)
 
@@ -389,8 +430,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--model", default=None)
     p.add_argument("--drafter", default=None)
     p.add_argument("--domains", default=",".join(DEFAULT_DOMAINS),
-                   help=f"two or more of {', '.join(STREAM_DOMAINS)}, in stream order")
-    p.add_argument("--per-domain", type=int, default=20)
+                   help=f"two or more of {', '.join(STREAM_DOMAINS[:-1])}, in stream order; "
+                        f"or {DIALOGUE} alone (long conversations turn by turn)")
+    p.add_argument("--per-domain", type=int, default=20,
+                   help="requests of each domain (dialogue: turns in all, conversation by "
+                        "conversation)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--core", type=int, default=8192)
     p.add_argument("--n-dyn", type=int, default=256)
@@ -407,8 +451,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "softmax over the whole vocabulary")
     p.add_argument("--lora-targets", default=",".join(DEFAULT_LORA_TARGETS),
                    help="matrices the online LoRA adapts (default wq,wv, the paper's; also "
-                        "wk, wo, w_gate, w_up, w_down of the first drafter layer, and fc, "
-                        "its input fusion)")
+                        "wk, wo, w_gate, w_up, w_down of the first drafter layer, NAME@i of "
+                        "layer i of a deeper drafter, e.g. wq@1, and fc, its input fusion)")
     p.add_argument("--skip", type=int, default=DEFAULT_SKIP,
                    help="ShareGPT records skipped before the stream's prompts are chosen "
                         f"(default {DEFAULT_SKIP}, where drafter training data stops; an "

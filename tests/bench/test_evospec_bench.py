@@ -66,10 +66,12 @@ def test_bad_configurations_domains_and_steps_are_refused_before_any_model_loads
         run_evospec_bench("/nonexistent", None, replay=8, progress=False)
     with pytest.raises(ValueError, match="support must be one of topk, vocab"):
         run_evospec_bench("/nonexistent", None, support="full", progress=False)
-    with pytest.raises(ValueError, match="LoRA targets must be distinct names"):
+    with pytest.raises(ValueError, match="LoRA target 'mlp': expected one of"):
         run_evospec_bench("/nonexistent", None, lora_targets=("wq", "mlp"), progress=False)
     with pytest.raises(ValueError, match="needs two or more domains"):
         run_evospec_bench("/nonexistent", None, domains=("code",), progress=False)
+    with pytest.raises(ValueError, match="pass --domains dialogue alone"):
+        run_evospec_bench("/nonexistent", None, domains=("code", "dialogue"), progress=False)
     with pytest.raises(ValueError, match="skip must be >= 0"):
         run_evospec_bench("/nonexistent", None, skip=-1, progress=False)
 
@@ -126,6 +128,24 @@ def test_followup_is_a_domain_of_later_turns_with_their_context(tmp_path, monkey
     assert [p[0].count(1) for p in got] == [3, 3] and len(got[1][0]) == len(got[0][0])
     with pytest.raises(ValueError, match="only 1 usable followup prompts after record 3"):
         domain_prompts(Chat(), "followup", 2, skip=3, max_tokens=30, exclude=set())
+
+
+@pytest.mark.bench
+def test_a_tiny_dialogue_goes_on_from_the_targets_replies_and_resumes(tmp_path):
+    kw = dict(domains=("dialogue",), per_domain=3, max_new_tokens=8, core=2048,
+              configs=["fr", "lora"], out=tmp_path / "d.json", progress=False)
+    r = run_evospec_bench(None, None, **kw)
+    assert r["greedy_identical"] and r["switch_at"] is None and r["split_at"] == 1
+    assert r["conversation_starts"] == [0] and set(r["paired_gain"]["lora-fr"]) == {
+        "all", "second_half"}
+    partial = [json.loads(line) for line in (tmp_path / "d.partial.jsonl").read_text()
+               .splitlines()]
+    assert [p["turn"] for p in partial] == [0, 1, 2] and all(p["reply"] for p in partial)
+    # Cut after two turns: the rerun rebuilds the conversation from the stored replies.
+    (tmp_path / "d.partial.jsonl").write_text("\n".join(
+        json.dumps(p) for p in partial[:2]) + "\n")
+    again = run_evospec_bench(None, None, **kw)
+    assert again["mal"] == r["mal"]
 
 
 @pytest.mark.bench
