@@ -172,6 +172,17 @@ def sharegpt_path() -> Path:
         return Path(p)
 
 
+def sharegpt_conversations(skip: int = 0) -> Iterator[tuple[int, list[dict[str, str]]]]:
+    """ShareGPT's well-formed conversations from record ``skip`` on, as (record index,
+    messages) with a user turn first (:func:`normalize_messages`)."""
+    for i, rec in enumerate(iter_records(sharegpt_path())):
+        if i < skip:
+            continue
+        msgs = normalize_messages(rec)
+        if msgs and msgs[0]["role"] == "user":
+            yield i, msgs
+
+
 def normalize_messages(record: Any) -> list[dict[str, str]] | None:
     """Chat messages [{"role", "content"}] of a ShareGPT or ``{"messages": ...}`` record.
 

@@ -38,16 +38,11 @@ def traces(tokenizer: Any, n: int, *, skip: int, exclude: set, min_turns: int = 
     last conversation may be cut). A turn of fewer than 3 words, longer than
     ``turn_tokens``, or sharing an 8-word shingle with ``exclude`` (Spec-Bench) is left out.
     """
-    from specjax.train.data import iter_records, normalize_messages, sharegpt_path
+    from specjax.train.data import sharegpt_conversations
     from specjax.train.prompts import shares_shingle
 
     out: list[Turn] = []
-    for i, rec in enumerate(iter_records(sharegpt_path())):
-        if i < skip:
-            continue
-        msgs = normalize_messages(rec)
-        if not msgs or msgs[0]["role"] != "user":
-            continue
+    for i, msgs in sharegpt_conversations(skip):
         turns = [m["content"] for m in msgs if m["role"] == "user"
                  and len(m["content"].split()) >= 3 and not shares_shingle(m["content"], exclude)
                  and len(tokenizer.encode(m["content"])) <= turn_tokens]

@@ -87,7 +87,7 @@ def domain_prompts(tokenizer: Any, domain: str, n: int, *, skip: int, max_tokens
     matching its keywords, for ``translate`` every non-English paragraph as a request, for
     ``followup`` every later user turn with its conversation, chat-templated (``[ids]``, a
     batch of one, where the others are text)."""
-    from specjax.train.data import iter_records, normalize_messages, sharegpt_path
+    from specjax.train.data import sharegpt_conversations
     from specjax.train.prompts import (
         encode_conversation,
         followups,
@@ -111,12 +111,7 @@ def domain_prompts(tokenizer: Any, domain: str, n: int, *, skip: int, max_tokens
         return [text] if clear else []
 
     out: list[Any] = []
-    for i, rec in enumerate(iter_records(sharegpt_path())):
-        if i < skip:
-            continue
-        msgs = normalize_messages(rec)
-        if not msgs or msgs[0]["role"] != "user":
-            continue
+    for _, msgs in sharegpt_conversations(skip):
         for item in requests(msgs):
             if shares_shingle(prompt_text(item), exclude):
                 continue
