@@ -24,7 +24,8 @@ TURN_TOKENS = 256  # one user turn
 
 @dataclasses.dataclass(frozen=True)
 class Turn:
-    """One request of a trace: the ``index``-th user turn of ShareGPT record ``record``."""
+    """One request of a trace: the ``index``-th kept user turn (those :func:`traces` does not
+    leave out) of ShareGPT record ``record``."""
 
     record: int
     index: int
