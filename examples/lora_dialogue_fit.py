@@ -47,7 +47,8 @@ def main() -> None:
     ap.add_argument("--out", default="results/lora_dialogue_fit.json")
     args = ap.parse_args()
 
-    records = [json.loads(line) for line in open(args.partial)]
+    with open(args.partial) as f:
+        records = [json.loads(line) for line in f]
     first = [r for r in records if r["record"] == records[0]["record"]][: args.turns]
     target = specjax.load(resolve_model(None))
     drafter, label = resolve_drafter(args.drafter, target)
@@ -65,22 +66,27 @@ def main() -> None:
         seqs.append((prompt, reply))
         histories.record(turn, target.tokenizer.decode(reply, skip_special_tokens=True))
 
+    # The FR core is static, so every session drafts from the same active vocabulary.
+    active = OnlineSession(target, drafter, head, adapt=False).active_vocabulary()
+
+    def agreement(dr, prompt: list[int], reply: list[int]) -> float:
+        """First-draft agreement of drafter ``dr`` on the reply's rows (teacher-forced)."""
+        ids = prompt + reply
+        nxt, rows = np.asarray(ids[1:]), np.arange(len(prompt) - 1, len(ids) - 1)
+        pred = teacher_forced(target, dr.params, dr.cfg, ids, OnlineConfig.top_k, active)[3]
+        return float(np.mean(pred[rows] == nxt[rows]))
+
+    frozen = [agreement(drafter, p, r) for p, r in seqs]  # the same for every setting
     out = {"partial": args.partial, "drafter": label, "core": args.core,
            "record": first[0]["record"], "runs": {}}
     for setting in args.settings.split(","):
         lr, steps = setting.split(":")
         s = OnlineSession(target, drafter, head,
                           oc=OnlineConfig(lr=float(lr), steps_per_update=int(steps)))
-        active, rows = s.active_vocabulary(), []
+        rows = []
         for k, (prompt, reply) in enumerate(tqdm(seqs, desc=setting)):
-            ids = prompt + reply
-            nxt, r0 = np.asarray(ids[1:]), np.arange(len(prompt) - 1, len(ids) - 1)
-            agree = {"turn": k, "updates_before": s.stats["updates"]}
-            for name, dr in (("frozen", drafter), ("adapted", s.current_drafter())):
-                pred = teacher_forced(target, dr.params, dr.cfg, ids, OnlineConfig.top_k,
-                                      active)[3]
-                agree[name] = float(np.mean(pred[r0] == nxt[r0]))
-            rows.append(agree)
+            rows.append({"turn": k, "updates_before": s.stats["updates"], "frozen": frozen[k],
+                         "adapted": agreement(s.current_drafter(), prompt, reply)})
             # Serve turn k as the stream does (greedy: the same reply), then learn from it.
             s.generate([prompt], max_new_tokens=args.max_new_tokens)
         out["runs"][setting] = rows

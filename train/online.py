@@ -121,12 +121,13 @@ def init_lora(cfg: DrafterConfig, rank: int, alpha: float, key: Array,
               targets: Sequence[str] = OnlineConfig.targets) -> Lora:
     """LoRA's initialisation on ``targets``: a ~ N(0, 1/in), b = 0, so the merged drafter
     starts as the base."""
-    shapes = _target_shapes(cfg)
+    shapes, shape = _target_shapes(cfg), {}
     for n in targets:
-        if split_target(n)[1] >= cfg.num_layers:
+        matrix, layer = split_target(n)
+        if layer >= cfg.num_layers:
             raise ValueError(f"LoRA target {n!r}: the drafter has {cfg.num_layers} layer(s), "
                              f"numbered 0..{cfg.num_layers - 1}")
-    shape = {n: shapes[split_target(n)[0]] for n in targets}
+        shape[n] = shapes[matrix]
     keys = jax.random.split(key, len(targets))
     a = {n: jax.random.normal(k, (shape[n][0], rank)) / np.sqrt(shape[n][0])
          for n, k in zip(targets, keys, strict=True)}
