@@ -162,9 +162,24 @@ class OnlineSession:
                              f"of {self.oc.buffer}: use replay >= {self.oc.buffer}, or 0 for "
                              "the paper's buffer")
         if self.lora is None:
-            self.lora = init_lora(self.drafter.cfg, self.oc.rank, self.oc.alpha,
-                                  jax.random.PRNGKey(self.seed), self.oc.targets)
-            self.opt_state = make_optimizer(self.oc).init(self.lora)
+            self._fresh_adapter()
+
+    def reset(self) -> None:
+        """Forget what the session learned: the LoRA deltas back to zero (the same
+        initialisation), a fresh optimiser state, the replay buffer and window emptied and the
+        vocabulary state dropped (the next request starts from the head's initial state).
+        ``stats`` keep counting across resets. For a new, unrelated conversation: an adapter
+        fitted to one conversation lowers acceptance in the next (docs/benchmarks.md, the
+        thirty-fourth session)."""
+        self._fresh_adapter()
+        self.vocab_state = None
+        self.buffer, self.window, self.pending = [], [], 0
+
+    def _fresh_adapter(self) -> None:
+        """Zero deltas (A random, B zero, from ``seed``) and their optimiser state."""
+        self.lora = init_lora(self.drafter.cfg, self.oc.rank, self.oc.alpha,
+                              jax.random.PRNGKey(self.seed), self.oc.targets)
+        self.opt_state = make_optimizer(self.oc).init(self.lora)
 
     def current_drafter(self) -> Drafter:
         """The drafter the next request drafts with: the base with the deltas merged."""
@@ -264,13 +279,20 @@ class OnlineSession:
         return memory_bytes(self.lora, self.drafter.params, make_optimizer(self.oc))
 
     # ------------------------------------------------------------------ persistence
+    def _vocab_state_or_initial(self) -> Any:
+        """The vocabulary state, or a stateful head's initial one before the first request
+        (or after :meth:`reset`), so that what ``save`` writes ``restore`` can read."""
+        if self.vocab_state is None and getattr(self.vocab, "stateful", False):
+            return self.vocab.init_state(1)
+        return self.vocab_state
+
     def save(self, path: str | Path) -> Path:
         """Write LoRA, optimiser state and the vocabulary state with orbax."""
         import orbax.checkpoint as ocp
 
         path = Path(path).absolute()
         state = {"lora": self.lora, "opt_state": self.opt_state,
-                 "vocab_state": self.vocab_state, "stats": {
+                 "vocab_state": self._vocab_state_or_initial(), "stats": {
                      "requests": self.stats["requests"], "updates": self.stats["updates"]}}
         ckptr = ocp.StandardCheckpointer()
         ckptr.save(path, jax.tree.map(np.asarray, state), force=True)
@@ -300,10 +322,8 @@ class OnlineSession:
             raise ValueError(f"{path} holds LoRA on {', '.join(names)}; this session adapts "
                              f"{', '.join(sorted(self.lora.a))}: restore it into a session "
                              f"with OnlineConfig(targets={names})")
-        vocab_state = self.vocab_state
-        if vocab_state is None and getattr(self.vocab, "stateful", False):
-            vocab_state = self.vocab.init_state(1)
-        abstract = {"lora": self.lora, "opt_state": self.opt_state, "vocab_state": vocab_state,
+        abstract = {"lora": self.lora, "opt_state": self.opt_state,
+                    "vocab_state": self._vocab_state_or_initial(),
                     "stats": {"requests": 0, "updates": 0}}
         got = ocp.StandardCheckpointer().restore(path, jax.tree.map(np.asarray, abstract))
         self.lora, self.opt_state = got["lora"], got["opt_state"]

@@ -298,6 +298,31 @@ def test_a_session_adapts_and_keeps_greedy_output(tiny_target, fitted_drafter, t
         wider.restore(tmp_path / "elsewhere")
 
 
+def test_a_reset_session_drafts_as_a_new_one(tiny_target, fitted_drafter, tmp_path):
+    sess, fresh = _session(tiny_target, fitted_drafter), _session(tiny_target, fitted_drafter)
+    tree = TreeSpec("chain", depth=3)
+    for prompt in PROMPTS * 2:
+        sess.generate([prompt], max_new_tokens=24, stop_on_eos=False, tree=tree)
+    assert sess.stats["updates"] > 0 and sess.vocab_state is not None
+    updates = sess.stats["updates"]
+    sess.reset()
+    assert float(jnp.abs(sess.lora.b["wq"]).max()) == 0 and sess.buffer == []
+    assert sess.stats["updates"] == updates  # the counts go on across conversations
+    # A reset session saves and restores before its first request (the head's initial state).
+    sess.restore(sess.save(tmp_path / "reset"))
+    for a, b in zip(jax.tree.leaves((sess.lora, sess.opt_state, sess.vocab_state)),
+                    jax.tree.leaves((fresh.lora, fresh.opt_state,
+                                     fresh.vocab.init_state(1))), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # ... and drafts exactly as a session that never learned anything.
+    got = sess.generate([PROMPTS[1]], max_new_tokens=24, stop_on_eos=False, tree=tree)
+    want = fresh.generate([PROMPTS[1]], max_new_tokens=24, stop_on_eos=False, tree=tree)
+    assert got.stats["mean_accepted_length"] == want.stats["mean_accepted_length"]
+    for a, b in zip(jax.tree.leaves(sess.vocab_state), jax.tree.leaves(fresh.vocab_state),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_a_replay_window_keeps_the_newest_samples_and_updates_per_buffer(tiny_target,
                                                                          fitted_drafter):
     oc = dataclasses.replace(OC, replay=6, steps_per_update=2)
