@@ -178,6 +178,12 @@ def _gains(mal: dict[str, list[float]], split: int, later: str = "after_switch"
     return out
 
 
+def conversation_starts(records: Sequence[Any]) -> list[int]:
+    """Where each conversation begins in a dialogue stream: the indices whose ShareGPT
+    record (``records``, one per request, in stream order) differs from the one before."""
+    return [i for i, r in enumerate(records) if i == 0 or r != records[i - 1]]
+
+
 def step_cost(target: Any, drafter: Any, *, core: int = 8192, n_dyn: int = 256,
               context: int = 512, runs: int = 20,
               tree: TreeSpec | None = None) -> dict[str, Any]:
@@ -240,6 +246,7 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
                       support: str = "topk",
                       lora_targets: Sequence[str] = DEFAULT_LORA_TARGETS,
                       skip: int = DEFAULT_SKIP,
+                      reset_per_conversation: bool = False,
                       tree: TreeSpec | None = None,
                       configs: Sequence[str] = CONFIGS,
                       out: str | Path = "results/bench_evospec.json",
@@ -252,10 +259,12 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     keeps a window of that many samples and draws each step's batch from it; ``support``
     "vocab" adds the drafter's mass outside the target's top-K to the loss;
     ``lora_targets`` the matrices it adapts, of ``LORA_TARGETS``, "@i" for drafter layer
-    i). ``tree`` (a
-    TreeSpec) is the draft tree of every configuration; None: TreeSpec's default, the
-    EAGLE-2 tree (the paper drafts EAGLE-3 trees). Raises ValueError for an unknown
-    configuration or domain."""
+    i). ``reset_per_conversation`` (dialogue only) resets every configuration's state
+    (:meth:`OnlineSession.reset`) at each new conversation, as a server keeps one session
+    per conversation, where by default the state carries from one conversation into the
+    next. ``tree`` (a TreeSpec) is the draft tree of every configuration; None: TreeSpec's
+    default, the EAGLE-2 tree (the paper drafts EAGLE-3 trees). Raises ValueError for an
+    unknown configuration or domain, or a reset without a dialogue."""
     import jax
     from tqdm.auto import tqdm
 
@@ -280,6 +289,9 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     if dialogue and len(domains) > 1:
         raise ValueError(f"{DIALOGUE} is a stream of its own (long conversations, no topic "
                          f"switch): pass --domains {DIALOGUE} alone")
+    if reset_per_conversation and not dialogue:
+        raise ValueError(f"resetting per conversation needs --domains {DIALOGUE} (a topic "
+                         "switch's requests are single prompts, not conversations)")
     if len(domains) < 2 and not dialogue:
         raise ValueError(f"a topic switch needs two or more domains, got {list(domains)}")
     if steps_per_update < 1:
@@ -312,6 +324,8 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
             target.tokenizer, d, per_domain, skip=skip, exclude=exclude,
             max_tokens=FOLLOWUP_MAX_TOKENS if d == FOLLOWUP else 256)]
     histories = Histories(target.tokenizer)
+    new_conversation = set(conversation_starts(
+        [item.record for _, item in stream])[1:]) if reset_per_conversation else set()
     tree = TreeSpec() if tree is None else tree
     config = {"domains": list(domains), "per_domain": per_domain, "core": core,
               "n_dyn": n_dyn, "lr": lr, "steps_per_update": steps_per_update,
@@ -323,6 +337,7 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
               **({"lora_targets": list(lora_targets)}
                  if lora_targets != DEFAULT_LORA_TARGETS else {}),
               "skip": skip,  # always: the default moved (600 until it was held out)
+              **({"reset": "per conversation"} if reset_per_conversation else {}),
               "max_new_tokens": max_new_tokens, "drafter": label,
               "tree": dataclasses.asdict(tree), "configs": configs}
     config = json.loads(json.dumps(config))
@@ -343,6 +358,9 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
             if domain == DIALOGUE:  # the conversation goes on from the replies so far
                 histories.record(item, done[i]["reply"])
             continue
+        if i in new_conversation:
+            for s in sessions.values():
+                s.reset()
         prompt = histories.prompt(item) if domain == DIALOGUE else item
         vanilla = specjax.generate(target, prompt, max_new_tokens=max_new_tokens).tokens[0]
         rec: dict[str, Any] = {"config": config, "index": i, "domain": domain}
@@ -380,8 +398,7 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
             (recovery(mal[c], mal["full"], switch)
              for c in ("evospec", "buffer") if c in mal and "full" in mal), None),
         "paired_gain": _gains(mal, split, "second_half" if dialogue else "after_switch"),
-        **({"conversation_starts": [i for i, r in enumerate(records)
-                                    if i == 0 or r["record"] != records[i - 1]["record"]]}
+        **({"conversation_starts": conversation_starts([r["record"] for r in records])}
            if dialogue else {}),
         # Appendix F's figure: each conversation's MAL over its turns.
         **({"per_conversation": {c: {str(k): float(np.mean(
@@ -453,6 +470,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         f"(default {DEFAULT_SKIP}, where drafter training data stops; an "
                         "earlier start measures the drafter on prompts it was trained on "
                         "and warns)")
+    p.add_argument("--reset-per-conversation", action="store_true",
+                   help="dialogue only: reset every configuration's state (LoRA deltas, "
+                        "optimiser, replay and vocabulary buffers) at each new conversation, "
+                        "one session per conversation (default: carried across them)")
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help=f"which configurations to run, of {', '.join(CONFIGS)} (default all)")
     # Imported here, not at the top: it loads JAX, and this module's constants must not.
@@ -491,7 +512,8 @@ def _run(args: argparse.Namespace) -> int:
                           steps_per_update=args.steps_per_update, replay=args.replay,
                           support=args.support,
                           lora_targets=[t.strip() for t in args.lora_targets.split(",")],
-                          skip=args.skip, tree=tree,
+                          skip=args.skip,
+                          reset_per_conversation=args.reset_per_conversation, tree=tree,
                           configs=[c.strip() for c in args.configs.split(",") if c.strip()],
                           out=args.out)
     print(json.dumps({k: r[k] for k in ("mean_before", "mean_after", "recovery_requests",

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from specjax.bench.evospec import DOMAINS, recovery, run_evospec_bench
+from specjax.bench.evospec import DOMAINS, conversation_starts, recovery, run_evospec_bench
 from specjax.speculative import TreeSpec
 
 
@@ -72,6 +72,8 @@ def test_bad_configurations_domains_and_steps_are_refused_before_any_model_loads
         run_evospec_bench("/nonexistent", None, domains=("code",), progress=False)
     with pytest.raises(ValueError, match="pass --domains dialogue alone"):
         run_evospec_bench("/nonexistent", None, domains=("code", "dialogue"), progress=False)
+    with pytest.raises(ValueError, match="resetting per conversation needs --domains dialogue"):
+        run_evospec_bench("/nonexistent", None, reset_per_conversation=True, progress=False)
     with pytest.raises(ValueError, match="skip must be >= 0"):
         run_evospec_bench("/nonexistent", None, skip=-1, progress=False)
 
@@ -146,6 +148,26 @@ def test_a_tiny_dialogue_goes_on_from_the_targets_replies_and_resumes(tmp_path):
         json.dumps(p) for p in partial[:2]) + "\n")
     again = run_evospec_bench(None, None, **kw)
     assert again["mal"] == r["mal"]
+
+
+def test_conversations_start_where_the_record_changes():
+    assert conversation_starts([7, 7, 9, 9, 9, 7]) == [0, 2, 5]
+    assert conversation_starts([]) == []
+
+
+@pytest.mark.bench
+def test_a_reset_per_conversation_starts_each_one_from_the_frozen_drafter(tmp_path):
+    # Record 16184 has 12 usable user turns (the thirty-fourth session's stream D2): the 13th
+    # request is the next conversation's first turn.
+    r = run_evospec_bench(None, None, domains=("dialogue",), per_domain=13, max_new_tokens=16,
+                          core=2048, lr=1e-3, steps_per_update=2, skip=16177,
+                          reset_per_conversation=True, configs=["fr", "lora"],
+                          tree=TreeSpec(kind="chain", depth=3), out=tmp_path / "r.json",
+                          progress=False)
+    assert r["conversation_starts"] == [0, 12] and r["greedy_identical"]
+    assert r["lora_updates"]["lora"] > 0 and r["config"]["reset"] == "per conversation"
+    # Zero deltas and the same head: the first turn of each conversation drafts as fr does.
+    assert [r["mal"]["lora"][i] for i in (0, 12)] == [r["mal"]["fr"][i] for i in (0, 12)]
 
 
 @pytest.mark.bench
