@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 import numpy as np
 from flax import nnx
@@ -18,7 +19,8 @@ from tests.tiny import make_hf_checkpoint
 from tests.vocab.conftest import toy_tokenizer
 
 
-def test_turns_carry_the_buffer_and_print_per_turn_lines(tmp_path):
+def _chat(tmp_path, text):
+    """Run chat_loop on a tiny target with an EvoSpec head and LoRA; (turns, bracketed lines)."""
     src = make_hf_checkpoint(tmp_path / "hf", "llama")
     toy_tokenizer().save_pretrained(src)  # a word-level tokenizer with a ChatML template
     target = specjax.load(specjax.convert(src, tmp_path / "sj", progress=False))
@@ -32,14 +34,30 @@ def test_turns_carry_the_buffer_and_print_per_turn_lines(tmp_path):
     turns = chat_loop(target, drafter,
                       {"max_new_tokens": 8, "tree": TreeSpec("chain", depth=2), "vocab": head,
                        "stop_on_eos": False},
-                      None, io.StringIO("hello\nthe cat sat\n/reset\nhi\n\n"), out, err,
-                      adapt=True)
-    assert turns == 3
+                      None, io.StringIO(text), out, err, adapt=True)
     lines = [ln.removeprefix("> ") for ln in err.getvalue().splitlines()]
-    lines = [ln for ln in lines if ln.startswith("[")]
+    return turns, [ln for ln in lines if ln.startswith("[")]
+
+
+def test_turns_carry_the_buffer_and_print_per_turn_lines(tmp_path):
+    turns, lines = _chat(tmp_path, "hello\nthe cat sat\n/reset\nhi\n\n")
+    assert turns == 3
     assert len(lines) == 4 and "reset" in lines[2]
     assert all("tokens per target forward" in ln and "buffer" in ln and "LoRA updates" in ln
                for ln in lines[:2] + lines[3:])
+
+
+def test_a_new_conversation_starts_from_what_a_new_session_knows(tmp_path):
+    text = "hello the cat\nthe cat sat on the mat\nsat the cat\n/new\nhello the cat\n\n"
+    turns, lines = _chat(tmp_path, text)
+    assert turns == 4 and "new conversation" in lines[3]
+
+    def same(line):  # without the speed, and the update count that goes on across /new
+        return re.sub(r"[\d.]+ tok/s|LoRA updates \d+", "", line)
+
+    # The same first turn, from zero deltas and an empty buffer: the same acceptance and events.
+    assert same(lines[4]) == same(lines[0])
+    assert "evicted 0" not in lines[2]  # the full buffer had turned over before /new
 
 
 def test_turn_line_reports_this_turns_events():

@@ -7,7 +7,9 @@ the drafter online (:mod:`specjax.train.online_session`). After every reply a li
 the turn's acceptance (tokens per target forward), for EvoSpec the OOV events, insertions
 and evictions of the turn and the buffer's occupancy, and with LoRA the updates so far.
 Empty line or ``/quit`` ends; ``/reset`` forgets the conversation (the buffer and the
-deltas stay: they are what the session learned).
+deltas stay: they are what the session learned); ``/new`` starts a new conversation and
+forgets what the session learned too (an adapter fitted to one conversation lowers
+acceptance in an unrelated next one: docs/benchmarks.md, the thirty-fourth session).
 """
 
 from __future__ import annotations
@@ -77,6 +79,13 @@ def chat_loop(target: Any, drafter: Any, kwargs: dict[str, Any], system: str | N
         if user.strip() == "/reset":
             messages = list(start)
             print("[conversation reset; the vocabulary buffer and LoRA deltas are kept]",
+                  file=err)
+            continue
+        if user.strip() == "/new":
+            messages, before = list(start), None  # the buffer's counters restart too
+            if session is not None:
+                session.reset()
+            print("[new conversation; the vocabulary buffer and LoRA deltas are reset]",
                   file=err)
             continue
         messages.append({"role": "user", "content": user.rstrip("\n")})
