@@ -184,6 +184,20 @@ def conversation_starts(records: Sequence[Any]) -> list[int]:
     return [i for i, r in enumerate(records) if i == 0 or r != records[i - 1]]
 
 
+def by_turn(records: Sequence[dict[str, Any]], configs: Sequence[str]) -> dict[str, Any]:
+    """Each configuration's MAL at turn k of a conversation, averaged over the conversations
+    that reach it (appendix F's x-axis: how far into a conversation the request is).
+
+    records: dialogue records (``turn``, and ``{config: {"mal": ...}}``). Returns ``turn``
+    (the turn indices present, ascending), ``conversations`` (how many reach each) and
+    ``mal`` ({config: [mean MAL per turn]})."""
+    turns = sorted({r["turn"] for r in records})
+    at = {k: [r for r in records if r["turn"] == k] for k in turns}
+    return {"turn": turns, "conversations": [len(at[k]) for k in turns],
+            "mal": {c: [float(np.mean([r[c]["mal"] for r in at[k]])) for k in turns]
+                    for c in configs}}
+
+
 def step_cost(target: Any, drafter: Any, *, core: int = 8192, n_dyn: int = 256,
               context: int = 512, runs: int = 20,
               tree: TreeSpec | None = None) -> dict[str, Any]:
@@ -405,6 +419,7 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
             [r[c]["mal"] for r in records if r["record"] == k]))
             for k in dict.fromkeys(r["record"] for r in records)} for c in configs}}
            if dialogue else {}),
+        **({"by_turn": by_turn(records, configs)} if dialogue else {}),
         "lora_updates": {c: sessions[c].stats["updates"] for c in adapted},
         "lora_update_s": {c: sessions[c].stats["update_s"] for c in adapted},
         "memory": sessions[adapted[0]].memory() if adapted else None,
@@ -418,7 +433,10 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
 def _plot(result: dict, path: Path, save_figure: Any) -> None:
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4))
+    dialogue = "by_turn" in result
+    fig, axes = plt.subplots(1, 2 if dialogue else 1, figsize=(13 if dialogue else 8, 4),
+                             squeeze=False)
+    ax = axes[0, 0]
     for c, v in result["mal"].items():
         ax.plot(range(1, len(v) + 1), v, marker=".", label=c)
     if result["switch_at"] is not None:
@@ -432,6 +450,13 @@ def _plot(result: dict, path: Path, save_figure: Any) -> None:
     ax.set_xlabel("request")
     ax.set_ylabel("mean accepted length")
     ax.legend()
+    if dialogue:  # how far into a conversation: turn k averaged over the conversations
+        bt, right = result["by_turn"], axes[0, 1]
+        for c, v in bt["mal"].items():
+            right.plot(bt["turn"], v, marker=".", label=c)
+        right.set_xlabel("turn of the conversation (mean over those that reach it)")
+        right.set_ylabel("mean accepted length")
+        right.legend()
     save_figure(fig, path)
 
 

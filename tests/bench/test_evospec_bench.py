@@ -8,7 +8,13 @@ import json
 import numpy as np
 import pytest
 
-from specjax.bench.evospec import DOMAINS, conversation_starts, recovery, run_evospec_bench
+from specjax.bench.evospec import (
+    DOMAINS,
+    by_turn,
+    conversation_starts,
+    recovery,
+    run_evospec_bench,
+)
 from specjax.speculative import TreeSpec
 
 
@@ -153,6 +159,15 @@ def test_a_tiny_dialogue_goes_on_from_the_targets_replies_and_resumes(tmp_path):
 def test_conversations_start_where_the_record_changes():
     assert conversation_starts([7, 7, 9, 9, 9, 7]) == [0, 2, 5]
     assert conversation_starts([]) == []
+
+
+def test_by_turn_averages_turn_k_over_the_conversations_that_reach_it():
+    recs = [{"turn": t, "fr": {"mal": m}, "lora": {"mal": m + d}}
+            for t, m, d in [(0, 1.0, 0.0), (1, 2.0, 0.5), (2, 3.0, 1.0),  # one conversation
+                            (0, 2.0, 0.0), (1, 1.0, -0.5)]]                # and a shorter one
+    got = by_turn(recs, ["fr", "lora"])
+    assert got["turn"] == [0, 1, 2] and got["conversations"] == [2, 2, 1]
+    assert got["mal"] == {"fr": [1.5, 1.5, 3.0], "lora": [1.5, 1.5, 4.0]}
 
 
 @pytest.mark.bench
