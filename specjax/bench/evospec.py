@@ -383,11 +383,13 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
             rec["record"], rec["turn"] = item.record, item.index
             histories.record(item, rec["reply"])
         for c, s in sessions.items():
-            before = s.stats["updates"]
+            before, timed = s.stats["updates"], len(s.stats["update_s"])
             res = s.generate(prompt, max_new_tokens=max_new_tokens, tree=tree)
             rec[c] = {"mal": res.stats["mean_accepted_length"],
                       "mismatch_at": first_mismatch(res.tokens[0], vanilla),
                       "updates": s.stats["updates"] - before,
+                      # In the record, not only the session: a saved session keeps no times.
+                      "update_s": s.stats["update_s"][timed:],
                       **{k: res.stats[k][0] for k in ("oov_events", "insertions",
                                                        "buffer_occupancy") if k in res.stats}}
             s.save(state_dir / c)
@@ -421,7 +423,8 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
            if dialogue else {}),
         **({"by_turn": by_turn(records, configs)} if dialogue else {}),
         "lora_updates": {c: sessions[c].stats["updates"] for c in adapted},
-        "lora_update_s": {c: sessions[c].stats["update_s"] for c in adapted},
+        "lora_update_s": {c: [t for r in records for t in r[c].get("update_s", [])]
+                          for c in adapted},
         "memory": sessions[adapted[0]].memory() if adapted else None,
     }
     write_json(out, result)

@@ -174,15 +174,19 @@ def test_by_turn_averages_turn_k_over_the_conversations_that_reach_it():
 def test_a_reset_per_conversation_starts_each_one_from_the_frozen_drafter(tmp_path):
     # Record 16184 has 12 usable user turns (the thirty-fourth session's stream D2): the 13th
     # request is the next conversation's first turn.
-    r = run_evospec_bench(None, None, domains=("dialogue",), per_domain=13, max_new_tokens=16,
-                          core=2048, lr=1e-3, steps_per_update=2, skip=16177,
-                          reset_per_conversation=True, configs=["fr", "lora"],
-                          tree=TreeSpec(kind="chain", depth=3), out=tmp_path / "r.json",
-                          progress=False)
+    kw = dict(domains=("dialogue",), per_domain=13, max_new_tokens=16, core=2048, lr=1e-3,
+              steps_per_update=2, skip=16177, reset_per_conversation=True,
+              configs=["fr", "lora"], tree=TreeSpec(kind="chain", depth=3),
+              out=tmp_path / "r.json", progress=False)
+    r = run_evospec_bench(None, None, **kw)
     assert r["conversation_starts"] == [0, 12] and r["greedy_identical"]
     assert r["lora_updates"]["lora"] > 0 and r["config"]["reset"] == "per conversation"
     # Zero deltas and the same head: the first turn of each conversation drafts as fr does.
     assert [r["mal"]["lora"][i] for i in (0, 12)] == [r["mal"]["fr"][i] for i in (0, 12)]
+    # A rerun resumes every request and still reports each update's time (from the records).
+    again = run_evospec_bench(None, None, **kw)
+    assert len(r["lora_update_s"]["lora"]) == r["lora_updates"]["lora"]
+    assert again["lora_update_s"] == r["lora_update_s"] and again["mal"] == r["mal"]
 
 
 @pytest.mark.bench
