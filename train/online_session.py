@@ -169,8 +169,9 @@ class OnlineSession:
         initialisation), a fresh optimiser state, the replay buffer and window emptied and the
         vocabulary state dropped (the next request starts from the head's initial state).
         ``stats`` keep counting across resets. For a new, unrelated conversation: an adapter
-        fitted to one conversation lowers acceptance in the next (docs/benchmarks.md, the
-        thirty-fourth session)."""
+        fitted to one conversation lowers acceptance in the next, and one session per
+        conversation raises it (docs/benchmarks.md, the thirty-fourth and thirty-fifth
+        sessions)."""
         self._fresh_adapter()
         self.vocab_state = None
         self.buffer, self.window, self.pending = [], [], 0
