@@ -7,6 +7,10 @@ the user turns of long ShareGPT conversations past the held-out record (LMSYS-Ch
 not install here), sent in order, each request the conversation so far with the *target's
 own* earlier replies (as ``specjax chat`` renders it), not ShareGPT's.
 
+``bench evospec --domains dialogue:code,dialogue:legal`` plays conversations of one topic
+and then of another the same way (``first_turn``): the issue's topic switch, as
+conversations rather than single prompts.
+
 A 135M target has a small context and a CPU pays for every prompt row, so a request keeps
 the newest exchanges that fit in ``max_tokens`` (older user / reply pairs are dropped
 whole, as a chat front end does) and a turn longer than ``turn_tokens`` is skipped.
@@ -15,6 +19,7 @@ whole, as a chat front end does) and a turn longer than ``turn_tokens`` is skipp
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 MIN_TURNS = 10  # user turns a conversation needs to be a trace
@@ -33,27 +38,33 @@ class Turn:
 
 
 def traces(tokenizer: Any, n: int, *, skip: int, exclude: set, min_turns: int = MIN_TURNS,
-           turn_tokens: int = TURN_TOKENS) -> list[Turn]:
+           turn_tokens: int = TURN_TOKENS, first_turn: Callable[[str], bool] | None = None
+           ) -> list[Turn]:
     """The first ``n`` user turns of the conversations from ShareGPT record ``skip`` on that
     have ``min_turns`` user turns or more, conversation by conversation and in order (the
     last conversation may be cut). A turn of fewer than 3 words, longer than
     ``turn_tokens``, or sharing an 8-word shingle with ``exclude`` (Spec-Bench) is left out.
+    ``first_turn``, if given, keeps only the conversations whose first user message (as
+    written, before any turn is left out) it accepts: a topic filter.
     """
     from specjax.train.data import sharegpt_conversations
     from specjax.train.prompts import shares_shingle
 
     out: list[Turn] = []
     for i, msgs in sharegpt_conversations(skip):
-        turns = [m["content"] for m in msgs if m["role"] == "user"
-                 and len(m["content"].split()) >= 3 and not shares_shingle(m["content"], exclude)
-                 and len(tokenizer.encode(m["content"])) <= turn_tokens]
+        users = [m["content"] for m in msgs if m["role"] == "user"]
+        if first_turn is not None and not (users and first_turn(users[0])):
+            continue
+        turns = [t for t in users if len(t.split()) >= 3 and not shares_shingle(t, exclude)
+                 and len(tokenizer.encode(t)) <= turn_tokens]
         if len(turns) < min_turns:
             continue
         out += [Turn(i, k, t) for k, t in enumerate(turns)][: n - len(out)]
         if len(out) == n:
             return out
-    raise ValueError(f"ShareGPT has only {len(out)} turns of conversations with {min_turns}+ "
-                     f"user turns after record {skip}; lower --per-domain")
+    of = " of the topic" if first_turn is not None else ""
+    raise ValueError(f"ShareGPT has only {len(out)} turns of conversations{of} with "
+                     f"{min_turns}+ user turns after record {skip}; lower --per-domain")
 
 
 class Histories:

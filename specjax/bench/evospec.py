@@ -8,7 +8,10 @@ any topic; programming then translation by default), runs in order through five
 configurations, each with its own state carried from request to request. ``dialogue`` (alone,
 no switch) is the paper's appendix F instead: the user turns of long conversations in order,
 each request the conversation so far with the target's own replies
-(:mod:`specjax.bench.dialogue`). The configurations:
+(:mod:`specjax.bench.dialogue`). ``dialogue:TOPIC`` (TOPIC one of code, medical, legal) is
+a topic's conversations played the same way, so ``--domains dialogue:code,dialogue:legal``
+is the topic switch as the issue words it: programming conversations, then legal ones. The
+configurations:
 
 * ``full``: the full vocabulary, a frozen drafter;
 * ``fr``: FR-Spec's static core (the same N as EvoSpec's core), frozen;
@@ -62,7 +65,12 @@ FOLLOWUP = "followup"
 FOLLOWUP_MAX_TOKENS = 512  # a context, not one turn: longer than the others' 256
 # Long conversations turn by turn (specjax.bench.dialogue): a stream of its own, no switch.
 DIALOGUE = "dialogue"
-STREAM_DOMAINS = (*DOMAINS, TRANSLATE, FOLLOWUP, DIALOGUE)
+# A topic's conversations turn by turn ("dialogue:code"): domains a switch can join. A
+# topic's conversations are rarer than long ones of any topic (past the held-out record,
+# ShareGPT has 38 code and 4 legal conversations of 4+ user turns), so fewer turns suffice.
+TOPIC_DIALOGUES = tuple(f"{DIALOGUE}:{d}" for d in DOMAINS)
+MIN_TOPIC_TURNS = 4
+STREAM_DOMAINS = (*DOMAINS, TRANSLATE, FOLLOWUP, DIALOGUE, *TOPIC_DIALOGUES)
 CONFIGS = ("full", "fr", "buffer", "lora", "evospec")
 # OnlineConfig.targets' default (the paper's W_q, W_v), written here because
 # specjax.train.online loads JAX and this module's CLI flags must not (a test keeps the two
@@ -79,6 +87,34 @@ DEFAULT_LORA_TARGETS = ("wq", "wv")
 HELD_OUT_START = 16_000
 DEFAULT_SKIP = HELD_OUT_START
 DEFAULT_DOMAINS = ("code", TRANSLATE)
+_TOPICS = {d: re.compile(p, re.IGNORECASE) for d, p in DOMAINS.items()}
+
+
+def clear_topic(text: str, domain: str) -> bool:
+    """Is ``text`` clearly about ``domain`` (a key of DOMAINS): two or more of its keywords
+    and none of another domain's."""
+    return (len(_TOPICS[domain].findall(text)) >= 2
+            and not any(p.search(text) for d, p in _TOPICS.items() if d != domain))
+
+
+def conversational(domain: str) -> bool:
+    """Are ``domain``'s requests turns of conversations (``dialogue``, ``dialogue:TOPIC``)?"""
+    return domain.partition(":")[0] == DIALOGUE
+
+
+def conversation_turns(tokenizer: Any, domain: str, n: int, *, skip: int,
+                       exclude: set) -> list[Any]:
+    """The first ``n`` turns (:class:`specjax.bench.dialogue.Turn`) of a conversational
+    domain from ShareGPT record ``skip`` on: long conversations of any topic for
+    ``dialogue``, conversations of MIN_TOPIC_TURNS or more whose first user turn is clearly
+    of the topic for ``dialogue:TOPIC``."""
+    from specjax.bench.dialogue import traces
+
+    if domain == DIALOGUE:
+        return traces(tokenizer, n, skip=skip, exclude=exclude)
+    topic = domain.partition(":")[2]
+    return traces(tokenizer, n, skip=skip, exclude=exclude, min_turns=MIN_TOPIC_TURNS,
+                  first_turn=lambda text: clear_topic(text, topic))
 
 
 def domain_prompts(tokenizer: Any, domain: str, n: int, *, skip: int, max_tokens: int,
@@ -96,19 +132,13 @@ def domain_prompts(tokenizer: Any, domain: str, n: int, *, skip: int, max_tokens
         translations,
     )
 
-    if domain not in (TRANSLATE, FOLLOWUP):
-        pattern = re.compile(DOMAINS[domain], re.IGNORECASE)
-        others = [re.compile(p, re.IGNORECASE) for d, p in DOMAINS.items() if d != domain]
-
     def requests(msgs: list[dict[str, str]]) -> list[Any]:
         if domain == FOLLOWUP:
             return followups(msgs)
         if domain == TRANSLATE:
             return translations(msgs)
         text = msgs[0]["content"]
-        # Two or more hits and none of the other domains': a clear topic.
-        clear = len(pattern.findall(text)) >= 2 and not any(o.search(text) for o in others)
-        return [text] if clear else []
+        return [text] if clear_topic(text, domain) else []
 
     out: list[Any] = []
     for _, msgs in sharegpt_conversations(skip):
@@ -273,18 +303,19 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     keeps a window of that many samples and draws each step's batch from it; ``support``
     "vocab" adds the drafter's mass outside the target's top-K to the loss;
     ``lora_targets`` the matrices it adapts, of ``LORA_TARGETS``, "@i" for drafter layer
-    i). ``reset_per_conversation`` (dialogue only) resets every configuration's state
-    (:meth:`OnlineSession.reset`) at each new conversation, as a server keeps one session
-    per conversation, where by default the state carries from one conversation into the
-    next. ``tree`` (a TreeSpec) is the draft tree of every configuration; None: TreeSpec's
-    default, the EAGLE-2 tree (the paper drafts EAGLE-3 trees). Raises ValueError for an
-    unknown configuration or domain, or a reset without a dialogue."""
+    i). ``reset_per_conversation`` (conversational domains only) resets every
+    configuration's state (:meth:`OnlineSession.reset`) at each new conversation, as a
+    server keeps one session per conversation, where by default the state carries from one
+    conversation into the next. ``tree`` (a TreeSpec) is the draft tree of every
+    configuration; None: TreeSpec's default, the EAGLE-2 tree (the paper drafts EAGLE-3
+    trees). Raises ValueError for an unknown configuration or domain, conversations mixed
+    with single prompts, or a reset without conversations."""
     import jax
     from tqdm.auto import tqdm
 
     import specjax
     from specjax.bench.common import first_mismatch, machine_info, save_figure, write_json
-    from specjax.bench.dialogue import Histories, traces
+    from specjax.bench.dialogue import Histories
     from specjax.bench.partial import append_record, partial_path, read_partial
     from specjax.bench.phases import resolve_drafter
     from specjax.bench.questions import resolve_questions
@@ -302,10 +333,18 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     dialogue = DIALOGUE in domains
     if dialogue and len(domains) > 1:
         raise ValueError(f"{DIALOGUE} is a stream of its own (long conversations, no topic "
-                         f"switch): pass --domains {DIALOGUE} alone")
-    if reset_per_conversation and not dialogue:
-        raise ValueError(f"resetting per conversation needs --domains {DIALOGUE} (a topic "
-                         "switch's requests are single prompts, not conversations)")
+                         f"switch): pass --domains {DIALOGUE} alone, or switch between "
+                         f"topics' conversations ({', '.join(TOPIC_DIALOGUES)})")
+    talk = [conversational(d) for d in domains]
+    if any(talk) and not all(talk):
+        raise ValueError(f"a stream is conversations ({DIALOGUE}, {DIALOGUE}:TOPIC) or single "
+                         f"prompts, not both; got {list(domains)}")
+    conversations = bool(domains) and all(talk)
+    if reset_per_conversation and not conversations:
+        raise ValueError(f"resetting per conversation needs conversations: --domains "
+                         f"{DIALOGUE}, or topics' conversations such as "
+                         f"{TOPIC_DIALOGUES[0]},{TOPIC_DIALOGUES[-1]} (the other domains' "
+                         "requests are single prompts)")
     if len(domains) < 2 and not dialogue:
         raise ValueError(f"a topic switch needs two or more domains, got {list(domains)}")
     if steps_per_update < 1:
@@ -330,9 +369,9 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     target = specjax.load(resolve_model(model, progress=progress))
     drafter, label = resolve_drafter(drafter_dir, target)
     exclude = load_exclusions([resolve_questions(None)])
-    if dialogue:
-        stream = [(DIALOGUE, t) for t in traces(target.tokenizer, per_domain, skip=skip,
-                                                exclude=exclude)]
+    if conversations:
+        stream = [(d, t) for d in domains for t in conversation_turns(
+            target.tokenizer, d, per_domain, skip=skip, exclude=exclude)]
     else:
         stream = [(d, p) for d in domains for p in domain_prompts(
             target.tokenizer, d, per_domain, skip=skip, exclude=exclude,
@@ -352,6 +391,8 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
                  if lora_targets != DEFAULT_LORA_TARGETS else {}),
               "skip": skip,  # always: the default moved (600 until it was held out)
               **({"reset": "per conversation"} if reset_per_conversation else {}),
+              **({"min_turns": MIN_TOPIC_TURNS}
+                 if any(d in TOPIC_DIALOGUES for d in domains) else {}),
               "max_new_tokens": max_new_tokens, "drafter": label,
               "tree": dataclasses.asdict(tree), "configs": configs}
     config = json.loads(json.dumps(config))
@@ -369,16 +410,16 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     records = list(done)
     for i, (domain, item) in enumerate(stream):
         if i < len(done):
-            if domain == DIALOGUE:  # the conversation goes on from the replies so far
+            if conversations:  # the conversation goes on from the replies so far
                 histories.record(item, done[i]["reply"])
             continue
         if i in new_conversation:
             for s in sessions.values():
                 s.reset()
-        prompt = histories.prompt(item) if domain == DIALOGUE else item
+        prompt = histories.prompt(item) if conversations else item
         vanilla = specjax.generate(target, prompt, max_new_tokens=max_new_tokens).tokens[0]
         rec: dict[str, Any] = {"config": config, "index": i, "domain": domain}
-        if domain == DIALOGUE:
+        if conversations:
             rec["reply"] = target.tokenizer.decode(vanilla, skip_special_tokens=True)
             rec["record"], rec["turn"] = item.record, item.index
             histories.record(item, rec["reply"])
@@ -400,6 +441,7 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     # A dialogue has no switch: "before" and "after" are its first and second half.
     switch = None if dialogue else per_domain
     split = len(records) // 2 if dialogue else per_domain
+    starts = conversation_starts([r["record"] for r in records]) if conversations else None
     mal = {c: [r[c]["mal"] for r in records] for c in configs}
     adapted = [c for c in ("lora", "evospec") if c in sessions]
     result = {
@@ -414,14 +456,13 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
             (recovery(mal[c], mal["full"], switch)
              for c in ("evospec", "buffer") if c in mal and "full" in mal), None),
         "paired_gain": _gains(mal, split, "second_half" if dialogue else "after_switch"),
-        **({"conversation_starts": conversation_starts([r["record"] for r in records])}
-           if dialogue else {}),
+        **({"conversation_starts": starts} if conversations else {}),
         # Appendix F's figure: each conversation's MAL over its turns.
         **({"per_conversation": {c: {str(k): float(np.mean(
             [r[c]["mal"] for r in records if r["record"] == k]))
             for k in dict.fromkeys(r["record"] for r in records)} for c in configs}}
-           if dialogue else {}),
-        **({"by_turn": by_turn(records, configs)} if dialogue else {}),
+           if conversations else {}),
+        **({"by_turn": by_turn(records, configs)} if conversations else {}),
         "lora_updates": {c: sessions[c].stats["updates"] for c in adapted},
         "lora_update_s": {c: [t for r in records for t in r[c].get("update_s", [])]
                           for c in adapted},
@@ -436,24 +477,25 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
 def _plot(result: dict, path: Path, save_figure: Any) -> None:
     import matplotlib.pyplot as plt
 
-    dialogue = "by_turn" in result
-    fig, axes = plt.subplots(1, 2 if dialogue else 1, figsize=(13 if dialogue else 8, 4),
+    talk = "by_turn" in result  # conversations, turn by turn
+    fig, axes = plt.subplots(1, 2 if talk else 1, figsize=(13 if talk else 8, 4),
                              squeeze=False)
     ax = axes[0, 0]
     for c, v in result["mal"].items():
         ax.plot(range(1, len(v) + 1), v, marker=".", label=c)
+    for k in result.get("conversation_starts", [])[1:]:  # each conversation's first turn
+        ax.axvline(k + 0.5, color="grey", ls=":", lw=1)
     if result["switch_at"] is not None:
         ax.axvline(result["switch_at"] + 0.5, color="k", ls="--", lw=1)
-        ax.set_title(" -> ".join(result["config"]["domains"]) + " (switch dashed)")
-    else:  # a dialogue: each conversation's first turn dotted
-        for k in result["conversation_starts"][1:]:
-            ax.axvline(k + 0.5, color="grey", ls=":", lw=1)
+        ax.set_title(" -> ".join(result["config"]["domains"]) + " (switch dashed"
+                     + (", a new conversation dotted)" if talk else ")"))
+    else:
         ax.set_title(f"{len(result['conversation_starts'])} long conversations, turn by turn "
                      "(a new one dotted)")
     ax.set_xlabel("request")
     ax.set_ylabel("mean accepted length")
     ax.legend()
-    if dialogue:  # how far into a conversation: turn k averaged over the conversations
+    if talk:  # how far into a conversation: turn k averaged over the conversations
         bt, right = result["by_turn"], axes[0, 1]
         for c, v in bt["mal"].items():
             right.plot(bt["turn"], v, marker=".", label=c)
@@ -470,11 +512,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--model", default=None)
     p.add_argument("--drafter", default=None)
     p.add_argument("--domains", default=",".join(DEFAULT_DOMAINS),
-                   help=f"two or more of {', '.join(STREAM_DOMAINS[:-1])}, in stream order; "
-                        f"or {DIALOGUE} alone (long conversations turn by turn)")
+                   help=f"two or more of {', '.join(d for d in STREAM_DOMAINS if d != DIALOGUE)}"
+                        f", in stream order (dialogue:TOPIC: that topic's conversations turn "
+                        f"by turn; not mixed with single-prompt domains); or {DIALOGUE} alone "
+                        "(long conversations turn by turn, no switch)")
     p.add_argument("--per-domain", type=int, default=20,
-                   help="requests of each domain (dialogue: turns in all, conversation by "
-                        "conversation)")
+                   help="requests of each domain (dialogue: turns, conversation by "
+                        "conversation, the last one maybe cut)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--core", type=int, default=8192)
     p.add_argument("--n-dyn", type=int, default=256)
@@ -499,7 +543,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "earlier start measures the drafter on prompts it was trained on "
                         "and warns)")
     p.add_argument("--reset-per-conversation", action="store_true",
-                   help="dialogue only: reset every configuration's state (LoRA deltas, "
+                   help="conversations only: reset every configuration's state (LoRA deltas, "
                         "optimiser, replay and vocabulary buffers) at each new conversation, "
                         "one session per conversation (default: carried across them)")
     p.add_argument("--configs", default=",".join(CONFIGS),

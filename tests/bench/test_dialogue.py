@@ -54,6 +54,16 @@ def test_traces_are_long_conversations_turn_by_turn(sharegpt):
     assert traces(Chat(), 4, skip=2, exclude=set(), min_turns=4, turn_tokens=30)[0].record == 2
 
 
+def test_a_first_turn_filter_keeps_a_topics_conversations(sharegpt):
+    # The filter sees each conversation's first user message as written: record 2's.
+    got = traces(Chat(), 4, skip=0, exclude=set(), min_turns=4, turn_tokens=30,
+                 first_turn=lambda text: text.startswith("record 2 "))
+    assert [(t.record, t.index) for t in got] == [(2, 0), (2, 1), (2, 2), (2, 3)]
+    with pytest.raises(ValueError, match="only 4 turns of conversations of the topic"):
+        traces(Chat(), 5, skip=0, exclude=set(), min_turns=4, turn_tokens=30,
+               first_turn=lambda text: text.startswith("record 2 "))
+
+
 def test_a_turn_follows_the_targets_replies_and_drops_whole_old_exchanges():
     h = Histories(Chat(), max_tokens=20)
     first = Turn(7, 0, "one two three")

@@ -78,7 +78,10 @@ def test_bad_configurations_domains_and_steps_are_refused_before_any_model_loads
         run_evospec_bench("/nonexistent", None, domains=("code",), progress=False)
     with pytest.raises(ValueError, match="pass --domains dialogue alone"):
         run_evospec_bench("/nonexistent", None, domains=("code", "dialogue"), progress=False)
-    with pytest.raises(ValueError, match="resetting per conversation needs --domains dialogue"):
+    with pytest.raises(ValueError, match="conversations .* or single prompts, not both"):
+        run_evospec_bench("/nonexistent", None, domains=("dialogue:code", "legal"),
+                          progress=False)
+    with pytest.raises(ValueError, match="resetting per conversation needs conversations"):
         run_evospec_bench("/nonexistent", None, reset_per_conversation=True, progress=False)
     with pytest.raises(ValueError, match="skip must be >= 0"):
         run_evospec_bench("/nonexistent", None, skip=-1, progress=False)
@@ -111,6 +114,39 @@ def test_a_later_skip_gives_a_stream_of_other_prompts_and_translate_is_a_domain(
         domain_prompts(Words(), "legal", 2, skip=7, max_tokens=256, exclude=set())
     parser = argparse.ArgumentParser().add_subparsers()
     assert add_parser(parser).parse_args(["--skip", "2100"]).skip == 2100
+
+
+def test_a_topics_conversations_are_those_whose_first_turn_is_of_the_topic(
+        tmp_path, monkeypatch):
+    import specjax.train.data
+    from specjax.bench.evospec import clear_topic, conversation_turns
+
+    class Words:
+        def encode(self, text: str) -> list[str]:
+            return text.split()
+
+    asks = {"legal": "can the court enforce this contract clause?",
+            "code": "why does this python function raise in my class?"}
+
+    def conversation(i: int, topic: str, turns: int) -> dict:
+        first = f"Case {i}: {asks[topic]}"
+        later = [f"And then, in case {i}, turn {k}?" for k in range(1, turns)]
+        return {"conversations": [m for t in [first, *later] for m in (
+            {"from": "human", "value": t}, {"from": "gpt", "value": "Well."})]}
+
+    # Record 1 is legal but too short (3 user turns); record 3 is code.
+    records = [conversation(0, "legal", 4), conversation(1, "legal", 3),
+               conversation(2, "legal", 5), conversation(3, "code", 6)]
+    src = tmp_path / "sharegpt.json"
+    src.write_text(json.dumps(records))
+    monkeypatch.setattr(specjax.train.data, "sharegpt_path", lambda: src)
+    legal = conversation_turns(Words(), "dialogue:legal", 7, skip=0, exclude=set())
+    assert [(t.record, t.index) for t in legal] == [(0, 0), (0, 1), (0, 2), (0, 3), (2, 0),
+                                                    (2, 1), (2, 2)]
+    code = conversation_turns(Words(), "dialogue:code", 6, skip=0, exclude=set())
+    assert {t.record for t in code} == {3} and code[0].text.startswith("Case 3")
+    assert clear_topic(asks["legal"], "legal") and not clear_topic(asks["legal"], "code")
+    assert not clear_topic("a python class in court", "code")  # a legal keyword too
 
 
 def test_followup_is_a_domain_of_later_turns_with_their_context(tmp_path, monkeypatch):
@@ -187,6 +223,23 @@ def test_a_reset_per_conversation_starts_each_one_from_the_frozen_drafter(tmp_pa
     again = run_evospec_bench(None, None, **kw)
     assert len(r["lora_update_s"]["lora"]) == r["lora_updates"]["lora"]
     assert again["lora_update_s"] == r["lora_update_s"] and again["mal"] == r["mal"]
+
+
+@pytest.mark.bench
+def test_a_switch_between_topics_conversations_resets_at_each_one(tmp_path):
+    # Past record 16,000 the first code conversation of 4+ turns is 16,034, the first legal
+    # one 16,463: two turns of each.
+    r = run_evospec_bench(None, None, domains=("dialogue:code", "dialogue:legal"),
+                          per_domain=2, max_new_tokens=12, core=2048, lr=1e-3,
+                          reset_per_conversation=True, configs=["fr", "lora"],
+                          tree=TreeSpec(kind="chain", depth=2), out=tmp_path / "t.json",
+                          progress=False)
+    assert r["switch_at"] == 2 and r["conversation_starts"] == [0, 2]
+    assert list(r["per_conversation"]["fr"]) == ["16034", "16463"] and r["greedy_identical"]
+    assert set(r["paired_gain"]["lora-fr"]) == {"all", "after_switch"}
+    assert r["by_turn"]["turn"] == [0, 1] and r["by_turn"]["conversations"] == [2, 2]
+    assert [r["mal"]["lora"][i] for i in (0, 2)] == [r["mal"]["fr"][i] for i in (0, 2)]
+    assert (tmp_path / "t.png").stat().st_size > 0
 
 
 @pytest.mark.bench
