@@ -8,10 +8,10 @@ any topic; programming then translation by default), runs in order through five
 configurations, each with its own state carried from request to request. ``dialogue`` (alone,
 no switch) is the paper's appendix F instead: the user turns of long conversations in order,
 each request the conversation so far with the target's own replies
-(:mod:`specjax.bench.dialogue`). ``dialogue:TOPIC`` (TOPIC one of code, medical, legal) is
-a topic's conversations played the same way, so ``--domains dialogue:code,dialogue:legal``
-is the topic switch as the issue words it: programming conversations, then legal ones. The
-configurations:
+(:mod:`specjax.bench.dialogue`). ``dialogue:TOPIC`` (TOPIC one of code, medical, legal,
+business) is a topic's conversations played the same way, so ``--domains
+dialogue:code,dialogue:legal`` is the topic switch as the issue words it: programming
+conversations, then legal ones. The configurations:
 
 * ``full``: the full vocabulary, a frozen drafter;
 * ``fr``: FR-Spec's static core (the same N as EvoSpec's core), frozen;
@@ -65,10 +65,17 @@ FOLLOWUP = "followup"
 FOLLOWUP_MAX_TOKENS = 512  # a context, not one turn: longer than the others' 256
 # Long conversations turn by turn (specjax.bench.dialogue): a stream of its own, no switch.
 DIALOGUE = "dialogue"
+# Topics of conversations (dialogue:TOPIC): DOMAINS, and topics that only conversations
+# take. A later topic is told apart from DOMAINS' (none of their keywords), not they from it,
+# so the single-prompt domains keep the prompts earlier streams ran on.
+TOPICS = {**DOMAINS,
+          "business": r"\b(marketing|business|customers|customer|brand|sales|startup|company|"
+                      r"product|market|strategy)\b"}
 # A topic's conversations turn by turn ("dialogue:code"): domains a switch can join. A
 # topic's conversations are rarer than long ones of any topic (past the held-out record,
-# ShareGPT has 38 code and 4 legal conversations of 4+ user turns), so fewer turns suffice.
-TOPIC_DIALOGUES = tuple(f"{DIALOGUE}:{d}" for d in DOMAINS)
+# ShareGPT has 38 code, 24 business and 4 legal conversations of 4+ user turns), so fewer
+# turns suffice.
+TOPIC_DIALOGUES = tuple(f"{DIALOGUE}:{d}" for d in TOPICS)
 MIN_TOPIC_TURNS = 4
 STREAM_DOMAINS = (*DOMAINS, TRANSLATE, FOLLOWUP, DIALOGUE, *TOPIC_DIALOGUES)
 CONFIGS = ("full", "fr", "buffer", "lora", "evospec")
@@ -87,14 +94,14 @@ DEFAULT_LORA_TARGETS = ("wq", "wv")
 HELD_OUT_START = 16_000
 DEFAULT_SKIP = HELD_OUT_START
 DEFAULT_DOMAINS = ("code", TRANSLATE)
-_TOPICS = {d: re.compile(p, re.IGNORECASE) for d, p in DOMAINS.items()}
+_TOPICS = {d: re.compile(p, re.IGNORECASE) for d, p in TOPICS.items()}
 
 
-def clear_topic(text: str, domain: str) -> bool:
-    """Is ``text`` clearly about ``domain`` (a key of DOMAINS): two or more of its keywords
-    and none of another domain's."""
-    return (len(_TOPICS[domain].findall(text)) >= 2
-            and not any(p.search(text) for d, p in _TOPICS.items() if d != domain))
+def clear_topic(text: str, topic: str) -> bool:
+    """Is ``text`` clearly about ``topic`` (a key of TOPICS): two or more of its keywords
+    and none of another DOMAINS topic's."""
+    return (len(_TOPICS[topic].findall(text)) >= 2
+            and not any(_TOPICS[d].search(text) for d in DOMAINS if d != topic))
 
 
 def conversational(domain: str) -> bool:

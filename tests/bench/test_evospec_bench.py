@@ -147,6 +147,11 @@ def test_a_topics_conversations_are_those_whose_first_turn_is_of_the_topic(
     assert {t.record for t in code} == {3} and code[0].text.startswith("Case 3")
     assert clear_topic(asks["legal"], "legal") and not clear_topic(asks["legal"], "code")
     assert not clear_topic("a python class in court", "code")  # a legal keyword too
+    # A conversations-only topic is told apart from DOMAINS', not they from it: a code prompt
+    # that mentions a business stays code, so the single-prompt streams keep their prompts.
+    assert clear_topic("a marketing strategy for my startup's brand", "business")
+    assert not clear_topic("a marketing strategy for my startup's python api", "business")
+    assert clear_topic("a python api for my startup's marketing", "code")
 
 
 def test_followup_is_a_domain_of_later_turns_with_their_context(tmp_path, monkeypatch):
