@@ -186,32 +186,54 @@ def recovery(mal: Sequence[float], ref: Sequence[float], start: int, *, window: 
     return None
 
 
-def paired_gain(a: Sequence[float], b: Sequence[float], *, draws: int = 10_000,
-                seed: int = 0) -> dict[str, Any]:
+def paired_gain(a: Sequence[float], b: Sequence[float], *, groups: Sequence[Any] | None = None,
+                draws: int = 10_000, seed: int = 0) -> dict[str, Any]:
     """Does ``a`` beat ``b`` on the same requests? Mean per-request difference a - b with a
     95% bootstrap interval (requests resampled with replacement), and the wins / losses /
     ties. The pairing removes the prompt-to-prompt spread (easy and hard requests move both
-    configurations alike), which is most of MAL's variance in a stream."""
+    configurations alike), which is most of MAL's variance in a stream.
+
+    groups: a label per request (its conversation). Given, the bootstrap resamples whole
+    groups, each draw's mean taken over the requests of the groups drawn: the turns of one
+    conversation share its adapter and its text, so they are not independent draws, and
+    this interval is the wider, honest one for a conversation stream (``groups`` in the
+    result counts them)."""
     d = np.asarray(a, float) - np.asarray(b, float)
     if d.size == 0:
         raise ValueError("paired_gain needs at least one request")
     rs = np.random.default_rng(seed)
-    means = d[rs.integers(0, d.size, (draws, d.size))].mean(axis=1)
+    out: dict[str, Any] = {}
+    if groups is None:
+        means = d[rs.integers(0, d.size, (draws, d.size))].mean(axis=1)
+    else:
+        if len(groups) != d.size:
+            raise ValueError(f"groups has {len(groups)} labels for {d.size} requests")
+        _, which = np.unique(np.asarray(groups), return_inverse=True)
+        sums, counts = np.bincount(which, weights=d), np.bincount(which)
+        pick = rs.integers(0, sums.size, (draws, sums.size))
+        means = sums[pick].sum(axis=1) / counts[pick].sum(axis=1)
+        out["groups"] = int(sums.size)
     lo, hi = np.percentile(means, [2.5, 97.5])
     return {"mean": float(d.mean()), "ci95": [float(lo), float(hi)], "wins": int((d > 0).sum()),
-            "losses": int((d < 0).sum()), "ties": int((d == 0).sum()), "requests": int(d.size)}
+            "losses": int((d < 0).sum()), "ties": int((d == 0).sum()), "requests": int(d.size),
+            **out}
 
 
-def _gains(mal: dict[str, list[float]], split: int, later: str = "after_switch"
-           ) -> dict[str, Any]:
+def _gains(mal: dict[str, list[float]], split: int, later: str = "after_switch",
+           conversations: Sequence[Any] | None = None) -> dict[str, Any]:
     """LoRA's effect (lora - fr, evospec - buffer: the same head with and without it) and
     the buffer's (buffer - fr), over the whole stream and from request ``split`` on (key
-    ``later``: after the switch, or a dialogue's second half)."""
+    ``later``: after the switch, or a dialogue's second half); with ``conversations`` (each
+    request's), also over the whole stream with conversations resampled whole
+    (``all_by_conversation``)."""
     out: dict[str, Any] = {}
     for a, b in (("lora", "fr"), ("evospec", "buffer"), ("buffer", "fr")):
         if a in mal and b in mal:
             out[f"{a}-{b}"] = {"all": paired_gain(mal[a], mal[b]),
                                later: paired_gain(mal[a][split:], mal[b][split:])}
+            if conversations is not None:
+                out[f"{a}-{b}"]["all_by_conversation"] = paired_gain(
+                    mal[a], mal[b], groups=conversations)
     return out
 
 
@@ -462,7 +484,8 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
         "recovery_requests": None if dialogue else next(
             (recovery(mal[c], mal["full"], switch)
              for c in ("evospec", "buffer") if c in mal and "full" in mal), None),
-        "paired_gain": _gains(mal, split, "second_half" if dialogue else "after_switch"),
+        "paired_gain": _gains(mal, split, "second_half" if dialogue else "after_switch",
+                              [r["record"] for r in records] if conversations else None),
         **({"conversation_starts": starts} if conversations else {}),
         # Appendix F's figure: each conversation's MAL over its turns.
         **({"per_conversation": {c: {str(k): float(np.mean(

@@ -61,6 +61,26 @@ def test_paired_gain_sees_a_small_consistent_lift_through_the_prompt_spread():
         paired_gain([], [])
 
 
+def test_a_gain_carried_by_one_conversation_is_not_significant_by_conversation():
+    from specjax.bench.evospec import paired_gain
+
+    # Five conversations of ten turns: one gains 0.2 on every turn, the others nothing. By
+    # request the 10 wins look consistent; resampling whole conversations draws the lucky
+    # one in only some draws (none in about a third), so the interval reaches zero.
+    base = np.random.default_rng(1).uniform(1.5, 2.5, 50)
+    lift = np.r_[np.full(10, 0.2), np.zeros(40)]
+    groups = np.repeat([16105, 16118, 16149, 16174, 16175], 10)
+    by_request = paired_gain(base + lift, base)
+    by_conversation = paired_gain(base + lift, base, groups=groups)
+    assert by_request["ci95"][0] > 0 and by_conversation["ci95"][0] == 0.0
+    assert by_conversation["groups"] == 5 and by_conversation["mean"] == by_request["mean"]
+    # Unequal conversations: a draw's mean is over its requests, not its conversations.
+    even = paired_gain([1.0, 1.0, 1.0, 0.0], [0.0] * 4, groups=[7, 7, 7, 9], draws=2000)
+    assert even["ci95"] == [0.0, 1.0] and abs(even["mean"] - 0.75) < 1e-12
+    with pytest.raises(ValueError, match="3 labels for 4 requests"):
+        paired_gain([1.0] * 4, [0.0] * 4, groups=[1, 1, 2])
+
+
 def test_bad_configurations_domains_and_steps_are_refused_before_any_model_loads():
     with pytest.raises(ValueError, match="configs must be some of full, fr, buffer"):
         run_evospec_bench("/nonexistent", None, configs=["fr", "eagle"], progress=False)
@@ -186,7 +206,7 @@ def test_a_tiny_dialogue_goes_on_from_the_targets_replies_and_resumes(tmp_path):
     r = run_evospec_bench(None, None, **kw)
     assert r["greedy_identical"] and r["switch_at"] is None and r["split_at"] == 1
     assert r["conversation_starts"] == [0] and set(r["paired_gain"]["lora-fr"]) == {
-        "all", "second_half"}
+        "all", "second_half", "all_by_conversation"}
     partial = [json.loads(line) for line in (tmp_path / "d.partial.jsonl").read_text()
                .splitlines()]
     assert [p["turn"] for p in partial] == [0, 1, 2] and all(p["reply"] for p in partial)
@@ -241,7 +261,8 @@ def test_a_switch_between_topics_conversations_resets_at_each_one(tmp_path):
                           progress=False)
     assert r["switch_at"] == 2 and r["conversation_starts"] == [0, 2]
     assert list(r["per_conversation"]["fr"]) == ["16034", "16463"] and r["greedy_identical"]
-    assert set(r["paired_gain"]["lora-fr"]) == {"all", "after_switch"}
+    assert set(r["paired_gain"]["lora-fr"]) == {"all", "after_switch", "all_by_conversation"}
+    assert r["paired_gain"]["lora-fr"]["all_by_conversation"]["groups"] == 2
     assert r["by_turn"]["turn"] == [0, 1] and r["by_turn"]["conversations"] == [2, 2]
     assert [r["mal"]["lora"][i] for i in (0, 2)] == [r["mal"]["fr"][i] for i in (0, 2)]
     assert (tmp_path / "t.png").stat().st_size > 0
