@@ -359,6 +359,9 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     configs = [c for c in CONFIGS if c in configs]  # a fixed order, whatever was asked
     if unknown := [d for d in domains if d not in STREAM_DOMAINS]:
         raise ValueError(f"unknown domains {unknown}; choose from {', '.join(STREAM_DOMAINS)}")
+    if len(set(domains)) < len(domains):
+        # A conversation played twice would go on from its own replies, a prompt repeat.
+        raise ValueError(f"each domain once per stream, got {list(domains)}")
     dialogue = DIALOGUE in domains
     if dialogue and len(domains) > 1:
         raise ValueError(f"{DIALOGUE} is a stream of its own (long conversations, no topic "

@@ -98,6 +98,9 @@ def test_bad_configurations_domains_and_steps_are_refused_before_any_model_loads
         run_evospec_bench("/nonexistent", None, domains=("code",), progress=False)
     with pytest.raises(ValueError, match="pass --domains dialogue alone"):
         run_evospec_bench("/nonexistent", None, domains=("code", "dialogue"), progress=False)
+    with pytest.raises(ValueError, match="each domain once per stream"):
+        run_evospec_bench("/nonexistent", None, domains=("dialogue:code", "dialogue:code"),
+                          progress=False)
     with pytest.raises(ValueError, match="conversations .* or single prompts, not both"):
         run_evospec_bench("/nonexistent", None, domains=("dialogue:code", "legal"),
                           progress=False)
