@@ -170,8 +170,8 @@ class OnlineSession:
         vocabulary state dropped (the next request starts from the head's initial state).
         ``stats`` keep counting across resets. For a new, unrelated conversation: an adapter
         fitted to one conversation lowers acceptance in the next, and one session per
-        conversation raises it (docs/benchmarks.md, the thirty-fourth and thirty-fifth
-        sessions)."""
+        conversation raises it on long conversations, late in them (docs/benchmarks.md, the
+        thirty-fourth to thirty-sixth sessions)."""
         self._fresh_adapter()
         self.vocab_state = None
         self.buffer, self.window, self.pending = [], [], 0

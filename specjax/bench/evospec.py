@@ -473,7 +473,8 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     # A dialogue has no switch: "before" and "after" are its first and second half.
     switch = None if dialogue else per_domain
     split = len(records) // 2 if dialogue else per_domain
-    starts = conversation_starts([r["record"] for r in records]) if conversations else None
+    # Each request's conversation (its ShareGPT record), for conversation streams only.
+    convs = [r["record"] for r in records] if conversations else None
     mal = {c: [r[c]["mal"] for r in records] for c in configs}
     adapted = [c for c in ("lora", "evospec") if c in sessions]
     result = {
@@ -488,12 +489,12 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
             (recovery(mal[c], mal["full"], switch)
              for c in ("evospec", "buffer") if c in mal and "full" in mal), None),
         "paired_gain": _gains(mal, split, "second_half" if dialogue else "after_switch",
-                              [r["record"] for r in records] if conversations else None),
-        **({"conversation_starts": starts} if conversations else {}),
+                              convs),
+        **({"conversation_starts": conversation_starts(convs)} if conversations else {}),
         # Appendix F's figure: each conversation's MAL over its turns.
         **({"per_conversation": {c: {str(k): float(np.mean(
             [r[c]["mal"] for r in records if r["record"] == k]))
-            for k in dict.fromkeys(r["record"] for r in records)} for c in configs}}
+            for k in dict.fromkeys(convs)} for c in configs}}
            if conversations else {}),
         **({"by_turn": by_turn(records, configs)} if conversations else {}),
         "lora_updates": {c: sessions[c].stats["updates"] for c in adapted},

@@ -9,8 +9,8 @@ and evictions of the turn and the buffer's occupancy, and with LoRA the updates 
 Empty line or ``/quit`` ends; ``/reset`` forgets the conversation (the buffer and the
 deltas stay: they are what the session learned); ``/new`` starts a new conversation and
 forgets what the session learned too (an adapter fitted to one conversation lowers
-acceptance in an unrelated next one; one session per conversation gains: docs/benchmarks.md,
-the thirty-fourth and thirty-fifth sessions).
+acceptance in an unrelated next one; one session per conversation gains, late in long
+conversations: docs/benchmarks.md, the thirty-fourth to thirty-sixth sessions).
 """
 
 from __future__ import annotations
