@@ -84,6 +84,11 @@ class OnlineConfig:
     support: str = "topk"  # "topk": eq. 5's; "vocab": also the mass outside it (alignment_loss)
     # The paper's; any of LORA_TARGETS, "@i" for drafter layer i > 0 (not the paper's).
     targets: tuple[str, ...] = ("wq", "wv")
+    # Not the paper's: a prequential guard. The adapter drafts the next request only when,
+    # on the newest request's rows (text it was not fitted on), its first draft hit the
+    # target's token more often than the frozen drafter's; otherwise the frozen drafter
+    # drafts while the adapter goes on learning (OnlineSession).
+    guard: bool = False
 
     def __post_init__(self) -> None:
         if self.support not in SUPPORTS:

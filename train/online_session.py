@@ -4,8 +4,10 @@
 EvoSpec adapts: the LoRA deltas and their optimiser state, the replay buffer, and the
 EvoSpec head's buffer (``vocab_state``). After each request it turns the verified text into
 draft-anchor samples (:func:`collect_samples`, the gate of :mod:`specjax.train.online`),
-and when the replay buffer holds B samples it runs an update. ``save`` / ``restore`` write
-and read the whole state with orbax.
+and when the replay buffer holds B samples it runs an update. With ``OnlineConfig(guard=True)``
+(not the paper's) the adapter drafts only after it beat the frozen drafter on the newest
+request, text it had not been fitted on. ``save`` / ``restore`` write and read the whole
+state with orbax.
 
 The drafter only proposes: every request's output is the target's (greedy output equals
 vanilla, sampled output has the target's distribution), whatever the deltas are.
@@ -50,8 +52,6 @@ def teacher_forced(target: Target, dp: Any, cfg: Any, ids: list[int], k: int,
     it has any), the target's top-k ids and logits [T, k], and the drafter's first draft
     [T]: its argmax over ``active`` at row t, a draft of ids[t + 1]).
     """
-    from specjax.drafter import drafter_hidden, init_drafter_cache
-
     n = bucket(len(ids))
     toks = jnp.asarray([ids + [0] * (n - len(ids))], jnp.int32)
     pos = jnp.arange(n, dtype=jnp.int32)[None]
@@ -59,14 +59,42 @@ def teacher_forced(target: Target, dp: Any, cfg: Any, ids: list[int], k: int,
                                      init_cache(target.cfg, 1, n),
                                      tap_layers=cfg.tap_layers(target.cfg))
     top = jax.lax.top_k(lm_head(target.params, hidden)[0].astype(jnp.float32), k)
-    feats = cfg.target_features(dp, hidden, taps)
-    shifted = jnp.concatenate([jnp.zeros_like(feats[:, :1]), feats[:, :-1]], axis=1)
+    feats = np.asarray(cfg.target_features(dp, hidden, taps)[0, :len(ids)], np.float32)
+    return (feats, np.asarray(top[1][:len(ids)]), np.asarray(top[0][:len(ids)]),
+            first_drafts(target, dp, cfg, ids, feats, active))
+
+
+def first_drafts(target: Target, dp: Any, cfg: Any, ids: list[int], feats: np.ndarray,
+                 active: np.ndarray) -> np.ndarray:
+    """[T] the drafter's first draft at each row of ``ids`` (T tokens), teacher-forced on
+    ``feats`` ([T, d], :func:`teacher_forced`'s, which do not depend on the drafter's
+    layers): its argmax over ``active`` ([V] bool) at row t, a draft of ids[t + 1]. Another
+    drafter over the same text needs only this, not the target again."""
+    from specjax.drafter import drafter_hidden, init_drafter_cache
+
+    t, n = len(ids), bucket(len(ids))
+    toks = jnp.asarray([ids + [0] * (n - t)], jnp.int32)
+    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    # Row i reads the feature at i - 1 (row 0 a zero one); padded rows come after the text.
+    shifted = jnp.zeros((1, n, feats.shape[1]), target.params.embed.dtype)
+    shifted = shifted.at[0, 1:t].set(feats[:-1])
     h, _ = drafter_hidden(dp, cfg, target.params.embed, toks, shifted, pos,
-                          init_drafter_cache(cfg, 1, n, hidden.dtype))
-    t = len(ids)
+                          init_drafter_cache(cfg, 1, n, shifted.dtype))
     logits = jnp.where(jnp.asarray(active)[None], h[0, :t] @ target.params.head.T, -jnp.inf)
-    return (np.asarray(feats[0, :t], np.float32), np.asarray(top[1][:t]),
-            np.asarray(top[0][:t]), np.asarray(logits.argmax(-1)))
+    return np.asarray(logits.argmax(-1))
+
+
+def guard_counts(adapted: np.ndarray, frozen: np.ndarray, ids: list[int], prompt_len: int,
+                 active: np.ndarray) -> tuple[int, int]:
+    """The guard's evidence on one verified sequence (OnlineConfig.guard): of the output's
+    rows whose target token is in ``active`` ([V] bool), how many the adapted drafter's first
+    draft hit and the frozen one's missed (wins), and the reverse (losses). adapted, frozen:
+    [T] first drafts (:func:`first_drafts`) over ``ids`` (T tokens)."""
+    nxt = np.asarray(ids[1:])
+    rows = np.arange(max(prompt_len - 1, 0), len(ids) - 1)
+    rows = rows[active[nxt[rows]]]
+    hit_a, hit_f = adapted[rows] == nxt[rows], frozen[rows] == nxt[rows]
+    return int((hit_a & ~hit_f).sum()), int((hit_f & ~hit_a).sum())
 
 
 def collect_samples(target: Target, dp: Any, cfg: Any, ids: list[int], prompt_len: int,
@@ -82,7 +110,14 @@ def collect_samples(target: Target, dp: Any, cfg: Any, ids: list[int], prompt_le
     vocabulary, hit or miss (an evaluation set, or OSD-style distillation on the whole
     verified text).
     """
-    feats, top_ids, top_logits, pred = teacher_forced(target, dp, cfg, ids, oc.top_k, active)
+    return anchor_samples(teacher_forced(target, dp, cfg, ids, oc.top_k, active), ids,
+                          prompt_len, active, oc, mismatched_only=mismatched_only)
+
+
+def anchor_samples(passes: tuple, ids: list[int], prompt_len: int, active: np.ndarray,
+                   oc: OnlineConfig, *, mismatched_only: bool = True) -> Samples | None:
+    """:func:`collect_samples` from a :func:`teacher_forced` pass already made."""
+    feats, top_ids, top_logits, pred = passes
     nxt = np.asarray(ids[1:] + [-1])
     g = oc.horizon
     rows = np.arange(max(prompt_len - 1, 0), len(ids) - 1)
@@ -146,8 +181,11 @@ class OnlineSession:
     # arrived since the last update; not saved by ``save`` (a restored session refills it).
     window: list = dataclasses.field(default_factory=list)
     pending: int = 0
+    # oc.guard: does the adapter draft the next request (it beat the frozen drafter on the
+    # newest one)? stats["guard"] keeps each request's (wins, losses).
+    deployed: bool = False
     stats: dict = dataclasses.field(default_factory=lambda: {
-        "requests": 0, "samples": 0, "updates": 0, "update_s": [], "loss": []})
+        "requests": 0, "samples": 0, "updates": 0, "update_s": [], "loss": [], "guard": []})
 
     def __post_init__(self) -> None:
         from specjax.drafter import DrafterConfig
@@ -175,6 +213,7 @@ class OnlineSession:
         self._fresh_adapter()
         self.vocab_state = None
         self.buffer, self.window, self.pending = [], [], 0
+        self.deployed = False
 
     def _fresh_adapter(self) -> None:
         """Zero deltas (A random, B zero, from ``seed``) and their optimiser state."""
@@ -183,9 +222,14 @@ class OnlineSession:
         self.opt_state = make_optimizer(self.oc).init(self.lora)
 
     def current_drafter(self) -> Drafter:
-        """The drafter the next request drafts with: the base with the deltas merged."""
-        if not self.adapt:
+        """The drafter the next request drafts with: the base with the deltas merged (with
+        ``oc.guard``, only while the adapter is deployed; the base otherwise)."""
+        if not self.adapt or (self.oc.guard and not self.deployed):
             return self.drafter
+        return self.adapted_drafter()
+
+    def adapted_drafter(self) -> Drafter:
+        """The base with the deltas merged, deployed or not: the drafter the updates fit."""
         return dataclasses.replace(self.drafter, params=merge(self.drafter.params, self.lora))
 
     def active_vocabulary(self) -> np.ndarray:
@@ -221,9 +265,17 @@ class OnlineSession:
         return res
 
     def _learn(self, prompt: list[int], output: list[int]) -> None:
-        dr = self.current_drafter()
-        s = collect_samples(self.target, dr.params, dr.cfg, prompt + output, len(prompt),
-                            self.active_vocabulary(), self.oc)
+        dr, ids, active = self.adapted_drafter(), prompt + output, self.active_vocabulary()
+        passes = teacher_forced(self.target, dr.params, dr.cfg, ids, self.oc.top_k, active)
+        if self.oc.guard:
+            # Prequential: the adapter has not been fitted on this request yet, so its hits
+            # here against the frozen drafter's say how it will draft text it has not seen.
+            base = self.drafter
+            frozen = first_drafts(self.target, base.params, base.cfg, ids, passes[0], active)
+            wins, losses = guard_counts(passes[3], frozen, ids, len(prompt), active)
+            self.stats["guard"].append((wins, losses))
+            self.deployed = wins > losses
+        s = anchor_samples(passes, ids, len(prompt), active, self.oc)
         if s is None:
             return
         self.stats["samples"] += num_anchors(s)
@@ -294,7 +346,8 @@ class OnlineSession:
         path = Path(path).absolute()
         state = {"lora": self.lora, "opt_state": self.opt_state,
                  "vocab_state": self._vocab_state_or_initial(), "stats": {
-                     "requests": self.stats["requests"], "updates": self.stats["updates"]}}
+                     "requests": self.stats["requests"], "updates": self.stats["updates"]},
+                 "deployed": np.asarray(self.deployed)}
         ckptr = ocp.StandardCheckpointer()
         ckptr.save(path, jax.tree.map(np.asarray, state), force=True)
         ckptr.wait_until_finished()
@@ -325,9 +378,12 @@ class OnlineSession:
                              f"with OnlineConfig(targets={names})")
         abstract = {"lora": self.lora, "opt_state": self.opt_state,
                     "vocab_state": self._vocab_state_or_initial(),
-                    "stats": {"requests": 0, "updates": 0}}
+                    "stats": {"requests": 0, "updates": 0},
+                    # Sessions saved before the guard existed have no flag: never deployed.
+                    **({"deployed": np.asarray(False)} if "deployed" in meta else {})}
         got = ocp.StandardCheckpointer().restore(path, jax.tree.map(np.asarray, abstract))
         self.lora, self.opt_state = got["lora"], got["opt_state"]
+        self.deployed = bool(got.get("deployed", False))
         self.vocab_state = got["vocab_state"]
         self.stats["requests"] = int(got["stats"]["requests"])
         self.stats["updates"] = int(got["stats"]["updates"])

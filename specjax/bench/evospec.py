@@ -319,7 +319,7 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
                       support: str = "topk",
                       lora_targets: Sequence[str] = DEFAULT_LORA_TARGETS,
                       skip: int = DEFAULT_SKIP,
-                      reset_per_conversation: bool = False,
+                      reset_per_conversation: bool = False, guard: bool = False,
                       tree: TreeSpec | None = None,
                       configs: Sequence[str] = CONFIGS,
                       out: str | Path = "results/bench_evospec.json",
@@ -335,7 +335,9 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     i). ``reset_per_conversation`` (conversational domains only) resets every
     configuration's state (:meth:`OnlineSession.reset`) at each new conversation, as a
     server keeps one session per conversation, where by default the state carries from one
-    conversation into the next. ``tree`` (a TreeSpec) is the draft tree of every
+    conversation into the next. ``guard`` (not the paper's, OnlineConfig.guard) lets the
+    adapter draft a request only after it beat the frozen drafter on the one before.
+    ``tree`` (a TreeSpec) is the draft tree of every
     configuration; None: TreeSpec's default, the EAGLE-2 tree (the paper drafts EAGLE-3
     trees). Raises ValueError for an unknown configuration or domain, conversations mixed
     with single prompts, or a reset without conversations."""
@@ -387,7 +389,7 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     lora_targets = tuple(lora_targets)
     # Refuses an unknown support or target before anything loads.
     oc = OnlineConfig(lr=lr, steps_per_update=steps_per_update, replay=replay,
-                      support=support, targets=lora_targets)
+                      support=support, targets=lora_targets, guard=guard)
     if skip < 0:
         raise ValueError(f"skip must be >= 0 ShareGPT records, got {skip}")
     if skip < HELD_OUT_START:
@@ -423,6 +425,7 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
                  if lora_targets != DEFAULT_LORA_TARGETS else {}),
               "skip": skip,  # always: the default moved (600 until it was held out)
               **({"reset": "per conversation"} if reset_per_conversation else {}),
+              **({"guard": True} if guard else {}),
               **({"min_turns": MIN_TOPIC_TURNS}
                  if any(d in TOPIC_DIALOGUES for d in domains) else {}),
               "max_new_tokens": max_new_tokens, "drafter": label,
@@ -457,12 +460,15 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
             histories.record(item, rec["reply"])
         for c, s in sessions.items():
             before, timed = s.stats["updates"], len(s.stats["update_s"])
+            drafted_adapted = s.adapt and (not guard or s.deployed)
             res = s.generate(prompt, max_new_tokens=max_new_tokens, tree=tree)
             rec[c] = {"mal": res.stats["mean_accepted_length"],
                       "mismatch_at": first_mismatch(res.tokens[0], vanilla),
                       "updates": s.stats["updates"] - before,
                       # In the record, not only the session: a saved session keeps no times.
                       "update_s": s.stats["update_s"][timed:],
+                      **({"adapted": drafted_adapted, "guard": s.stats["guard"][-1]}
+                         if guard and s.adapt else {}),
                       **{k: res.stats[k][0] for k in ("oov_events", "insertions",
                                                        "buffer_occupancy") if k in res.stats}}
             s.save(state_dir / c)
@@ -500,6 +506,9 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
         "lora_updates": {c: sessions[c].stats["updates"] for c in adapted},
         "lora_update_s": {c: [t for r in records for t in r[c].get("update_s", [])]
                           for c in adapted},
+        # --guard: the share of requests the adapter drafted (the frozen drafter the rest).
+        **({"adapter_drafted": {c: float(np.mean([r[c]["adapted"] for r in records]))
+                                for c in adapted}} if guard and adapted else {}),
         "memory": sessions[adapted[0]].memory() if adapted else None,
     }
     write_json(out, result)
@@ -580,6 +589,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="conversations only: reset every configuration's state (LoRA deltas, "
                         "optimiser, replay and vocabulary buffers) at each new conversation, "
                         "one session per conversation (default: carried across them)")
+    p.add_argument("--guard", action="store_true",
+                   help="not the paper's: the adapter drafts a request only after its first "
+                        "drafts beat the frozen drafter's on the request before (text it was "
+                        "not fitted on); otherwise the frozen drafter drafts and the adapter "
+                        "goes on learning")
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help=f"which configurations to run, of {', '.join(CONFIGS)} (default all)")
     # Imported here, not at the top: it loads JAX, and this module's constants must not.
@@ -619,7 +633,8 @@ def _run(args: argparse.Namespace) -> int:
                           support=args.support,
                           lora_targets=[t.strip() for t in args.lora_targets.split(",")],
                           skip=args.skip,
-                          reset_per_conversation=args.reset_per_conversation, tree=tree,
+                          reset_per_conversation=args.reset_per_conversation,
+                          guard=args.guard, tree=tree,
                           configs=[c.strip() for c in args.configs.split(",") if c.strip()],
                           out=args.out)
     print(json.dumps({k: r[k] for k in ("mean_before", "mean_after", "recovery_requests",

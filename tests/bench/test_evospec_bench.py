@@ -254,6 +254,29 @@ def test_a_reset_per_conversation_starts_each_one_from_the_frozen_drafter(tmp_pa
 
 
 @pytest.mark.bench
+def test_a_guarded_adapter_drafts_as_the_frozen_one_until_deployed(tmp_path):
+    from specjax.bench.partial import partial_path, read_partial
+
+    out = tmp_path / "g.json"
+    r = run_evospec_bench(None, None, domains=("dialogue",), per_domain=12, max_new_tokens=16,
+                          core=2048, lr=1e-3, steps_per_update=2, skip=16177, guard=True,
+                          configs=["fr", "lora"], tree=TreeSpec(kind="chain", depth=3),
+                          out=out, progress=False)
+    assert r["greedy_identical"] and r["config"]["guard"] and r["lora_updates"]["lora"] > 0
+    records = read_partial(partial_path(out))
+    assert [rec["lora"]["adapted"] for rec in records][0] is False
+    assert r["adapter_drafted"]["lora"] == np.mean([rec["lora"]["adapted"] for rec in records])
+    # Undeployed, the lora session drafts with the frozen drafter and fr's head: fr's drafts.
+    for rec in records:
+        if not rec["lora"]["adapted"]:
+            assert rec["lora"]["mal"] == rec["fr"]["mal"]
+    # The next request is the adapter's when it won on this one (the guard's counts).
+    for rec, nxt in zip(records[:-1], records[1:], strict=True):
+        wins, losses = rec["lora"]["guard"]
+        assert nxt["lora"]["adapted"] == (wins > losses)
+
+
+@pytest.mark.bench
 def test_a_switch_between_topics_conversations_resets_at_each_one(tmp_path):
     # Past record 16,000 the first code conversation of 4+ turns is 16,034, the first legal
     # one 16,463: two turns of each.
