@@ -19,7 +19,7 @@ from tests.tiny import make_hf_checkpoint
 from tests.vocab.conftest import toy_tokenizer
 
 
-def _chat(tmp_path, text):
+def _chat(tmp_path, text, online=None):
     """Run chat_loop on a tiny target with an EvoSpec head and LoRA; (turns, bracketed lines)."""
     src = make_hf_checkpoint(tmp_path / "hf", "llama")
     toy_tokenizer().save_pretrained(src)  # a word-level tokenizer with a ChatML template
@@ -34,7 +34,7 @@ def _chat(tmp_path, text):
     turns = chat_loop(target, drafter,
                       {"max_new_tokens": 8, "tree": TreeSpec("chain", depth=2), "vocab": head,
                        "stop_on_eos": False},
-                      None, io.StringIO(text), out, err, adapt=True)
+                      None, io.StringIO(text), out, err, adapt=True, online=online)
     lines = [ln.removeprefix("> ") for ln in err.getvalue().splitlines()]
     return turns, [ln for ln in lines if ln.startswith("[")]
 
@@ -58,6 +58,28 @@ def test_a_new_conversation_starts_from_what_a_new_session_knows(tmp_path):
     # The same first turn, from zero deltas and an empty buffer: the same acceptance and events.
     assert same(lines[4]) == same(lines[0])
     assert "evicted 0" not in lines[2]  # the full buffer had turned over before /new
+
+
+def test_a_guarded_chat_says_which_drafter_drafts_the_next_turn(tmp_path):
+    from specjax.train.online import OnlineConfig
+
+    online = OnlineConfig(rank=4, buffer=4, lr=1e-2, guard=True)
+    turns, lines = _chat(tmp_path, "hello the cat\nthe cat sat on the mat\n\n", online)
+    assert turns == 2
+    # After the first turn the adapter is zero deltas: a tie, so the frozen drafter drafts.
+    assert lines[0].endswith("next turn: frozen drafter (guard)]")
+    assert re.search(r"next turn: (adapter|frozen drafter \(guard\))]$", lines[1])
+
+
+def test_chat_adapts_at_the_measured_setting_with_the_guard_by_default():
+    import argparse
+
+    from specjax.commands.chat import add_parser
+
+    p = add_parser(argparse.ArgumentParser().add_subparsers())
+    args = p.parse_args(["--adapt", "lora"])
+    assert (args.lora_lr, args.steps_per_update, args.guard) == (1e-3, 8, True)
+    assert not p.parse_args(["--no-guard"]).guard
 
 
 def test_turn_line_reports_this_turns_events():

@@ -67,9 +67,10 @@ def teacher_forced(target: Target, dp: Any, cfg: Any, ids: list[int], k: int,
 def first_drafts(target: Target, dp: Any, cfg: Any, ids: list[int], feats: np.ndarray,
                  active: np.ndarray) -> np.ndarray:
     """[T] the drafter's first draft at each row of ``ids`` (T tokens), teacher-forced on
-    ``feats`` ([T, d], :func:`teacher_forced`'s, which do not depend on the drafter's
-    layers): its argmax over ``active`` ([V] bool) at row t, a draft of ids[t + 1]. Another
-    drafter over the same text needs only this, not the target again."""
+    ``feats`` ([T, d], :func:`teacher_forced`'s: the same for the base drafter and any
+    adapter of it, since LoRA never adapts the tap fusion that makes them): its argmax over
+    ``active`` ([V] bool) at row t, a draft of ids[t + 1]. Another drafter over the same
+    text needs only this, not the target again."""
     from specjax.drafter import drafter_hidden, init_drafter_cache
 
     t, n = len(ids), bucket(len(ids))

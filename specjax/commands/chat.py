@@ -5,7 +5,8 @@ A stateful vocabulary head (``--vocab evospec``, the default here) keeps its sta
 turns, so the dynamic vocabulary grows with the conversation, and ``--adapt lora`` aligns
 the drafter online (:mod:`specjax.train.online_session`). After every reply a line shows
 the turn's acceptance (tokens per target forward), for EvoSpec the OOV events, insertions
-and evictions of the turn and the buffer's occupancy, and with LoRA the updates so far.
+and evictions of the turn and the buffer's occupancy, and with LoRA the updates so far
+(and, with the guard, whether the adapter or the frozen drafter drafts the next turn).
 Empty line or ``/quit`` ends; ``/reset`` forgets the conversation (the buffer and the
 deltas stay: they are what the session learned); ``/new`` starts a new conversation and
 forgets what the session learned too (an adapter fitted to one conversation lowers
@@ -38,13 +39,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--adapt", default="none", choices=["none", "lora"],
                    help="online alignment of the drafter: lora = EvoSpec's LoRA on W_q, W_v "
                         "(rank 32), updated from each turn's verified text")
+    # The measured setting on SmolLM2 (docs/benchmarks.md, thirty-fourth to thirty-seventh
+    # sessions), not the paper's 1e-5 and one step, under which no draft changes here.
+    p.add_argument("--lora-lr", type=float, default=1e-3,
+                   help="--adapt lora: the adapter's Adam learning rate (default 1e-3; the "
+                        "paper's 1e-5 moves no draft of a 135M drafter)")
+    p.add_argument("--steps-per-update", type=int, default=8,
+                   help="--adapt lora: optax steps on each full replay buffer (default 8)")
+    p.add_argument("--guard", action=argparse.BooleanOptionalAction, default=True,
+                   help="--adapt lora: the adapter drafts a turn only after it beat the frozen "
+                        "drafter on the turn before (default on; --no-guard: always)")
     p.set_defaults(run=run_chat)
     return p
 
 
 def turn_line(stats: dict[str, Any], before: dict[str, Any] | None,
-              updates: int | None = None) -> str:
-    """The line printed after a reply: acceptance, what the buffer did, LoRA updates."""
+              updates: int | None = None, deployed: bool | None = None) -> str:
+    """The line printed after a reply: acceptance, what the buffer did, LoRA updates, and
+    (``deployed`` not None: a guarded session) which drafter drafts the next turn."""
     line = f"[{stats['new_tokens']} tokens, {stats['decode_tokens_per_s']:.1f} tok/s"
     if "mean_accepted_length" in stats:
         line += f", {stats['mean_accepted_length']:.2f} tokens per target forward"
@@ -56,20 +68,25 @@ def turn_line(stats: dict[str, Any], before: dict[str, Any] | None,
                  f", buffer {stats['buffer_occupancy'][0]}")
     if updates is not None:
         line += f", LoRA updates {updates}"
+    if deployed is not None:
+        line += ", next turn: " + ("adapter" if deployed else "frozen drafter (guard)")
     return line + "]"
 
 
 def chat_loop(target: Any, drafter: Any, kwargs: dict[str, Any], system: str | None,
-              lines: TextIO, out: TextIO, err: TextIO, adapt: bool = False) -> int:
-    """Read user turns from ``lines`` until EOF / empty / ``/quit``; returns turns answered."""
+              lines: TextIO, out: TextIO, err: TextIO, adapt: bool = False,
+              online: Any = None) -> int:
+    """Read user turns from ``lines`` until EOF / empty / ``/quit``; returns turns answered.
+    ``online``: the OnlineConfig of ``adapt`` (None: its defaults, the paper's)."""
     import specjax
     from specjax.tokenizer import render_chat
+    from specjax.train.online import OnlineConfig
     from specjax.train.online_session import OnlineSession
     from specjax.vocab import resolve_head
 
-    vocab = kwargs.pop("vocab")
+    vocab, online = kwargs.pop("vocab"), online or OnlineConfig()
     session = None if drafter is None else OnlineSession(
-        target, drafter, resolve_head(vocab, target, drafter), adapt=adapt)
+        target, drafter, resolve_head(vocab, target, drafter), oc=online, adapt=adapt)
     start = [] if system is None else [{"role": "system", "content": system}]
     messages, before, turns = list(start), None, 0
     while True:
@@ -96,8 +113,8 @@ def chat_loop(target: Any, drafter: Any, kwargs: dict[str, Any], system: str | N
                else session.generate(ids, **kwargs))
         print(res.text, file=out, flush=True)
         messages.append({"role": "assistant", "content": res.text})
-        print(turn_line(res.stats, before, session.stats["updates"] if adapt else None),
-              file=err)
+        print(turn_line(res.stats, before, session.stats["updates"] if adapt else None,
+                        session.deployed if adapt and online.guard else None), file=err)
         before, turns = res.stats, turns + 1
 
 
@@ -121,6 +138,12 @@ def run_chat(args: argparse.Namespace) -> int:
         kwargs["vocab"] = "full"
     if args.adapt != "none" and drafter is None:
         raise ValueError("--adapt lora aligns a drafter; this run has none (--drafter none?)")
+    if args.steps_per_update < 1 or args.lora_lr <= 0:
+        raise ValueError("--steps-per-update must be >= 1 and --lora-lr > 0")
+    from specjax.train.online import OnlineConfig
+
+    online = OnlineConfig(lr=args.lora_lr, steps_per_update=args.steps_per_update,
+                          guard=args.guard)
     chat_loop(target, drafter, kwargs, args.system, sys.stdin, sys.stdout, sys.stderr,
-              adapt=args.adapt == "lora")
+              adapt=args.adapt == "lora", online=online)
     return 0
