@@ -6,6 +6,7 @@ import io
 import re
 
 import numpy as np
+import pytest
 from flax import nnx
 
 import specjax
@@ -80,6 +81,10 @@ def test_chat_adapts_at_the_measured_setting_with_the_guard_by_default():
     args = p.parse_args(["--adapt", "lora"])
     assert (args.lora_lr, args.steps_per_update, args.guard) == (1e-3, 8, True)
     assert not p.parse_args(["--no-guard"]).guard
+    # A bad setting is refused before any model loads (this one does not exist).
+    bad = p.parse_args(["--model", "/nonexistent", "--adapt", "lora", "--lora-lr", "0"])
+    with pytest.raises(ValueError, match="--lora-lr > 0, got 8 and 0.0"):
+        bad.run(bad)
 
 
 def test_turn_line_reports_this_turns_events():

@@ -126,6 +126,13 @@ def run_chat(args: argparse.Namespace) -> int:
     enable_compilation_cache()
     if args.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be >= 1")
+    if args.steps_per_update < 1 or args.lora_lr <= 0:
+        raise ValueError(f"--steps-per-update must be >= 1 and --lora-lr > 0, got "
+                         f"{args.steps_per_update} and {args.lora_lr}")
+    from specjax.train.online import OnlineConfig
+
+    online = OnlineConfig(lr=args.lora_lr, steps_per_update=args.steps_per_update,
+                          guard=args.guard)
     target = specjax.load(resolve_model(args.model), dtype=args.dtype)
     if target.tokenizer is None:
         raise ValueError(f"{args.model}: chat needs the model's tokenizer and chat template")
@@ -138,12 +145,6 @@ def run_chat(args: argparse.Namespace) -> int:
         kwargs["vocab"] = "full"
     if args.adapt != "none" and drafter is None:
         raise ValueError("--adapt lora aligns a drafter; this run has none (--drafter none?)")
-    if args.steps_per_update < 1 or args.lora_lr <= 0:
-        raise ValueError("--steps-per-update must be >= 1 and --lora-lr > 0")
-    from specjax.train.online import OnlineConfig
-
-    online = OnlineConfig(lr=args.lora_lr, steps_per_update=args.steps_per_update,
-                          guard=args.guard)
     chat_loop(target, drafter, kwargs, args.system, sys.stdin, sys.stdout, sys.stderr,
               adapt=args.adapt == "lora", online=online)
     return 0
