@@ -72,15 +72,15 @@ def test_a_guarded_chat_says_which_drafter_drafts_the_next_turn(tmp_path):
     assert re.search(r"next turn: (adapter|frozen drafter \(guard\))]$", lines[1])
 
 
-def test_chat_adapts_at_the_measured_setting_with_the_guard_by_default():
+def test_chat_adapts_at_the_measured_setting():
     import argparse
 
     from specjax.commands.chat import add_parser
 
     p = add_parser(argparse.ArgumentParser().add_subparsers())
     args = p.parse_args(["--adapt", "lora"])
-    assert (args.lora_lr, args.steps_per_update, args.guard) == (1e-3, 8, True)
-    assert not p.parse_args(["--no-guard"]).guard
+    assert (args.lora_lr, args.steps_per_update, args.guard) == (1e-3, 8, False)
+    assert p.parse_args(["--guard"]).guard
     # A bad setting is refused before any model loads (this one does not exist).
     bad = p.parse_args(["--model", "/nonexistent", "--adapt", "lora", "--lora-lr", "0"])
     with pytest.raises(ValueError, match="--lora-lr > 0, got 8 and 0.0"):
