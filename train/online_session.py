@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +42,24 @@ from specjax.train.online import (
 )
 
 
+class TeacherForced(NamedTuple):
+    """:func:`teacher_forced`'s pass over T tokens (a tuple, so it unpacks as one)."""
+
+    feats: np.ndarray  # [T, d] the drafter's input features (from the target)
+    top_ids: np.ndarray  # [T, k] the target's top-k ids
+    top_logits: np.ndarray  # [T, k] and their logits
+    first: np.ndarray  # [T] the drafter's first draft at row t, a draft of ids[t + 1]
+
+
+def _padded(ids: list[int]) -> tuple[jax.Array, jax.Array]:
+    """[1, bucket(T)] tokens (zero-padded after the text) and their positions."""
+    n = bucket(len(ids))
+    return (jnp.asarray([ids + [0] * (n - len(ids))], jnp.int32),
+            jnp.arange(n, dtype=jnp.int32)[None])
+
+
 def teacher_forced(target: Target, dp: Any, cfg: Any, ids: list[int], k: int,
-                   active: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                   active: np.ndarray) -> TeacherForced:
     """One teacher-forced pass of target and drafter over ``ids`` (T tokens), each row
     reading its whole sequence before it (as at inference).
 
@@ -52,16 +68,14 @@ def teacher_forced(target: Target, dp: Any, cfg: Any, ids: list[int], k: int,
     it has any), the target's top-k ids and logits [T, k], and the drafter's first draft
     [T]: its argmax over ``active`` at row t, a draft of ids[t + 1]).
     """
-    n = bucket(len(ids))
-    toks = jnp.asarray([ids + [0] * (n - len(ids))], jnp.int32)
-    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    toks, pos = _padded(ids)
     hidden, _, taps = forward_hidden(target.params, target.cfg, toks, pos,
-                                     init_cache(target.cfg, 1, n),
+                                     init_cache(target.cfg, 1, toks.shape[1]),
                                      tap_layers=cfg.tap_layers(target.cfg))
     top = jax.lax.top_k(lm_head(target.params, hidden)[0].astype(jnp.float32), k)
     feats = np.asarray(cfg.target_features(dp, hidden, taps)[0, :len(ids)], np.float32)
-    return (feats, np.asarray(top[1][:len(ids)]), np.asarray(top[0][:len(ids)]),
-            first_drafts(target, dp, cfg, ids, feats, active))
+    return TeacherForced(feats, np.asarray(top[1][:len(ids)]), np.asarray(top[0][:len(ids)]),
+                         first_drafts(target, dp, cfg, ids, feats, active))
 
 
 def first_drafts(target: Target, dp: Any, cfg: Any, ids: list[int], feats: np.ndarray,
@@ -73,9 +87,8 @@ def first_drafts(target: Target, dp: Any, cfg: Any, ids: list[int], feats: np.nd
     text needs only this, not the target again."""
     from specjax.drafter import drafter_hidden, init_drafter_cache
 
-    t, n = len(ids), bucket(len(ids))
-    toks = jnp.asarray([ids + [0] * (n - t)], jnp.int32)
-    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    (toks, pos), t = _padded(ids), len(ids)
+    n = toks.shape[1]
     # Row i reads the feature at i - 1 (row 0 a zero one); padded rows come after the text.
     shifted = jnp.zeros((1, n, feats.shape[1]), target.params.embed.dtype)
     shifted = shifted.at[0, 1:t].set(feats[:-1])
@@ -115,7 +128,7 @@ def collect_samples(target: Target, dp: Any, cfg: Any, ids: list[int], prompt_le
                           prompt_len, active, oc, mismatched_only=mismatched_only)
 
 
-def anchor_samples(passes: tuple, ids: list[int], prompt_len: int, active: np.ndarray,
+def anchor_samples(passes: TeacherForced, ids: list[int], prompt_len: int, active: np.ndarray,
                    oc: OnlineConfig, *, mismatched_only: bool = True) -> Samples | None:
     """:func:`collect_samples` from a :func:`teacher_forced` pass already made."""
     feats, top_ids, top_logits, pred = passes
@@ -222,12 +235,15 @@ class OnlineSession:
                               jax.random.PRNGKey(self.seed), self.oc.targets)
         self.opt_state = make_optimizer(self.oc).init(self.lora)
 
+    @property
+    def adapter_drafts(self) -> bool:
+        """Does the next request draft with the deltas merged (with ``oc.guard``, only while
+        the adapter is deployed)?"""
+        return self.adapt and (not self.oc.guard or self.deployed)
+
     def current_drafter(self) -> Drafter:
-        """The drafter the next request drafts with: the base with the deltas merged (with
-        ``oc.guard``, only while the adapter is deployed; the base otherwise)."""
-        if not self.adapt or (self.oc.guard and not self.deployed):
-            return self.drafter
-        return self.adapted_drafter()
+        """The drafter the next request drafts with: the adapted one or the base."""
+        return self.adapted_drafter() if self.adapter_drafts else self.drafter
 
     def adapted_drafter(self) -> Drafter:
         """The base with the deltas merged, deployed or not: the drafter the updates fit."""
@@ -272,8 +288,8 @@ class OnlineSession:
             # Prequential: the adapter has not been fitted on this request yet, so its hits
             # here against the frozen drafter's say how it will draft text it has not seen.
             base = self.drafter
-            frozen = first_drafts(self.target, base.params, base.cfg, ids, passes[0], active)
-            wins, losses = guard_counts(passes[3], frozen, ids, len(prompt), active)
+            frozen = first_drafts(self.target, base.params, base.cfg, ids, passes.feats, active)
+            wins, losses = guard_counts(passes.first, frozen, ids, len(prompt), active)
             self.stats["guard"].append((wins, losses))
             self.deployed = wins > losses
         s = anchor_samples(passes, ids, len(prompt), active, self.oc)

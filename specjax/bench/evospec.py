@@ -460,7 +460,7 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
             histories.record(item, rec["reply"])
         for c, s in sessions.items():
             before, timed = s.stats["updates"], len(s.stats["update_s"])
-            drafted_adapted = s.adapt and (not guard or s.deployed)
+            drafted_adapted = s.adapter_drafts
             res = s.generate(prompt, max_new_tokens=max_new_tokens, tree=tree)
             rec[c] = {"mal": res.stats["mean_accepted_length"],
                       "mismatch_at": first_mismatch(res.tokens[0], vanilla),
