@@ -3,11 +3,15 @@
 ``specjax train self-distill``: the target's own greedy answers to ShareGPT prompts, as
 pre-tokenised records for ``train drafter --data``.
 
+``specjax train self-prompts``: user turns the target writes itself from its chat template's
+pre-query prefix (Magpie), prompts for ``self-distill`` that ShareGPT does not have.
+
 ``specjax train router``: router data (collected with the drafter) + token
 clusters of the target's LM head -> DynaSpec router.
 
 Wire into ``specjax/cli.py`` with :func:`add_parser`;
-``python -m specjax.train.cli drafter|self-distill|router ...`` runs them standalone.
+``python -m specjax.train.cli drafter|self-distill|self-prompts|router ...`` runs them
+standalone.
 """
 
 from __future__ import annotations
@@ -147,6 +151,21 @@ def _add_self_distill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
+def _add_self_prompts_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None,
+                   help="converted target folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, help="JSONL file to write or resume")
+    p.add_argument("--num", type=int, default=1000, help="user turns to sample")
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="a turn not closed within this many tokens is dropped when read")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", default="transformers", choices=["transformers", "specjax"],
+                   help="transformers (default; about 2x faster batched on CPU) or specjax")
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--no-progress", action="store_true")
+
+
 def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None,
                    help="converted target folder (default: SmolLM2-135M-Instruct)")
@@ -222,6 +241,11 @@ def _add_subcommands(tsub: argparse._SubParsersAction) -> None:
                         description=__doc__)
     _add_self_distill_args(g)
     g.set_defaults(run=run_self_distill)
+    sp = tsub.add_parser("self-prompts", help="sample user turns from the target itself "
+                                              "(Magpie pre-query template)",
+                         description=__doc__)
+    _add_self_prompts_args(sp)
+    sp.set_defaults(run=run_self_prompts)
     r = tsub.add_parser("router", help="train a DynaSpec router (token clusters + "
                                        "meta-classifier) for a drafter", description=__doc__)
     _add_router_args(r)
@@ -229,8 +253,8 @@ def _add_subcommands(tsub: argparse._SubParsersAction) -> None:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``train`` (``drafter``, ``self-distill``, ``router``) to a parser's subparsers;
-    ``args.run`` runs the chosen one."""
+    """Add ``train`` (``drafter``, ``self-distill``, ``self-prompts``, ``router``) to a
+    parser's subparsers; ``args.run`` runs the chosen one."""
     t = subparsers.add_parser("train", help="train drafters (EAGLE) on cached target states "
                                             "and DynaSpec routers")
     tsub = t.add_subparsers(dest="train", required=True)
@@ -409,6 +433,28 @@ def run_self_distill(args: argparse.Namespace) -> int:
         source=source, kinds=kinds, temperature=args.temperature, seed=args.seed,
         progress=progress)
     print(json.dumps(meta, indent=1))
+    return 0
+
+
+def run_self_prompts(args: argparse.Namespace) -> int:
+    """Run ``specjax train self-prompts``: sampled user turns appended to ``--out``; prints
+    the meta and what reading them keeps (Spec-Bench's questions excluded when found)."""
+    from specjax.bench.questions import resolve_questions
+    from specjax.train.prompts import load_exclusions
+    from specjax.train.self_prompts import distinct_ngrams, read_user_turns, write_user_turns
+
+    progress = not args.no_progress
+    _, target = _load_target(args, progress)
+    meta = write_user_turns(target, args.num, args.out, max_new_tokens=args.max_new_tokens,
+                            batch_size=args.batch_size, engine=args.engine, seed=args.seed,
+                            threads=args.threads, progress=progress)
+    try:
+        exclude = load_exclusions([resolve_questions(None)])
+    except FileNotFoundError:
+        exclude = None
+    texts, kept = read_user_turns(args.out, target.tokenizer, exclude=exclude)
+    print(json.dumps(meta | {"read": kept, "distinct_2": round(distinct_ngrams(texts), 4)},
+                     indent=1))
     return 0
 
 
