@@ -123,31 +123,54 @@ def load_exclusions(paths: Iterable[str | Path]) -> set[tuple[str, ...]]:
 
 def candidates(messages: list[dict[str, str]],
                kinds: Collection[str] = KINDS) -> dict[str, str]:
-    """The prompt of each kind that one conversation yields (a kind may be missing); the
-    long kinds and ``translate`` (its first paragraph; :func:`translations` has them all),
-    which scan every turn, only when ``kinds`` asks for them."""
+    """The prompt of each kind that one conversation yields (a kind may be missing):
+    ``summarize`` or ``passage_qa`` from its first prose answer (:func:`passages` has them
+    all); the long kinds and ``translate`` (its first paragraph; :func:`translations` has
+    them all), which scan every turn, only when ``kinds`` asks for them."""
     out: dict[str, str] = {}
     user = messages[0]["content"] if messages[0]["role"] == "user" else None
     if user is not None:
         out["chat"] = user
-    # The first (question, answer) pair whose answer is English prose gives a passage.
-    pairs = [(q["content"], a["content"]) for q, a in zip(messages, messages[1:], strict=False)
-             if q["role"] == "user" and a["role"] == "assistant"]
-    for question, answer in pairs:
-        if not _is_prose(answer, 60, 300):
-            continue
-        h = zlib.crc32(answer.encode())  # fixed choices per text, run to run
-        # One passage serves one kind, so that the two kinds never share a text.
-        if h % 2 and 3 <= len(question.split()) <= 40 and "\n" not in question.strip():
-            out["passage_qa"] = _PASSAGE_QA[h % len(_PASSAGE_QA)].format(
-                text=answer.strip(), q=question.strip())
-        else:
-            out["summarize"] = _SUMMARIZE[h % len(_SUMMARIZE)].format(text=answer.strip())
-        break
+    if found := passages(messages, first_only=True):  # the first prose answer's
+        kind, prompt = found[0]
+        out[kind] = prompt
     if {"summarize_long", "passage_qa_long"} & set(kinds):
-        out.update(_long_candidate(pairs))
+        out.update(_long_candidate(_pairs(messages)))
     if "translate" in kinds and (found := translations(messages)):
         out["translate"] = found[0]
+    return out
+
+
+def _pairs(messages: list[dict[str, str]]) -> list[tuple[str, str]]:
+    """Each (user turn, the assistant turn answering it) of a conversation."""
+    return [(q["content"], a["content"]) for q, a in zip(messages, messages[1:], strict=False)
+            if q["role"] == "user" and a["role"] == "assistant"]
+
+
+def passages(messages: list[dict[str, str]],
+             first_only: bool = False) -> list[tuple[str, str]]:
+    """A ``summarize`` or ``passage_qa`` prompt (kind, text) for every answer of a
+    conversation that is English prose of 60-300 words; the question of ``passage_qa`` is
+    the user turn it answered.
+
+    Each passage serves one kind (fixed by its text's hash, run to run), so the two kinds
+    never share a text. All of them, as for :func:`translations`: ShareGPT's records before
+    the calibration range hold about 25,600 such answers in 9,500 conversations; one a
+    conversation gave the two kinds 4,384 prompts of up to 320 tokens, all of them 12,288.
+    """
+    out = []
+    for question, answer in _pairs(messages):
+        if not _is_prose(answer, 60, 300):
+            continue
+        h = zlib.crc32(answer.encode())
+        if h % 2 and 3 <= len(question.split()) <= 40 and "\n" not in question.strip():
+            out.append(("passage_qa", _PASSAGE_QA[h % len(_PASSAGE_QA)].format(
+                text=answer.strip(), q=question.strip())))
+        else:
+            out.append(("summarize", _SUMMARIZE[h % len(_SUMMARIZE)].format(
+                text=answer.strip())))
+        if first_only:
+            break
     return out
 
 
@@ -243,7 +266,8 @@ def encode_user_turn(tokenizer: Any, text: str) -> list[int]:
 def prompt_mix(tokenizer: Any, *, num: int, skip: int = 2000, max_prompt_tokens: int = 320,
                weights: Mapping[str, float] | None = None, source: str | Path = "sharegpt",
                exclude: set[tuple[str, ...]] | None = None, block: int = 192,
-               seed: int = 0, end: int | None = None) -> tuple[list[list[int]], list[str], dict]:
+               seed: int = 0, end: int | None = None,
+               every_passage: bool = False) -> tuple[list[list[int]], list[str], dict]:
     """``num`` chat-templated prompts drawn from ``source`` after ``skip`` records.
 
     A kind whose candidates are rare (translate) keeps the scan going after the others are
@@ -257,6 +281,9 @@ def prompt_mix(tokenizer: Any, *, num: int, skip: int = 2000, max_prompt_tokens:
       exclude: shingles of evaluation questions (:func:`load_exclusions`); a prompt
         sharing one is dropped.
       block: prompts are sorted by length inside consecutive blocks of this size.
+      every_passage: the given-text kinds take every prose answer of a conversation
+        (:func:`passages`), not only its first; False keeps the prompt sets made before it
+        (bench calibration, the drafters' held-out prompts) as they were.
     Returns:
       (prompt ids, their kinds, stats) in generation order; each prompt ends with the
       assistant header and has at most ``max_prompt_tokens`` tokens.
@@ -279,6 +306,9 @@ def prompt_mix(tokenizer: Any, *, num: int, skip: int = 2000, max_prompt_tokens:
             continue
         found: list[tuple[str, Any]] = list(
             candidates(msgs, [k for k in pools if k != "translate"]).items())
+        if every_passage:  # every prose answer, not only the first (see passages)
+            found = [kc for kc in found if kc[0] not in ("summarize", "passage_qa")]
+            found += passages(msgs)
         if "translate" in pools:  # every paragraph, not only the first (see translations)
             found += [("translate", t) for t in translations(msgs)]
         if "followup" in pools:  # a list of messages, not a user turn's text

@@ -11,6 +11,7 @@ from specjax.train.prompts import (
     candidates,
     followups,
     load_exclusions,
+    passages,
     prompt_mix,
     translations,
 )
@@ -98,6 +99,34 @@ def test_every_non_english_paragraph_is_a_translation_prompt(tmp_path):
     _, kinds, _ = prompt_mix(WordTokenizer(), num=4, skip=0, source=src,
                              max_prompt_tokens=10_000, weights={"translate": 1.0})
     assert kinds == ["translate", "translate"]
+
+
+def test_every_prose_answer_is_a_passage_when_asked(tmp_path):
+    """A conversation gives a given-text prompt for each prose answer with
+    ``every_passage``; without it, only its first, so the prompt sets made before (bench
+    calibration, held-out prompts) stay as they were."""
+    prose = [PROSE.replace("sun", f"sun {i}") for i in range(3)]
+    msgs = []
+    for i, text in enumerate(prose):
+        msgs += [{"role": "user", "content": f"How does water move, part {i}?"},
+                 {"role": "assistant", "content": text}]
+    msgs.insert(2, {"role": "user", "content": "thanks"})  # a turn with no answer of prose
+    msgs.insert(3, {"role": "assistant", "content": "You are welcome."})
+    found = passages(msgs)
+    assert len(found) == 3 and all(text in p for (_, p), text in zip(found, prose, strict=True))
+    assert {k for k, _ in found} <= {"summarize", "passage_qa"}
+    assert passages(msgs, first_only=True) == found[:1]
+    kind, prompt = found[0]
+    assert candidates(msgs)[kind] == prompt
+    src = tmp_path / "sg.json"
+    turns = [("human" if m["role"] == "user" else "gpt", m["content"]) for m in msgs]
+    src.write_text(json.dumps([_conv(*turns)]))
+    given = {"summarize": 1.0, "passage_qa": 1.0}
+    kw = {"num": 10, "skip": 0, "source": src, "max_prompt_tokens": 10_000, "weights": given}
+    _, kinds, _ = prompt_mix(WordTokenizer(), **kw)
+    assert len(kinds) == 1
+    _, kinds, _ = prompt_mix(WordTokenizer(), **kw, every_passage=True)
+    assert sorted(kinds) == sorted(k for k, _ in found)
 
 
 def test_prompt_mix_stops_at_end_so_training_never_reads_the_calibration_records(tmp_path):
