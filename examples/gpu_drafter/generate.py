@@ -7,6 +7,11 @@ batch pads to the same bucket: one compiled program per stage.
 
     python examples/gpu_drafter/generate.py --prompts .gpu/payload/prompts.json.xz \\
         --target TARGET_DIR --out-dir OUT_DIR [--stages greedy_new,greedy_long]
+
+Between GPU sessions the CPU can answer some stages of the same pool ahead of time
+(``--engine transformers``, about twice the specjax engine's rate on a CPU); keep the pool
+beside the answers, and ``prepare.py --answers OUT_DIR POOL`` trains on them next time
+instead of asking the GPU for them.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ def main() -> None:
     ap.add_argument("--stages", default=None, help="comma-separated stage names (default all)")
     ap.add_argument("--limit", type=int, default=None, help="prompts per stage at most (toy runs)")
     ap.add_argument("--batch", type=int, default=None, help="override every stage's batch")
+    ap.add_argument("--engine", choices=("specjax", "transformers"), default="specjax",
+                    help="specjax (the GPU's) or transformers (faster on a CPU; needs torch)")
     args = ap.parse_args()
 
     spec = json.loads(lzma.open(args.prompts, "rt").read())
@@ -49,7 +56,7 @@ def main() -> None:
         t0 = time.time()
         meta = generate_self_distill(
             target, prompts, args.out_dir / f"{stage['name']}.jsonl",
-            max_new_tokens=stage["max_new_tokens"], batch_size=batch, engine="specjax",
+            max_new_tokens=stage["max_new_tokens"], batch_size=batch, engine=args.engine,
             temperature=stage["temperature"], seed=stage["seed"],
             source=f"{spec['source']}; stage {stage['name']}", progress=True)
         dt = time.time() - t0

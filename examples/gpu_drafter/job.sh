@@ -95,7 +95,7 @@ generate)
   mkdir -p "$STAGE/answers"
   timeout "${GEN_S:-180}" python3 examples/gpu_drafter/generate.py --target "$TARGET" \
     --prompts "$STAGE/payload/prompts.json.xz" --out-dir "$STAGE/answers" \
-    --stages "${STAGES:-greedy_followup,sampled_followup,greedy_new,greedy_long,sampled_short}" \
+    --stages "${STAGES:-greedy_self,greedy_passages,sampled_self,sampled_followup,greedy_new,sampled_short}" \
     ${LIMIT:+--limit "$LIMIT"} ${GEN_BATCH:+--batch "$GEN_BATCH"} 2>&1 | tr '\r' '\n' \
     | grep -v '%|' 
   # One data file: the prepared records (held-out first), then every complete new answer.

@@ -9,12 +9,14 @@ fit:
   ``--heldout-fraction`` (``payload/data.json``) holds out exactly those and the GPU run's
   held-out top-1 is the CPU runs' number;
 * ``payload/prompts.json.xz``: a pool of chat-templated prompts and the generation stages
-  over it (``generate.py``): fresh prompt-mix prompts no record has answered, the long
-  prompts a long run left unanswered, and the whole pool again, sampled at T=1;
+  over it (``generate.py``): user turns the target wrote (``--self-prompts``), the
+  passages only ``--every-passage`` offers, fresh prompt-mix prompts no record has
+  answered, the long prompts a long run left unanswered, and the whole pool again,
+  sampled at T=1;
 * ``gguf/part_NN``: the target's GGUF in slices of ``--part-mb`` (one slice per call).
 
 No prompt shares an 8-word shingle with Spec-Bench (the evaluation) or with a held-out
-conversation's prompt, and every prompt comes from ShareGPT records before the
+conversation's prompt, and every ShareGPT prompt comes from records before the
 calibration range, as for ``specjax train self-distill --mix``.
 
     python examples/gpu_drafter/prepare.py --records sd/sd-clean.jsonl sd/sd-new.jsonl \\
@@ -46,11 +48,13 @@ from specjax.train.data import (
 from specjax.train.prompts import (
     DEFAULT_WEIGHTS,
     TEMPLATES,
+    encode_user_turn,
     load_exclusions,
     prompt_mix,
     shares_shingle,
     shingles,
 )
+from specjax.train.self_prompts import read_user_turns
 from specjax.train.selfdistill import generate_self_distill, prompts_hash
 
 
@@ -84,18 +88,20 @@ def heldout_records(cache: Path, root: Path, vocab: int) -> list[dict]:
 
 
 def answers_records(folder: Path, prompts_file: Path) -> list[dict]:
-    """Records rebuilt from an earlier GPU run's ``answers.npz`` (in ``folder``, beside its
-    stages' ``*.meta.json``) and the ``prompts.json.xz`` that run answered.
+    """Records rebuilt from an earlier run's answers (in ``folder``) and the
+    ``prompts.json.xz`` that run answered.
 
-    ``answers.npz`` keeps only the answers (uint16 ids; per record its stage, prompt index
-    within the stage, length, finished); the prompts come from the pool. Each stage's prompt
-    list is checked against the hash its meta recorded, so a different pool is refused.
+    A GPU run leaves ``answers.npz``: only the answers (uint16 ids; per record its stage,
+    prompt index within the stage, length, finished), the prompts coming from the pool. A
+    CPU run of ``generate.py`` leaves each stage's ``<stage>.jsonl`` (whole records; a line
+    a time limit cut is skipped), read when there is no ``answers.npz``. Either way each
+    stage's prompt list is checked against the hash its ``*.meta.json`` recorded, so a
+    different pool is refused.
     """
-    z = np.load(folder / "answers.npz")
     spec = json.loads(lzma.open(prompts_file, "rt").read())
     by_name = {s["name"]: s for s in spec["stages"]}
-    stage_prompts = []
-    for name in z["stages"].tolist():
+
+    def stage_prompts(name: str) -> list[list[int]]:
         meta = json.loads((folder / f"{name}.jsonl.meta.json").read_text())["settings"]
         if name not in by_name:
             raise ValueError(f"{prompts_file} has no stage {name!r}: not the pool {folder} "
@@ -104,10 +110,28 @@ def answers_records(folder: Path, prompts_file: Path) -> list[dict]:
         if prompts_hash(prompts) != meta["prompts_sha256"]:
             raise ValueError(f"stage {name}: {prompts_file}'s prompts are not the ones "
                              f"{folder} answered (prompts_sha256 differs)")
-        stage_prompts.append(prompts)
-    tokens, out, at = z["tokens"].astype(np.int64), [], 0
+        return prompts
+
+    out = []
+    if not (folder / "answers.npz").exists():
+        for path in sorted(folder.glob("*.jsonl")):
+            prompts = stage_prompts(path.stem)
+            for line in path.read_text().splitlines():
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # the line a time limit cut
+                prompt = prompts[r["prompt_index"]]
+                if r["tokens"][:len(prompt)] != prompt:
+                    raise ValueError(f"{path}: record {r['prompt_index']} does not start "
+                                     "with its prompt in the pool")
+                out.append({"tokens": r["tokens"], "assistant": r["assistant"]})
+        return out
+    z = np.load(folder / "answers.npz")
+    by_stage = [stage_prompts(name) for name in z["stages"].tolist()]
+    tokens, at = z["tokens"].astype(np.int64), 0
     for k, i, n, _ in z["records"].tolist():
-        prompt, ans = stage_prompts[k][i], tokens[at:at + n].tolist()
+        prompt, ans = by_stage[k][i], tokens[at:at + n].tolist()
         at += n
         out.append({"tokens": list(prompt) + ans, "assistant": [0] * len(prompt) + [1] * n})
     if at != len(tokens):
@@ -161,8 +185,9 @@ def main() -> None:
                          "the whole prompt mix afresh)")
     ap.add_argument("--answers", nargs=2, action="append", type=Path, default=[],
                     metavar=("DIR", "PROMPTS"),
-                    help="an earlier GPU run's answers (DIR: its answers.npz and *.meta.json) "
-                         "and the prompts.json.xz it answered: trained on, not regenerated "
+                    help="an earlier run's answers (DIR: a GPU run's answers.npz, or a CPU "
+                         "run's stage JSONL files, with their *.meta.json) and the "
+                         "prompts.json.xz it answered: trained on, not regenerated "
                          "(repeatable)")
     ap.add_argument("--heldout-cache", nargs="*", type=Path, default=[],
                     help="hidden-state caches whose held-out conversations stay held out")
@@ -183,6 +208,13 @@ def main() -> None:
     ap.add_argument("--followup-prompts", type=int, default=0, metavar="N",
                     help="N later user turns with their context (the followup kind, <= 1024 "
                          "tokens): stages greedy_followup and sampled_followup, run first")
+    ap.add_argument("--every-passage", action="store_true",
+                    help="the summarize and passage_qa kinds take every prose answer of a "
+                         "conversation, not only its first (2.8x the passages): the prompts "
+                         "only this offers are stage greedy_passages")
+    ap.add_argument("--self-prompts", nargs="*", type=Path, default=[], metavar="FILE",
+                    help="user turns the target wrote (`specjax train self-prompts`): stages "
+                         "greedy_self and sampled_self, run first")
     ap.add_argument("--long-skip", type=int, default=3200,
                     help="the --skip that long file's prompt mix was made with (default 3200)")
     ap.add_argument("--part-mb", type=float, default=46.0, help="GGUF slice size (MB)")
@@ -226,9 +258,17 @@ def main() -> None:
         return [list(p) for p in dict.fromkeys(map(tuple, prompts)) if p not in answered]
 
     short, kinds, stats = prompt_mix(tok, num=args.num_prompts, skip=0, max_prompt_tokens=320,
-                                     weights=DEFAULT_WEIGHTS, exclude=excl, end=CALIBRATION_START)
+                                     weights=DEFAULT_WEIGHTS, exclude=excl, end=CALIBRATION_START,
+                                     every_passage=args.every_passage)
     print(f"short mix: {stats}", file=sys.stderr)
     new_short = fresh(short)
+    passages_only: list[list[int]] = []  # what only --every-passage offers: no run answered it
+    if args.every_passage:
+        first, _, _ = prompt_mix(tok, num=args.num_prompts, skip=0, max_prompt_tokens=320,
+                                 weights=DEFAULT_WEIGHTS, exclude=excl, end=CALIBRATION_START)
+        before = set(map(tuple, first))
+        passages_only = [p for p in new_short if tuple(p) not in before]
+        new_short = [p for p in new_short if tuple(p) in before]
     long_all: list[list[int]] = []
     num_long = args.long_prompts
     if args.long_records is not None:
@@ -249,6 +289,14 @@ def main() -> None:
                                          exclude=excl, end=CALIBRATION_START)
         print(f"followup mix: {fstats}", file=sys.stderr)
         followup = fresh(followup)
+    self_written: list[list[int]] = []
+    for path in args.self_prompts:
+        texts, sstats = read_user_turns(path, tok, exclude=excl)
+        encoded = [encode_user_turn(tok, t) for t in texts]
+        self_written += [p for p in encoded if len(p) <= 320]
+        print(f"self prompts {path}: {sstats}, {len(encoded) - len(self_written)} over 320 "
+              "tokens", file=sys.stderr)
+    self_written = fresh(self_written)
     old_short = [p for p in sorted({prompt_of(r) for r in train if len(prompt_of(r)) <= 320})
                  if not shares_shingle(user_text(tok, p), held_shingles)]
     pool: list[list[int]] = []
@@ -264,13 +312,19 @@ def main() -> None:
         random.Random(args.seed).shuffle(out)  # every batch meets the longest bucket: 1 shape
         return out
 
-    stages = [  # followup first: the prompts no earlier run answered (empty without them)
+    stages = [  # the prompts no earlier run answered first (empty without them)
+        {"name": "greedy_self", "prompts": ids(self_written), "temperature": 0.0, "batch": 512},
+        {"name": "greedy_passages", "prompts": ids(passages_only), "temperature": 0.0,
+         "batch": 512},
+        {"name": "sampled_self", "prompts": ids(self_written), "temperature": 1.0,
+         "batch": 512},
         {"name": "greedy_followup", "prompts": ids(followup), "temperature": 0.0, "batch": 128},
         {"name": "sampled_followup", "prompts": ids(followup), "temperature": 1.0,
          "batch": 128},
         {"name": "greedy_new", "prompts": ids(new_short), "temperature": 0.0, "batch": 512},
         {"name": "greedy_long", "prompts": ids(new_long), "temperature": 0.0, "batch": 128},
-        {"name": "sampled_short", "prompts": ids(new_short + [list(p) for p in old_short]),
+        {"name": "sampled_short",
+         "prompts": ids(passages_only + new_short + [list(p) for p in old_short]),
          "temperature": 1.0, "batch": 512},
         {"name": "sampled_long", "prompts": ids(long_all), "temperature": 1.0, "batch": 128},
     ]

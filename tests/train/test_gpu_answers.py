@@ -58,3 +58,29 @@ def test_another_pool_is_refused(tmp_path):
         json.dump({"pool": [[1, 2, 3], [4, 5], [9], [7, 8, 9, 10]], "stages": STAGES}, f)
     with pytest.raises(ValueError, match="prompts_sha256 differs"):
         prepare.answers_records(tmp_path / "run", other)
+
+
+def test_a_cpu_runs_stage_files_give_the_same_records(tmp_path):
+    """generate.py on the CPU leaves each stage's JSONL (whole records) and no answers.npz;
+    they read back as the npz does, a line a time limit cut is skipped, and a record that
+    does not start with its pool prompt is refused."""
+    prompts_file = _gpu_run(tmp_path / "run")
+    want = prepare.answers_records(tmp_path / "run", prompts_file)
+    cpu = tmp_path / "cpu"
+    cpu.mkdir()
+    for name in ("greedy_new", "sampled_short"):
+        meta = tmp_path / "run" / f"{name}.jsonl.meta.json"
+        (cpu / meta.name).write_text(meta.read_text())
+    stage_of = {0: "greedy_new", 1: "sampled_short"}
+    lines: dict[str, list[str]] = {"greedy_new": [], "sampled_short": []}
+    for (k, i), rec in zip([(0, 0), (0, 1), (1, 1), (1, 0)], want, strict=True):
+        lines[stage_of[k]].append(json.dumps({**rec, "prompt_index": i, "finished": True}))
+    for name, rows in lines.items():
+        (cpu / f"{name}.jsonl").write_text("\n".join(rows) + "\n" + '{"tokens": [1, 2')
+    got = prepare.answers_records(cpu, prompts_file)
+    assert sorted(map(json.dumps, got)) == sorted(map(json.dumps, want))
+
+    bad = json.loads(lines["greedy_new"][0]) | {"tokens": [9, 11, 12]}
+    (cpu / "greedy_new.jsonl").write_text(json.dumps(bad) + "\n")
+    with pytest.raises(ValueError, match="does not start with its prompt"):
+        prepare.answers_records(cpu, prompts_file)
