@@ -293,9 +293,10 @@ def main() -> None:
     for path in args.self_prompts:
         texts, sstats = read_user_turns(path, tok, exclude=excl)
         encoded = [encode_user_turn(tok, t) for t in texts]
-        self_written += [p for p in encoded if len(p) <= 320]
-        print(f"self prompts {path}: {sstats}, {len(encoded) - len(self_written)} over 320 "
-              "tokens", file=sys.stderr)
+        fits = [p for p in encoded if len(p) <= 320]
+        self_written += fits
+        print(f"self prompts {path}: {sstats}, {len(encoded) - len(fits)} over 320 tokens",
+              file=sys.stderr)
     self_written = fresh(self_written)
     old_short = [p for p in sorted({prompt_of(r) for r in train if len(prompt_of(r)) <= 320})
                  if not shares_shingle(user_text(tok, p), held_shingles)]
