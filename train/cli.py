@@ -133,9 +133,12 @@ def _add_self_distill_args(p: argparse.ArgumentParser) -> None:
                         "from --prompts; see specjax.train.prompts); long contexts: "
                         "summarize_long=0.5,passage_qa_long=0.5 --max-prompt-tokens 1024; "
                         "later user turns with their context: followup=W")
+    p.add_argument("--self-prompts", action="append", default=None, metavar="FILE",
+                   help="user turns the target wrote (`specjax train self-prompts`) instead "
+                        "of ShareGPT's: the closed ones, once each, up to --num-prompts")
     p.add_argument("--exclude", action="append", default=None, metavar="QUESTIONS",
                    help="question.jsonl whose prompts must not be trained on (default with "
-                        "--mix: the Spec-Bench questions, when found)")
+                        "--mix or --self-prompts: the Spec-Bench questions, when found)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.0,
@@ -414,10 +417,15 @@ def run_self_distill(args: argparse.Namespace) -> int:
     """Run ``specjax train self-distill``: greedy target answers appended to ``--out``."""
     from specjax.train.selfdistill import generate_self_distill, sharegpt_prompts
 
+    if args.self_prompts and args.mix is not None:  # refused before the target loads
+        raise ValueError("--self-prompts and --mix name two prompt sources; choose one")
     progress = not args.no_progress
     _, target = _load_target(args, progress)
     kinds = None
-    if args.mix is None:
+    if args.self_prompts:
+        prompts, source = _self_written_prompts(args, target.tokenizer)
+        kinds = ["self"] * len(prompts)
+    elif args.mix is None:
         prompts = sharegpt_prompts(target.tokenizer, num=args.num_prompts, skip=args.skip,
                                    max_prompt_tokens=args.max_prompt_tokens, source=args.prompts)
         source = (f"{args.prompts} first user turns, skip {args.skip}, "
@@ -425,7 +433,8 @@ def run_self_distill(args: argparse.Namespace) -> int:
     else:
         prompts, kinds, source = _mixed_prompts(args, target.tokenizer)
     if not prompts:
-        raise ValueError(f"{args.prompts}: no usable prompts after {args.skip} records")
+        raise ValueError(f"{args.self_prompts or args.prompts}: no usable prompts"
+                         + ("" if args.self_prompts else f" after {args.skip} records"))
     meta = generate_self_distill(
         target, prompts, args.out, max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size, engine=args.engine,
@@ -439,7 +448,6 @@ def run_self_distill(args: argparse.Namespace) -> int:
 def run_self_prompts(args: argparse.Namespace) -> int:
     """Run ``specjax train self-prompts``: sampled user turns appended to ``--out``; prints
     the meta and what reading them keeps (Spec-Bench's questions excluded when found)."""
-    from specjax.bench.questions import resolve_questions
     from specjax.train.prompts import load_exclusions
     from specjax.train.self_prompts import distinct_ngrams, read_user_turns, write_user_turns
 
@@ -448,19 +456,45 @@ def run_self_prompts(args: argparse.Namespace) -> int:
     meta = write_user_turns(target, args.num, args.out, max_new_tokens=args.max_new_tokens,
                             batch_size=args.batch_size, engine=args.engine, seed=args.seed,
                             threads=args.threads, progress=progress)
-    try:
-        exclude = load_exclusions([resolve_questions(None)])
-    except FileNotFoundError:
-        exclude = None
+    exclude = load_exclusions(_exclusion_paths(None))
     texts, kept = read_user_turns(args.out, target.tokenizer, exclude=exclude)
     print(json.dumps(meta | {"read": kept, "distinct_2": round(distinct_ngrams(texts), 4)},
                      indent=1))
     return 0
 
 
+def _exclusion_paths(exclude: list[str] | None) -> list[Path]:
+    """``--exclude``, else the Spec-Bench questions when found: prompts never trained on."""
+    from specjax.bench.questions import resolve_questions
+
+    if exclude is not None:
+        return [Path(p) for p in exclude]
+    try:
+        return [resolve_questions(None)]
+    except FileNotFoundError:
+        return []
+
+
+def _self_written_prompts(args: argparse.Namespace, tokenizer: Any) -> tuple[list, str]:
+    """``--self-prompts``: the turns worth asking (:func:`read_user_turns`, once each across
+    the files), chat-templated, at most ``--max-prompt-tokens`` long, the first
+    ``--num-prompts``."""
+    from specjax.train.prompts import encode_user_turn, load_exclusions
+    from specjax.train.self_prompts import read_user_turns
+
+    excl_paths = _exclusion_paths(args.exclude)
+    exclude = load_exclusions(excl_paths)
+    texts, stats = read_user_turns(args.self_prompts, tokenizer, exclude=exclude)
+    print(f"self prompts: {stats}", file=sys.stderr)
+    prompts = [p for p in (encode_user_turn(tokenizer, t) for t in texts)
+               if len(p) <= args.max_prompt_tokens]
+    source = (f"self-written user turns {args.self_prompts}, <= {args.max_prompt_tokens} "
+              f"tokens, excluding {[str(p) for p in excl_paths]}")
+    return prompts[:args.num_prompts], source
+
+
 def _mixed_prompts(args: argparse.Namespace, tokenizer: Any) -> tuple[list, list, str]:
     """``--mix``: prompts of several kinds, none sharing text with the excluded questions."""
-    from specjax.bench.questions import resolve_questions
     from specjax.train.data import CALIBRATION_START
     from specjax.train.prompts import DEFAULT_WEIGHTS, load_exclusions, prompt_mix
 
@@ -472,12 +506,7 @@ def _mixed_prompts(args: argparse.Namespace, tokenizer: Any) -> tuple[list, list
         except ValueError:
             raise ValueError(f"--mix {args.mix!r}: expected 'default' or KIND=WEIGHT pairs "
                              "separated by commas") from None
-    excl_paths = args.exclude
-    if excl_paths is None:
-        try:
-            excl_paths = [resolve_questions(None)]
-        except FileNotFoundError:
-            excl_paths = []
+    excl_paths = _exclusion_paths(args.exclude)
     # Only ShareGPT records before the calibration range (a custom --prompts file: all).
     end = CALIBRATION_START if str(args.prompts) == "sharegpt" else None
     if end is not None and args.skip >= end:

@@ -64,46 +64,49 @@ def write_user_turns(target: Any, num: int, out: str | Path, *, max_new_tokens: 
         source="self-written user turns (Magpie pre-query template)")
 
 
-def read_user_turns(path: str | Path, tokenizer: Any, *,
+def read_user_turns(paths: str | Path | Sequence[str | Path], tokenizer: Any, *,
                     exclude: set[tuple[str, ...]] | None = None,
                     min_words: int = 4) -> tuple[list[str], dict]:
-    """The user turns of a :func:`write_user_turns` file worth asking the target.
+    """The user turns of one or more :func:`write_user_turns` files worth asking the target.
 
     Kept: turns that closed (hit an end id), of at least ``min_words`` words, the first of
-    each text (case and whitespace folded), sharing no 8-word shingle with ``exclude``
-    (the evaluation's and the held-out prompts' shingles). A line a crash cut is skipped.
+    each text across the files (case and whitespace folded), sharing no 8-word shingle with
+    ``exclude`` (the evaluation's and the held-out prompts' shingles). A line a crash cut
+    is skipped.
 
     Returns:
       (texts in file order, counts: records, unfinished, short, duplicate, excluded, kept).
     """
-    path = Path(path)
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
     pre = pre_query(tokenizer)
     stats = dict.fromkeys(("records", "unfinished", "short", "duplicate", "excluded", "kept"), 0)
     seen: set[str] = set()
     texts = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        stats["records"] += 1
-        if rec["tokens"][:len(pre)] != pre:
-            raise ValueError(f"{path}: a record does not start with this tokenizer's pre-query "
-                             "ids: written for another target")
-        if not rec["finished"]:
-            stats["unfinished"] += 1
-            continue
-        text = tokenizer.decode(rec["tokens"][len(pre):-1], skip_special_tokens=True).strip()
-        key = _SPACE.sub(" ", text).casefold()
-        if len(key.split()) < min_words:
-            stats["short"] += 1
-        elif key in seen:
-            stats["duplicate"] += 1
-        elif exclude and shares_shingle(text, exclude):
-            stats["excluded"] += 1
-        else:
-            seen.add(key)
-            texts.append(text)
+    for path in map(Path, paths):
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            stats["records"] += 1
+            if rec["tokens"][:len(pre)] != pre:
+                raise ValueError(f"{path}: a record does not start with this tokenizer's "
+                                 "pre-query ids: written for another target")
+            if not rec["finished"]:
+                stats["unfinished"] += 1
+                continue
+            text = tokenizer.decode(rec["tokens"][len(pre):-1],
+                                    skip_special_tokens=True).strip()
+            key = _SPACE.sub(" ", text).casefold()
+            if len(key.split()) < min_words:
+                stats["short"] += 1
+            elif key in seen:
+                stats["duplicate"] += 1
+            elif exclude and shares_shingle(text, exclude):
+                stats["excluded"] += 1
+            else:
+                seen.add(key)
+                texts.append(text)
     stats["kept"] = len(texts)
     return texts, stats
 

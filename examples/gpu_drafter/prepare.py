@@ -290,14 +290,12 @@ def main() -> None:
         print(f"followup mix: {fstats}", file=sys.stderr)
         followup = fresh(followup)
     self_written: list[list[int]] = []
-    for path in args.self_prompts:
-        texts, sstats = read_user_turns(path, tok, exclude=excl)
+    if args.self_prompts:
+        texts, sstats = read_user_turns(args.self_prompts, tok, exclude=excl)
         encoded = [encode_user_turn(tok, t) for t in texts]
-        fits = [p for p in encoded if len(p) <= 320]
-        self_written += fits
-        print(f"self prompts {path}: {sstats}, {len(encoded) - len(fits)} over 320 tokens",
-              file=sys.stderr)
-    self_written = fresh(self_written)
+        self_written = fresh([p for p in encoded if len(p) <= 320])
+        print(f"self prompts: {sstats}, {len(encoded) - len(self_written)} over 320 tokens "
+              "or answered", file=sys.stderr)
     old_short = [p for p in sorted({prompt_of(r) for r in train if len(prompt_of(r)) <= 320})
                  if not shares_shingle(user_text(tok, p), held_shingles)]
     pool: list[list[int]] = []

@@ -3,12 +3,14 @@ records, and what reading them keeps."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 
 import pytest
 
-from specjax.train.prompts import shingles
+from specjax.train.cli import _self_written_prompts
+from specjax.train.prompts import encode_user_turn, shingles
 from specjax.train.self_prompts import (
     distinct_ngrams,
     pre_query,
@@ -26,10 +28,11 @@ class CharTokenizer:
     chat_template = "{{ messages }}"
     eos_token_id = EOS
 
-    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
-        assert not add_generation_prompt and not tokenize
-        return "".join(f"<{m['role']}>{m['content']}|\n" for m in
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict=False):
+        text = "".join(f"<{m['role']}>{m['content']}|\n" for m in
                        [{"role": "system", "content": "be kind"}, *messages])
+        text += "<assistant>" if add_generation_prompt else ""
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def encode(self, text, add_special_tokens=True):
         assert not add_special_tokens
@@ -48,7 +51,8 @@ def test_the_pre_query_prefix_ends_where_the_users_words_begin():
         pre_query(base)
 
     class Dropping(CharTokenizer):
-        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize,
+                                return_dict=False):
             return "<user>|\n"
 
     with pytest.raises(ValueError, match="verbatim"):
@@ -79,11 +83,33 @@ def test_reading_keeps_each_closed_turn_once_and_none_the_evaluation_shares(tmp_
                      "kept": 2}
 
     class Other(CharTokenizer):
-        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize,
+                                return_dict=False):
             return super().apply_chat_template(messages, False, False).replace("kind", "nice")
 
     with pytest.raises(ValueError, match="another target"):
         read_user_turns(path, Other())
+
+
+def test_self_distill_asks_the_kept_turns_once_within_the_limits(tmp_path):
+    """`specjax train self-distill --self-prompts`: the turns reading keeps, chat-templated,
+    once across files, none over --max-prompt-tokens, the first --num-prompts."""
+    tok = CharTokenizer()
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("\n".join([_record(tok, "How do I sort a list in Python?"),
+                            _record(tok, "Tell me a story about a dragon", finished=False),
+                            _record(tok, "Write a very long poem " + "about the sea " * 20)])
+                 + "\n")
+    b.write_text("\n".join([_record(tok, "how do I sort a list in python?"),
+                            _record(tok, "What is the capital of France, and why?")]) + "\n")
+    args = argparse.Namespace(self_prompts=[str(a), str(b)], exclude=[], max_prompt_tokens=120,
+                              num_prompts=10)
+    prompts, source = _self_written_prompts(args, tok)
+    assert prompts == [encode_user_turn(tok, "How do I sort a list in Python?"),
+                       encode_user_turn(tok, "What is the capital of France, and why?")]
+    assert "self-written" in source
+    args.num_prompts = 1
+    assert _self_written_prompts(args, tok)[0] == prompts[:1]
 
 
 def test_write_samples_turns_after_the_prefix_and_resumes(tiny_target, tmp_path):
