@@ -384,16 +384,23 @@ def drafter_dims(cfg: DrafterConfig) -> dict[str, tuple]:
     return dims
 
 
+def drafter_config(path: Path, manifest: dict | None = None) -> DrafterConfig:
+    """A drafter folder's config, from its manifest alone (no tensor is read)."""
+    manifest = ckpt.read_manifest(Path(path), FORMAT) if manifest is None else manifest
+    try:
+        return DrafterConfig.from_json(manifest.get("config"))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ckpt.CheckpointError(f"{Path(path) / ckpt.MANIFEST}: invalid drafter config "
+                                   f"({type(e).__name__}: {e}); convert or train the drafter "
+                                   "again") from e
+
+
 def read_drafter(path: Path, target_cfg: ModelConfig | None = None,
                  dtype: str | None = None) -> tuple[DrafterConfig, DrafterParams, dict]:
     """(config, params, meta) of a drafter folder; refuses one built for another target."""
     manifest = ckpt.read_manifest(Path(path), FORMAT)
     where = Path(path) / ckpt.MANIFEST
-    try:
-        cfg = DrafterConfig.from_json(manifest.get("config"))
-    except (ValueError, KeyError, TypeError) as e:
-        raise ckpt.CheckpointError(f"{where}: invalid drafter config ({type(e).__name__}: {e}); "
-                                   "convert or train the drafter again") from e
+    cfg = drafter_config(path, manifest)
     if target_cfg is not None:
         cfg.check_target(target_cfg)
     tensors = manifest.get("tensors")

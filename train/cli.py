@@ -62,9 +62,10 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init-from", default=None, metavar="DRAFTER",
                    help="start from this drafter folder's weights (fine-tuning; replaces "
                         "--init and --fc-init)")
-    p.add_argument("--drafter-layers", type=int, default=1, metavar="N",
-                   help="decoder layers of the drafter (EAGLE: 1); with --init-from a "
-                        "shallower drafter, the added layers start as the identity")
+    p.add_argument("--drafter-layers", type=int, default=None, metavar="N",
+                   help="decoder layers of the drafter (default: --init-from's, else 1 as in "
+                        "EAGLE); more than --init-from's: the added layers start as the "
+                        "identity")
     p.add_argument("--drafter-taps", type=_tap_list, default=(), metavar="I,J",
                    help="target layers whose outputs the drafter's feature adds (EAGLE-3's "
                         "low/mid features on an EAGLE-1 drafter; e.g. 1,14 on SmolLM2's 30). "
@@ -296,6 +297,20 @@ def _tap_list(text: str) -> tuple[int, ...]:
     return taps
 
 
+def _drafter_layers(init_from: str | None, asked: int | None) -> int:
+    """The layers a run trains: ``asked``, else ``init_from``'s, else 1; a run cannot have
+    fewer than the drafter it starts from (refused before any state is cached)."""
+    if init_from is None:
+        return 1 if asked is None else asked
+    from specjax.drafter import drafter_config
+
+    have = drafter_config(Path(init_from)).num_layers
+    if asked is not None and asked < have:
+        raise ValueError(f"{init_from} has {have} decoder layers and this run trains {asked}; "
+                         f"pass --drafter-layers {have} or more to start from it")
+    return have if asked is None else asked
+
+
 def run_train_drafter(args: argparse.Namespace) -> int:
     """Run ``specjax train drafter``; returns the exit code (1 if training stopped early)."""
     from specjax.train.data import (
@@ -314,6 +329,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
         from specjax.checkpoint import check_output
 
         check_output(out, overwrite=args.overwrite)
+    args.drafter_layers = _drafter_layers(args.init_from, args.drafter_layers)
     target_dir, target = _load_target(args, progress)
     cache_dir = Path(args.cache_dir) if args.cache_dir else _default_cache_dir(target_dir, args)
     ckpt_dir = Path(args.ckpt_dir) if args.ckpt_dir else cache_dir / "checkpoints"

@@ -12,8 +12,8 @@
 #
 # Sizes come from the environment: GEN_S (generation seconds), STAGES, STEPS, LR, TAP_LR,
 # BATCH (tokens per step), EVAL_EVERY, TRAIN_S (training's time limit, s), TTT (unrolled
-# draft steps of training-time test, `--ttt-steps`; unset: none), LAYERS (`--drafter-layers`:
-# more than the starting drafter's grows it, the new layers the identity), CALIB=0 (skip the
+# draft steps of training-time test, `--ttt-steps`; unset: none), LAYERS (`--drafter-layers`;
+# unset: the starting drafter's; more grows it, the new layers the identity), CALIB=0 (skip the
 # 20 timed steps), MEM_FRACTION (of GPU memory JAX takes, default 0.92); for toy runs LIMIT
 # (prompts per stage), GEN_BATCH, MAX_RECORDS, CACHE_TOKENS, KERNEL_TESTS=0. Everything the
 # job reads is prepared by prepare.py on the CPU. `train` caches the states itself if
@@ -161,11 +161,13 @@ train)
     ${LAYERS:+--drafter-layers "$LAYERS"} \
     --checkpoint-every 250 --ckpt-dir "$STAGE/ckpt" --out "$STAGE/drafter" --overwrite \
     --no-progress --resume 2>&1 | tail -40
+  # specjax's status, not tail's: 1 also when TRAIN_S stopped it (the drafter is written).
+  rc=${PIPESTATUS[0]}
   cp "$STAGE/kernels.log" "$OUT/" 2>/dev/null
   # Files come back at <= 16 MiB each: the drafter (~19 MB in float32) in slices.
   [ -d "$STAGE/drafter" ] && tar -C "$STAGE" -cf - drafter | xz -T0 \
     | split -b 15000000 - "$OUT/drafter.tar.xz.part_"
-  ls -la "$OUT" ;;
+  ls -la "$OUT"; exit "$rc" ;;
 next)
   # The drafter `train` wrote becomes the starting drafter of the next `train` on this warm
   # machine (its checkpoints set aside, or --resume would pick them up).

@@ -14,6 +14,7 @@ from flax import nnx
 import specjax
 from specjax.drafter import read_drafter
 from specjax.model import forward_hidden, init_cache
+from specjax.train.cli import _drafter_layers
 from specjax.train.cli import main as train_main
 from specjax.train.data import (
     Example,
@@ -354,6 +355,12 @@ def test_fine_tuning_starts_from_the_given_drafter(target, cache, tmp_path):
                                          "--drafter-layers 2"):
         train_drafter(target.cfg, target.params, train, held, _tc(steps=5, init_from=str(deep)),
                       tmp_path / "e", progress=False)
+    # The CLI takes the starting drafter's depth unless told, and refuses fewer layers
+    # before it caches anything.
+    assert _drafter_layers(str(deep), None) == 2 and _drafter_layers(str(src), None) == 1
+    assert _drafter_layers(None, None) == 1 and _drafter_layers(str(src), 3) == 3
+    with pytest.raises(ValueError, match="has 2 decoder layers and this run trains 1"):
+        _drafter_layers(str(deep), 1)
 
 
 def test_cli_adds_extra_caches_and_refuses_another_targets(target, cache, tmp_path, capsys):
