@@ -495,15 +495,14 @@ def _self_written_prompts(args: argparse.Namespace, tokenizer: Any) -> tuple[lis
     """``--self-prompts``: the turns worth asking (:func:`read_user_turns`, once each across
     the files), chat-templated, at most ``--max-prompt-tokens`` long, the first
     ``--num-prompts``."""
-    from specjax.train.prompts import encode_user_turn, load_exclusions
-    from specjax.train.self_prompts import read_user_turns
+    from specjax.train.prompts import load_exclusions
+    from specjax.train.self_prompts import self_prompt_ids
 
     excl_paths = _exclusion_paths(args.exclude)
-    exclude = load_exclusions(excl_paths)
-    texts, stats = read_user_turns(args.self_prompts, tokenizer, exclude=exclude)
+    prompts, stats = self_prompt_ids(args.self_prompts, tokenizer,
+                                     exclude=load_exclusions(excl_paths),
+                                     max_prompt_tokens=args.max_prompt_tokens)
     print(f"self prompts: {stats}", file=sys.stderr)
-    prompts = [p for p in (encode_user_turn(tokenizer, t) for t in texts)
-               if len(p) <= args.max_prompt_tokens]
     source = (f"self-written user turns {args.self_prompts}, <= {args.max_prompt_tokens} "
               f"tokens, excluding {[str(p) for p in excl_paths]}")
     return prompts[:args.num_prompts], source

@@ -15,14 +15,13 @@ keeps the finished ones, once each, none sharing an 8-word shingle with the eval
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specjax.train.prompts import shares_shingle
-from specjax.train.selfdistill import generate_self_distill
+from specjax.train.prompts import encode_user_turn, shares_shingle
+from specjax.train.selfdistill import generate_self_distill, read_records
 
 _SENTINEL = "\x00user-turn\x00"
 _SPACE = re.compile(r"\s+")
@@ -71,7 +70,7 @@ def read_user_turns(paths: str | Path | Sequence[str | Path], tokenizer: Any, *,
 
     Kept: turns that closed (hit an end id), of at least ``min_words`` words, the first of
     each text across the files (case and whitespace folded), sharing no 8-word shingle with
-    ``exclude`` (the evaluation's and the held-out prompts' shingles). A line a crash cut
+    ``exclude`` (the evaluation's and the held-out prompts' shingles). A torn last line
     is skipped.
 
     Returns:
@@ -83,11 +82,7 @@ def read_user_turns(paths: str | Path | Sequence[str | Path], tokenizer: Any, *,
     seen: set[str] = set()
     texts = []
     for path in map(Path, paths):
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
+        for rec in read_records(path):  # read only: the writer may still be appending
             stats["records"] += 1
             if rec["tokens"][:len(pre)] != pre:
                 raise ValueError(f"{path}: a record does not start with this tokenizer's "
@@ -109,6 +104,17 @@ def read_user_turns(paths: str | Path | Sequence[str | Path], tokenizer: Any, *,
                 texts.append(text)
     stats["kept"] = len(texts)
     return texts, stats
+
+
+def self_prompt_ids(paths: str | Path | Sequence[str | Path], tokenizer: Any, *,
+                    exclude: set[tuple[str, ...]] | None = None,
+                    max_prompt_tokens: int = 320) -> tuple[list[list[int]], dict]:
+    """The kept turns (:func:`read_user_turns`) as chat-templated prompt ids, in file order,
+    each at most ``max_prompt_tokens`` long; the counts gain ``too_long``."""
+    texts, stats = read_user_turns(paths, tokenizer, exclude=exclude)
+    encoded = [encode_user_turn(tokenizer, t) for t in texts]
+    prompts = [p for p in encoded if len(p) <= max_prompt_tokens]
+    return prompts, stats | {"too_long": len(encoded) - len(prompts)}
 
 
 def distinct_ngrams(texts: Sequence[str], n: int = 2) -> float:

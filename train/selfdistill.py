@@ -47,17 +47,30 @@ def _meta_path(out: Path) -> Path:
     return out.with_name(out.name + ".meta.json")
 
 
-def _read_records(out: Path) -> list[dict]:
-    """The records already in ``out``; a torn last line (a crash mid-write) is dropped."""
-    if not out.exists():
-        return []
-    lines = [ln for ln in out.read_text().splitlines() if ln.strip()]
+def _complete(path: Path) -> tuple[list[str], list[dict], bool]:
+    """(complete lines, their records, whether a torn last line was left out)."""
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
     try:
-        return [json.loads(ln) for ln in lines]
+        return lines, [json.loads(ln) for ln in lines], False
     except json.JSONDecodeError:
         # Only the last line can be torn: records are appended whole, a batch at a time.
-        out.write_text("".join(ln + "\n" for ln in lines[:-1]))
-        return [json.loads(ln) for ln in lines[:-1]]
+        return lines[:-1], [json.loads(ln) for ln in lines[:-1]], True
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """The complete records of a self-distill JSONL, read only: a torn last line (a crash,
+    or a writer still appending) is left out and the file left as it is."""
+    return _complete(Path(path))[1]
+
+
+def _read_records(out: Path) -> list[dict]:
+    """The records already in ``out``, before resuming it; a torn last line is cut off."""
+    if not out.exists():
+        return []
+    lines, records, torn = _complete(out)
+    if torn:
+        out.write_text("".join(ln + "\n" for ln in lines))
+    return records
 
 
 class _TransformersEngine:

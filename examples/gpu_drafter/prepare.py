@@ -48,14 +48,13 @@ from specjax.train.data import (
 from specjax.train.prompts import (
     DEFAULT_WEIGHTS,
     TEMPLATES,
-    encode_user_turn,
     load_exclusions,
     prompt_mix,
     shares_shingle,
     shingles,
 )
-from specjax.train.self_prompts import read_user_turns
-from specjax.train.selfdistill import generate_self_distill, prompts_hash
+from specjax.train.self_prompts import self_prompt_ids
+from specjax.train.selfdistill import generate_self_distill, prompts_hash, read_records
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -116,11 +115,7 @@ def answers_records(folder: Path, prompts_file: Path) -> list[dict]:
     if not (folder / "answers.npz").exists():
         for path in sorted(folder.glob("*.jsonl")):
             prompts = stage_prompts(path.stem)
-            for line in path.read_text().splitlines():
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # the line a time limit cut
+            for r in read_records(path):  # a line a time limit cut is left out
                 prompt = prompts[r["prompt_index"]]
                 if r["tokens"][:len(prompt)] != prompt:
                     raise ValueError(f"{path}: record {r['prompt_index']} does not start "
@@ -291,11 +286,10 @@ def main() -> None:
         followup = fresh(followup)
     self_written: list[list[int]] = []
     if args.self_prompts:
-        texts, sstats = read_user_turns(args.self_prompts, tok, exclude=excl)
-        encoded = [encode_user_turn(tok, t) for t in texts]
-        self_written = fresh([p for p in encoded if len(p) <= 320])
-        print(f"self prompts: {sstats}, {len(encoded) - len(self_written)} over 320 tokens "
-              "or answered", file=sys.stderr)
+        turns, sstats = self_prompt_ids(args.self_prompts, tok, exclude=excl)
+        self_written = fresh(turns)
+        print(f"self prompts: {sstats}, {len(turns) - len(self_written)} answered",
+              file=sys.stderr)
     old_short = [p for p in sorted({prompt_of(r) for r in train if len(prompt_of(r)) <= 320})
                  if not shares_shingle(user_text(tok, p), held_shingles)]
     pool: list[list[int]] = []

@@ -77,7 +77,9 @@ def test_reading_keeps_each_closed_turn_once_and_none_the_evaluation_shares(tmp_
              _record(tok, "What is the capital of France, and why?")]
     path = tmp_path / "turns.jsonl"
     path.write_text("\n".join(lines) + '\n{"tokens": [1, 2')  # a line a crash cut
+    before = path.read_text()
     texts, stats = read_user_turns(path, tok, exclude=shingles(evaluation))
+    assert path.read_text() == before  # read only: a writer may still be appending to it
     assert texts == ["How do I sort a list in Python?", "What is the capital of France, and why?"]
     assert stats == {"records": 6, "unfinished": 1, "short": 1, "duplicate": 1, "excluded": 1,
                      "kept": 2}
