@@ -114,6 +114,10 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                    help="stop training after SECONDS (checkpointed; --out is still written, "
                         "marked incomplete; --resume goes on)")
+    p.add_argument("--keep-best", action="store_true",
+                   help="write the drafter of the held-out evaluation (initial, every "
+                        "--eval-every steps, last) with the highest top-1, not the last "
+                        "step's: for runs over few new tokens that may overfit")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -383,7 +387,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
                            train_ids=train_ids, resume=args.resume, progress=progress,
                            time_limit=args.time_limit, log_every=args.log_every,
                            on_device=args.on_device,
-                           bucket_width=args.bucket_width)
+                           bucket_width=args.bucket_width, keep_best=args.keep_best)
     summary = {"source": str(args.data), "conversations": {k: v["examples"]
                                                            for k, v in splits.items()},
                "tokens": {k: v["tokens"] for k, v in splits.items()},
@@ -402,7 +406,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     print(json.dumps({"out": str(path), "steps": m["steps"], "tokens_seen": m["tokens_seen"],
                       "heldout_top1": m["heldout_top1"], "heldout_loss": m["heldout_loss"],
                       "initial_heldout_top1": m["initial_heldout_top1"],
-                      "complete": m["complete"]}, indent=1))
+                      "kept": m["kept"], "complete": m["complete"]}, indent=1))
     return 0 if m["complete"] else 1
 
 

@@ -42,9 +42,17 @@ from specjax.drafter import (
     save_drafter,
 )
 from specjax.model import Params, unfuse_layer
-from specjax.train.data import HiddenSplit, gather_rows, plan_batches, row_loss_mask, rows_for
+from specjax.train.data import (
+    HiddenSplit,
+    _atomic_savez,
+    gather_rows,
+    plan_batches,
+    row_loss_mask,
+    rows_for,
+)
 
 LOG_FILE = "training_log.json"
+BEST_FILE = "best_params.npz"  # keep_best's params, beside the checkpoints
 PLOT_FILE = "loss.png"
 
 
@@ -505,7 +513,7 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
                   train_ids: np.ndarray | None = None, resume: bool = False,
                   stop_after: int | None = None, time_limit: float | None = None,
                   progress: bool = True, log_every: int = 1, on_device: bool = False,
-                  bucket_width: int = 128) -> TrainResult:
+                  bucket_width: int = 128, keep_best: bool = False) -> TrainResult:
     """Train an EAGLE drafter on cached hidden states, checkpointing as it goes.
 
     Args:
@@ -530,8 +538,15 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
         bottleneck; the losses are the same up to summation order.
       bucket_width: padded lengths past 512 come every this many tokens
         (:func:`training_buckets`); wider means fewer compiled shapes, more padding.
+      keep_best: return the params of the evaluation (initial, periodic or at the end)
+        with the highest held-out top-1, not the last step's: a run over few new tokens
+        may peak and then overfit. The best params so far are kept beside the
+        checkpoints (``best_params.npz``), so a resumed run still knows them; the
+        checkpoints themselves stay the last step's, which resuming needs. A run stopped
+        by ``time_limit`` or ``stop_after`` is evaluated where it stopped.
     Returns:
-      final params and config, the log, and the metadata for ``save_drafter``.
+      final params and config, the log, and the metadata for ``save_drafter``
+      (``meta["kept"]``: the step and top-1 of the params returned, with ``keep_best``).
     """
     from tqdm.auto import tqdm
 
@@ -606,7 +621,15 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
             log["eval"] = [r for r in log["eval"] if r["step"] <= step]
         log.setdefault("resumed_at", []).append(step)
 
+    best_path = ckpt_dir / BEST_FILE
+    best = None  # (its evaluation, host params): the best so far, with keep_best
+    if keep_best and latest is not None and log.get("best") and best_path.exists():
+        with np.load(best_path) as z:
+            leaves = [z[f"a{i}"] for i in range(len(z.files))]
+        best = (log["best"], jax.tree.unflatten(jax.tree.structure(params), leaves))
+
     def run_eval(tag: str) -> None:
+        nonlocal best
         if heldout is None or len(heldout) == 0:
             return
         t0 = time.time()
@@ -615,6 +638,12 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
         r |= {"step": step, "tag": tag, "tokens_seen": tokens_seen,
               "eval_s": round(time.time() - t0, 1)}
         log["eval"].append(r)
+        if keep_best and (best is None or r["top1"] > best[0]["top1"]):
+            # A host copy: the train step donates (and so deletes) the device params.
+            best = (r, jax.device_get(params))
+            _atomic_savez(best_path, **{f"a{i}": np.asarray(a)
+                                        for i, a in enumerate(jax.tree.leaves(best[1]))})
+            log["best"] = r
         if progress:
             deeper = "".join(f" {k} {v:.4f}" for k, v in r.items() if k.startswith("top1_"))
             tqdm.write(f"[eval {tag} step {step}] loss {r['loss']:.4f} top1 {r['top1']:.4f}"
@@ -683,16 +712,28 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
     if step >= total and not any(r["tag"] == "final" for r in log["eval"]):
         run_eval("final")
         write_json_atomic(ckpt_dir / LOG_FILE, log)  # the state at this step is saved already
+    elif keep_best and not any(r["step"] == step for r in log["eval"]):
+        run_eval("stopped")  # keep_best compares the last step too
+        write_json_atomic(ckpt_dir / LOG_FILE, log)
     mgr.close()
 
-    final = nnx.merge(graphdef, params)
     evals = {r["tag"]: r for r in log["eval"]}
+    returned = evals.get("final")  # the evaluation of the params returned
+    if best is not None:
+        last = [r for r in log["eval"] if r["step"] == step][-1]
+        if best[0]["step"] != step:
+            params = jax.tree.map(jnp.asarray, best[1])
+        returned = best[0] | {"last_step": step, "last_top1": last["top1"]}
+    final = nnx.merge(graphdef, params)
     prior = _prior_tokens(Path(tc.init_from)) if tc.init_from else 0
-    meta = {"tokens_seen": tokens_seen, "prior_tokens_seen": prior,
-            "tokens_seen_total": prior + tokens_seen, "steps": step, "total_steps": total,
+    seen = tokens_seen if best is None else best[0]["tokens_seen"]  # the returned params'
+    meta = {"tokens_seen": seen, "prior_tokens_seen": prior,
+            "tokens_seen_total": prior + seen, "steps": step, "total_steps": total,
             "complete": step >= total, "train_wall_s": round(log["wall_s"], 1),
-            "heldout_top1": evals.get("final", {}).get("top1"),
-            "heldout_loss": evals.get("final", {}).get("loss"),
+            "heldout_top1": (returned or {}).get("top1"),
+            "kept": None if best is None else {k: returned[k] for k in
+                                               ("step", "tag", "top1", "last_step", "last_top1")},
+            "heldout_loss": (returned or {}).get("loss"),
             "initial_heldout_top1": evals.get("initial", {}).get("top1"),
             "initial_heldout_loss": evals.get("initial", {}).get("loss"),
             "init": {"last-layer": "layer: target's last layer, wo and w_down zeroed, input "

@@ -154,11 +154,13 @@ train)
   # TRAIN_S stops training gracefully (checkpointed, the drafter still written, marked
   # incomplete); the hard timeout only catches a hang. LR 1e-4 by default: every run starts
   # from a trained drafter, and higher peaks dipped (5e-4: 0.577 -> 0.259 in a toy run).
+  # --keep-best: the drafter written is the best held-out evaluation's (every EVAL_EVERY
+  # steps and where it stopped), since a run over one GPU session's answers may overfit.
   timeout $(( ${TRAIN_S:-420} + 120 )) specjax train drafter --data "$STAGE/data.jsonl" \
     --time-limit "${TRAIN_S:-420}" \
     --heldout-fraction "$HF" "${COMMON[@]}" --steps "${STEPS:?}" --batch-size "$BATCH" \
     --lr "${LR:-1e-4}" --warmup 0.03 --tap-lr-scale "${TAP_LR:-4}" \
-    --eval-every "${EVAL_EVERY:-250}" ${TTT:+--ttt-steps "$TTT"} \
+    --eval-every "${EVAL_EVERY:-250}" --keep-best ${TTT:+--ttt-steps "$TTT"} \
     ${LAYERS:+--drafter-layers "$LAYERS"} \
     --checkpoint-every 250 --ckpt-dir "$STAGE/ckpt" --out "$STAGE/drafter" --overwrite \
     --no-progress --resume 2>&1 | tail -40

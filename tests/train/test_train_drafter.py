@@ -298,6 +298,43 @@ def test_time_limit_checkpoints_and_returns_an_incomplete_drafter(target, cache,
     assert resumed.log["resumed_at"] == [1] and resumed.meta["complete"]
 
 
+def test_keep_best_returns_the_best_evaluated_params_across_a_resume(target, cache, tmp_path,
+                                                                   monkeypatch):
+    """Held-out top-1 scripted to peak at step 4 of 12: the kept drafter is step 4's, also
+    when the run stops at step 6 (evaluated there) and resumes."""
+    import specjax.train.drafter as drafter_mod
+
+    train, held = load_split(cache, "train"), load_split(cache, "heldout")
+    tc = _tc(steps=12, checkpoint_every=2, eval_every=4, max_eval_tokens=64)
+    top1 = iter([0.1, 0.5,             # run a: initial, step 4 (stops there)
+                 0.1, 0.5, 0.3,        # run b: initial, 4, stopped at 6
+                 0.4, 0.2,             # run b resumed: 8, final 12
+                 0.1, 0.5, 0.4, 0.2])  # run c, without keep_best: 0, 4, 8, 12
+    monkeypatch.setattr(drafter_mod, "evaluate",
+                        lambda *a, **kw: evaluate(*a, **kw) | {"top1": next(top1)})
+    at4 = train_drafter(target.cfg, target.params, train, held, tc, tmp_path / "a",
+                        stop_after=4, progress=False)
+    part = train_drafter(target.cfg, target.params, train, held, tc, tmp_path / "b",
+                         stop_after=6, keep_best=True, progress=False)
+    assert part.meta["kept"] == {"step": 4, "tag": "periodic", "top1": 0.5, "last_step": 6,
+                                 "last_top1": 0.3}
+    assert [r["tag"] for r in part.log["eval"]] == ["initial", "periodic", "stopped"]
+    full = train_drafter(target.cfg, target.params, train, held, tc, tmp_path / "b",
+                         resume=True, keep_best=True, progress=False)
+    assert full.meta["complete"] and full.meta["steps"] == 12
+    assert full.meta["kept"] == {"step": 4, "tag": "periodic", "top1": 0.5, "last_step": 12,
+                                 "last_top1": 0.2}
+    assert full.meta["heldout_top1"] == 0.5
+    assert full.meta["tokens_seen"] == at4.meta["tokens_seen"]
+    for res in (part, full):
+        for a, b in zip(jax.tree.leaves(res.params), jax.tree.leaves(at4.params), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+    last = train_drafter(target.cfg, target.params, train, held, tc, tmp_path / "c",
+                         progress=False)
+    assert last.meta["kept"] is None and last.meta["heldout_top1"] == 0.2
+    assert next(top1, None) is None  # every scripted evaluation ran, and no other
+
+
 def test_cli_end_to_end_on_pretokenised_data(target, tmp_path, capsys):
     rs = np.random.RandomState(0)
     data = tmp_path / "data.jsonl"
