@@ -351,6 +351,13 @@ def test_cli_end_to_end_on_pretokenised_data(target, tmp_path, capsys):
     assert meta["data"]["conversations"] == {"train": 9, "heldout": 3}
     assert train_main(args) == 2  # --out exists: a one-line error
     assert "--overwrite" in capsys.readouterr().err
+    # --keep-best writes the best of the evaluations (initial and final here) and says which.
+    again = args + ["--keep-best", "--overwrite", "--ckpt-dir", str(tmp_path / "ck2")]
+    assert train_main(again) == 0
+    kept = json.loads(capsys.readouterr().out)["kept"]
+    assert kept["step"] in (0, 4) and kept["last_step"] == 4
+    assert kept["top1"] == max(kept["top1"], kept["last_top1"])
+    assert read_drafter(tmp_path / "d", target.cfg)[2]["kept"] == kept
     # A folder of the user's files is refused before anything is cached or trained, even
     # with --overwrite, and left as it was.
     mine = tmp_path / "mine"
