@@ -456,7 +456,8 @@ def split_heldout(n: int, heldout_fraction: float, min_heldout: int = 1) -> tupl
     return range(k, n), range(0, k)
 
 
-def _atomic_savez(path: Path, **arrays: np.ndarray) -> None:
+def atomic_savez(path: Path, **arrays: np.ndarray) -> None:
+    """``np.savez`` to a temporary file renamed over ``path``: a reader never sees half a file."""
     tmp = path.parent / f".{path.stem}.{uuid.uuid4().hex[:8]}.tmp.npz"
     try:
         np.savez(tmp, **arrays)
@@ -566,7 +567,7 @@ def cache_hidden_states(cfg: ModelConfig, params: Params, examples: Sequence[Exa
                 lens.append(n)
                 index.append(i)
                 bar.update(n)
-        _atomic_savez(cache_dir / split / f"shard_{k:05d}.npz", tokens=np.concatenate(toks),
+        atomic_savez(cache_dir / split / f"shard_{k:05d}.npz", tokens=np.concatenate(toks),
                       assistant=np.concatenate(asst), hidden=np.concatenate(hid),
                       lengths=np.asarray(lens, np.int32), index=np.asarray(index, np.int64),
                       **({"taps": np.concatenate(tap)} if taps else {}))

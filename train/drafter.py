@@ -44,7 +44,7 @@ from specjax.drafter import (
 from specjax.model import Params, unfuse_layer
 from specjax.train.data import (
     HiddenSplit,
-    _atomic_savez,
+    atomic_savez,
     gather_rows,
     plan_batches,
     row_loss_mask,
@@ -641,7 +641,7 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
         if keep_best and (best is None or r["top1"] > best[0]["top1"]):
             # A host copy: the train step donates (and so deletes) the device params.
             best = (r, jax.device_get(params))
-            _atomic_savez(best_path, **{f"a{i}": np.asarray(a)
+            atomic_savez(best_path, **{f"a{i}": np.asarray(a)
                                         for i, a in enumerate(jax.tree.leaves(best[1]))})
             log["best"] = r
         if progress:
