@@ -27,7 +27,8 @@ followed the latest earlier occurrence of the longest suffix, up to ``--lookup-n
 tokens and at least ``--lookup-min``, of the prompt + answer so far), alone and together
 with each drafter: "either"
 is the first-draft acceptance of a tree whose root has the drafter's top-1 and the lookup
-token as children.
+token as children. Each drafter's acceptance is also split by where the lookup is right
+(the target copies its context) and where it is not (new text).
 """
 
 from __future__ import annotations
@@ -136,6 +137,12 @@ def main() -> None:
     by_task = lambda hits: {t: pooled([h for h, e in zip(hits, evals, strict=True)  # noqa: E731
                                        if e["task"] == t]) for t in tasks}
     look = lookup_hits(seqs, args.lookup_ngram, args.lookup_min)
+    # Does the drafter miss where the target copies its context (the lookup is right) or
+    # where it writes new text? Pooled and per task, over the positions of each kind.
+    split_by = lambda hits, cond, want: {  # noqa: E731
+        "pooled": pooled([h[c == want] for h, c in zip(hits, cond, strict=True)]),
+        "per_task": by_task([h[c == want] for h, c in zip(hits, cond, strict=True)]),
+        "share": pooled([c == want for c in cond])}
     result["lookup"] = {"ngram": args.lookup_ngram, "min": args.lookup_min,
                         "pooled": pooled(look),
                         "per_task": by_task(look)}
@@ -154,12 +161,20 @@ def main() -> None:
                                     "positions": sum(len(h) for h in per),
                                     "empty_answers": empty,
                                     "either_with_lookup": pooled(either),
-                                    "either_per_task": by_task(either)}
+                                    "either_per_task": by_task(either),
+                                    "where_lookup_hits": split_by(per, look, True),
+                                    "where_lookup_misses": split_by(per, look, False)}
         print(f"{path}: first-draft acceptance {fmt(overall)} "
               + " ".join(f"{t} {fmt(v)}" for t, v in by_task(per).items())
               + f" ({empty} answers with nothing drafted); either it or the lookup "
               + f"{fmt(pooled(either))} "
               + " ".join(f"{t} {fmt(v)}" for t, v in by_task(either).items()), flush=True)
+        hit, miss = (result["drafters"][path][k] for k in ("where_lookup_hits",
+                                                           "where_lookup_misses"))
+        print(f"  where the lookup is right ({fmt(hit['share'])} of positions) "
+              f"{fmt(hit['pooled'])}, where it is not {fmt(miss['pooled'])}: "
+              + " ".join(f"{t} {fmt(hit['per_task'][t])}/{fmt(miss['per_task'][t])}"
+                         for t in tasks), flush=True)
         if first is None:
             first = per
         else:  # 24 prompts resolve a few points at best: say how many
