@@ -102,6 +102,26 @@ def pooled(hits: list[np.ndarray]) -> float | None:
     return sum(int(h.sum()) for h in hits) / n if n else None
 
 
+def pooled_per_task(hits: list[np.ndarray], task_of: list[str],
+                    tasks: tuple[str, ...]) -> dict[str, float | None]:
+    """:func:`pooled` over each task's answers; ``task_of[i]`` is answer i's task."""
+    return {t: pooled([h for h, k in zip(hits, task_of, strict=True) if k == t]) for t in tasks}
+
+
+def split_by_lookup(hits: list[np.ndarray], look: list[np.ndarray], task_of: list[str],
+                    tasks: tuple[str, ...]) -> dict[str, dict]:
+    """A drafter's hits where the lookup chain is right (the target copies its context) and
+    where it is not (new text): each part pooled, per task, and its share of positions.
+    ``hits`` and ``look`` are per answer, [n - 1] bool each (:func:`agreement`,
+    :func:`lookup_hits`)."""
+    out = {}
+    for name, want in (("where_lookup_hits", True), ("where_lookup_misses", False)):
+        parts = [h[c == want] for h, c in zip(hits, look, strict=True)]
+        out[name] = {"pooled": pooled(parts), "per_task": pooled_per_task(parts, task_of, tasks),
+                     "share": pooled([c == want for c in look])}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -134,15 +154,9 @@ def main() -> None:
               "drafter_window": args.drafter_window,
               "max_new_tokens": args.max_new_tokens, "drafters": {}}
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    by_task = lambda hits: {t: pooled([h for h, e in zip(hits, evals, strict=True)  # noqa: E731
-                                       if e["task"] == t]) for t in tasks}
+    task_of = [e["task"] for e in evals]
+    by_task = lambda hits: pooled_per_task(hits, task_of, tasks)  # noqa: E731
     look = lookup_hits(seqs, args.lookup_ngram, args.lookup_min)
-    # Does the drafter miss where the target copies its context (the lookup is right) or
-    # where it writes new text? Pooled and per task, over the positions of each kind.
-    split_by = lambda hits, cond, want: {  # noqa: E731
-        "pooled": pooled([h[c == want] for h, c in zip(hits, cond, strict=True)]),
-        "per_task": by_task([h[c == want] for h, c in zip(hits, cond, strict=True)]),
-        "share": pooled([c == want for c in cond])}
     result["lookup"] = {"ngram": args.lookup_ngram, "min": args.lookup_min,
                         "pooled": pooled(look),
                         "per_task": by_task(look)}
@@ -162,8 +176,7 @@ def main() -> None:
                                     "empty_answers": empty,
                                     "either_with_lookup": pooled(either),
                                     "either_per_task": by_task(either),
-                                    "where_lookup_hits": split_by(per, look, True),
-                                    "where_lookup_misses": split_by(per, look, False)}
+                                    **split_by_lookup(per, look, task_of, tasks)}
         print(f"{path}: first-draft acceptance {fmt(overall)} "
               + " ".join(f"{t} {fmt(v)}" for t, v in by_task(per).items())
               + f" ({empty} answers with nothing drafted); either it or the lookup "

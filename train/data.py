@@ -568,9 +568,9 @@ def cache_hidden_states(cfg: ModelConfig, params: Params, examples: Sequence[Exa
                 index.append(i)
                 bar.update(n)
         atomic_savez(cache_dir / split / f"shard_{k:05d}.npz", tokens=np.concatenate(toks),
-                      assistant=np.concatenate(asst), hidden=np.concatenate(hid),
-                      lengths=np.asarray(lens, np.int32), index=np.asarray(index, np.int64),
-                      **({"taps": np.concatenate(tap)} if taps else {}))
+                     assistant=np.concatenate(asst), hidden=np.concatenate(hid),
+                     lengths=np.asarray(lens, np.int32), index=np.asarray(index, np.int64),
+                     **({"taps": np.concatenate(tap)} if taps else {}))
     bar.close()
     manifest["complete"] = True
     write_json_atomic(manifest_path, manifest)

@@ -642,7 +642,7 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
             # A host copy: the train step donates (and so deletes) the device params.
             best = (r, jax.device_get(params))
             atomic_savez(best_path, **{f"a{i}": np.asarray(a)
-                                        for i, a in enumerate(jax.tree.leaves(best[1]))})
+                                       for i, a in enumerate(jax.tree.leaves(best[1]))})
             log["best"] = r
         if progress:
             deeper = "".join(f" {k} {v:.4f}" for k, v in r.items() if k.startswith("top1_"))
