@@ -44,6 +44,7 @@ import numpy as np
 
 import specjax
 from specjax.bench.questions import resolve_questions
+from specjax.convert.dispatch import TOKENIZER_FILES
 from specjax.defaults import resolve_model, smollm2_gguf_path
 from specjax.train.data import (
     CALIBRATION_START,
@@ -64,11 +65,11 @@ from specjax.train.self_prompts import self_prompt_ids
 from specjax.train.selfdistill import generate_self_distill, prompts_hash, read_records
 
 GPU_LOCK = Path(__file__).resolve().parents[2] / "constraints" / "py312-cuda13.txt"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 def copy_tokenizer(target_dir: Path, out: Path) -> list[str]:
-    """Copy the converted target's tokenizer files into ``out`` (created); their names."""
+    """Copy the converted target's tokenizer files (those ``specjax convert --tokenizer``
+    reads) into ``out`` (created); their names."""
     out.mkdir(parents=True, exist_ok=True)
     names = [n for n in TOKENIZER_FILES if (target_dir / n).is_file()]
     if "tokenizer.json" not in names:
