@@ -12,6 +12,12 @@ rates (compile excluded, ``decode_tokens_per_s``) are pooled over the prompts, i
 ``--calibration N`` runs about N calibration prompts instead (ShareGPT's calibration range,
 never Spec-Bench: :func:`specjax.bench.questions.calibration_prompts`, whose prompt mix
 rounds each kind's share), for choosing a tree before it is evaluated once on Spec-Bench.
+
+``--tree-json`` given more than once compares the trees in one run: each prompt runs
+vanilla and then every tree in turn with the same seed, so the machine's drift between
+runs (often larger than the differences between trees) falls on all of them alike. The
+JSON then holds one result per tree under ``trees``, each after the first with its speed
+relative to the first and a 95% interval over prompts (``vs_first``).
 """
 
 from __future__ import annotations
@@ -20,12 +26,40 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 import specjax
 from specjax.bench.questions import TASKS, calibration_prompts, spec_bench_prompts
 from specjax.defaults import resolve_model, shipped_drafter_for
 from specjax.tree import TreeSpec
+
+
+def pooled(rows: list[dict]) -> dict:
+    """One tree's prompts pooled: tokens over summed decode seconds (so long prompts weigh
+    by their tokens), the speedup as the ratio of the summed times, MAL and the chained
+    fraction (steps that verified a lookup chain) averaged over prompts."""
+    tok = sum(r["tokens"] for r in rows)
+    van, spec = sum(r["vanilla_decode_s"] for r in rows), sum(r["spec_decode_s"] for r in rows)
+    return {"prompts": len(rows), "vanilla_tokens_per_s": tok / van,
+            "spec_tokens_per_s": tok / spec, "speedup": van / spec,
+            "mal": sum(r["mal"] for r in rows) / len(rows),
+            "chained_fraction": sum(r["chained_fraction"] for r in rows) / len(rows)}
+
+
+def relative_speed(rows: list[dict], base: list[dict], *, draws: int = 10_000,
+                   seed: int = 0) -> dict:
+    """Speed of one tree relative to ``base`` (both run on the same prompts and seeds):
+    base's summed decode time over this tree's, with a 95% interval that resamples whole
+    prompts, paired (a sampled run's speed varies by tens of percent from prompt to prompt,
+    for every tree alike)."""
+    if [r["tokens"] for r in rows] != [r["tokens"] for r in base]:
+        raise ValueError("the trees must have run the same prompts to the same lengths")
+    mine = np.array([r["spec_decode_s"] for r in rows])
+    theirs = np.array([r["spec_decode_s"] for r in base])
+    pick = np.random.default_rng(seed).integers(0, len(mine), (draws, len(mine)))
+    lo, hi = np.percentile(theirs[pick].sum(1) / mine[pick].sum(1), [2.5, 97.5])
+    return {"ratio": float(theirs.sum() / mine.sum()), "ci95": [float(lo), float(hi)]}
 
 
 def main() -> None:
@@ -35,10 +69,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--per-task", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tree-json", default=None, metavar="JSON",
+    ap.add_argument("--tree-json", action="append", default=None, metavar="JSON",
                     help="a TreeSpec as JSON, e.g. '{\"kind\": \"eagle2\", \"depth\": 1, "
                          "\"top_k\": 1, \"total_tokens\": 1}' (default: the drafter's "
-                         "shipped tree)")
+                         "shipped tree); repeat it to compare trees prompt by prompt")
     ap.add_argument("--calibration", type=int, default=0, metavar="N",
                     help="about N calibration prompts instead of Spec-Bench's (default 0: "
                          "Spec-Bench)")
@@ -53,38 +87,43 @@ def main() -> None:
         evals, _ = spec_bench_prompts(target, questions=None, tasks=TASKS,
                                       per_task=args.per_task)
     tasks = list(dict.fromkeys(e["task"] for e in evals))
-    tree = (TreeSpec.from_json(json.loads(args.tree_json)) if args.tree_json
-            else drafter.default_tree)  # None: generate's own default (TreeSpec())
+    trees = ([TreeSpec.from_json(json.loads(t)) for t in args.tree_json] if args.tree_json
+             else [drafter.default_tree])  # None: generate's own default (TreeSpec())
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
               stop_on_eos=False)
-    rows = []
+    rows: list[list[dict]] = [[] for _ in trees]
     for i, e in enumerate(tqdm(evals, desc=f"T={args.temperature}")):
         van = specjax.generate(target, [e["ids"]], seed=args.seed + i, **kw)
-        spec = specjax.generate(target, [e["ids"]], drafter=drafter, tree=tree,
-                                seed=args.seed + i, **kw)
-        # The first new token is the prefill's; decode time leaves compiles out.
-        n = spec.stats["new_tokens"] - 1
-        rows.append({"task": e["task"], "tokens": n,
-                     "vanilla_decode_s": n / van.stats["decode_tokens_per_s"],
-                     "spec_decode_s": n / spec.stats["decode_tokens_per_s"],
-                     "mal": spec.stats["mean_accepted_length"],
-                     "chained_fraction": spec.stats["chained_fraction"]})
+        for tree, tree_rows in zip(trees, rows, strict=True):
+            spec = specjax.generate(target, [e["ids"]], drafter=drafter, tree=tree,
+                                    seed=args.seed + i, **kw)
+            # The first new token is the prefill's; decode time leaves compiles out.
+            n = spec.stats["new_tokens"] - 1
+            tree_rows.append({"task": e["task"], "tokens": n,
+                              "vanilla_decode_s": n / van.stats["decode_tokens_per_s"],
+                              "spec_decode_s": n / spec.stats["decode_tokens_per_s"],
+                              "mal": spec.stats["mean_accepted_length"],
+                              "chained_fraction": spec.stats["chained_fraction"]})
 
-    def pooled(rs: list[dict]) -> dict:
-        tok = sum(r["tokens"] for r in rs)
-        van, spec = sum(r["vanilla_decode_s"] for r in rs), sum(r["spec_decode_s"] for r in rs)
-        return {"prompts": len(rs), "vanilla_tokens_per_s": tok / van,
-                "spec_tokens_per_s": tok / spec, "speedup": van / spec,
-                "mal": sum(r["mal"] for r in rs) / len(rs)}
-
-    result = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
-              "tree": tree.to_json() if tree else None,
-              "prompts": "calibration" if args.calibration else "spec-bench",
-              "per_task": {t: pooled([r for r in rows if r["task"] == t]) for t in tasks},
-              "overall": pooled(rows), "per_prompt": rows}
-    for name, p in [*result["per_task"].items(), ("overall", result["overall"])]:
-        print(f"{name:15s} MAL {p['mal']:.2f}  vanilla {p['vanilla_tokens_per_s']:.1f}  "
-              f"spec {p['spec_tokens_per_s']:.1f} tok/s  {p['speedup']:.2f}x")
+    results = []
+    for tree, tree_rows in zip(trees, rows, strict=True):
+        res = {"tree": tree.to_json() if tree else None,
+               "per_task": {t: pooled([r for r in tree_rows if r["task"] == t]) for t in tasks},
+               "overall": pooled(tree_rows), "per_prompt": tree_rows}
+        if results:  # each later tree against the first, on the same prompts
+            res["vs_first"] = relative_speed(tree_rows, rows[0])
+        results.append(res)
+        vs = res.get("vs_first")
+        print(f"tree {res['tree']}" + (f"  speed vs the first {vs['ratio']:.3f} "
+                                       f"[{vs['ci95'][0]:.3f}, {vs['ci95'][1]:.3f}]" if vs else ""))
+        for name, p in [*res["per_task"].items(), ("overall", res["overall"])]:
+            print(f"  {name:15s} MAL {p['mal']:.2f}  vanilla {p['vanilla_tokens_per_s']:.1f}  "
+                  f"spec {p['spec_tokens_per_s']:.1f} tok/s  {p['speedup']:.2f}x  "
+                  f"chained {p['chained_fraction']:.2f}")
+    head = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+            "prompts": "calibration" if args.calibration else "spec-bench"}
+    # One tree keeps the flat layout earlier results used; several go under "trees".
+    result = {**head, **results[0]} if len(results) == 1 else {**head, "trees": results}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 

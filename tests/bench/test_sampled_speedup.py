@@ -1,0 +1,49 @@
+"""examples/sampled_speedup.py's pooling of per-prompt rows into one tree's figures."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = Path(__file__).parents[2] / "examples" / "sampled_speedup.py"
+_spec = importlib.util.spec_from_file_location("sampled_speedup", _SCRIPT)
+sampled_speedup = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sampled_speedup)
+
+
+def test_pooled_weighs_prompts_by_their_tokens():
+    rows = [{"tokens": 100, "vanilla_decode_s": 4.0, "spec_decode_s": 2.0, "mal": 2.0,
+             "chained_fraction": 0.5},
+            {"tokens": 20, "vanilla_decode_s": 1.0, "spec_decode_s": 2.0, "mal": 1.0,
+             "chained_fraction": 0.0}]
+    p = sampled_speedup.pooled(rows)
+    assert p["prompts"] == 2
+    assert p["vanilla_tokens_per_s"] == pytest.approx(120 / 5.0)
+    assert p["spec_tokens_per_s"] == pytest.approx(120 / 4.0)
+    # Summed times, not the mean of per-prompt ratios (2.0 and 0.5 would average 1.25).
+    assert p["speedup"] == pytest.approx(5.0 / 4.0)
+    assert p["mal"] == pytest.approx(1.5)
+    assert p["chained_fraction"] == pytest.approx(0.25)
+
+
+def _rows(times: list[float]) -> list[dict]:
+    return [{"tokens": 10, "vanilla_decode_s": 1.0, "spec_decode_s": t, "mal": 1.0,
+             "chained_fraction": 0.0} for t in times]
+
+
+def test_relative_speed_is_paired_over_prompts():
+    base = _rows([1.0, 2.0, 4.0, 8.0])
+    # Every prompt 10% faster: the ratio and every resampled ratio are 1.1, despite the
+    # eightfold spread between prompts.
+    r = sampled_speedup.relative_speed(_rows([1 / 1.1, 2 / 1.1, 4 / 1.1, 8 / 1.1]), base)
+    assert r["ratio"] == pytest.approx(1.1)
+    assert r["ci95"] == pytest.approx([1.1, 1.1])
+    # One prompt faster, one slower: the interval straddles the pooled ratio.
+    r = sampled_speedup.relative_speed(_rows([0.5, 2.0, 4.0, 9.0]), base)
+    assert r["ratio"] == pytest.approx(15.0 / 15.5)
+    assert r["ci95"][0] < r["ratio"] < r["ci95"][1]
+
+
+def test_relative_speed_refuses_rows_of_other_prompts():
+    with pytest.raises(ValueError, match="same prompts"):
+        sampled_speedup.relative_speed(_rows([1.0]), _rows([1.0, 2.0]))
