@@ -22,6 +22,10 @@ def test_pooled_weighs_prompts_by_their_tokens():
     assert p["spec_tokens_per_s"] == pytest.approx(120 / 4.0)
     # Summed times, not the mean of per-prompt ratios (2.0 and 0.5 would average 1.25).
     assert p["speedup"] == pytest.approx(5.0 / 4.0)
+    # Two prompts resampled: a quarter of the draws take one prompt twice, so the interval's
+    # ends are the prompts' own ratios, 0.5 and 2.0.
+    lo, hi = p["speedup_ci95"]
+    assert lo == pytest.approx(0.5) and hi == pytest.approx(2.0)
     assert p["mal"] == pytest.approx(1.5)
     assert p["chained_fraction"] == pytest.approx(0.25)
 
