@@ -35,7 +35,16 @@ from specjax.defaults import resolve_model, shipped_drafter_for
 from specjax.tree import TreeSpec
 
 
-def pooled(rows: list[dict], *, draws: int = 10_000, seed: int = 0) -> dict:
+def ratio_of_sums(num: np.ndarray, den: np.ndarray, *, draws: int = 10_000,
+                  seed: int = 0) -> tuple[float, list[float]]:
+    """sum(num) / sum(den) over prompts ([P] each), and its 95% interval from resampling
+    whole prompts, the two arrays paired."""
+    pick = np.random.default_rng(seed).integers(0, len(num), (draws, len(num)))
+    lo, hi = np.percentile(num[pick].sum(1) / den[pick].sum(1), [2.5, 97.5])
+    return float(num.sum() / den.sum()), [float(lo), float(hi)]
+
+
+def pooled(rows: list[dict]) -> dict:
     """One tree's prompts pooled: tokens over summed decode seconds (so long prompts weigh
     by their tokens), the speedup as the ratio of the summed times with a 95% interval that
     resamples whole prompts (``speedup_ci95``), MAL and the chained fraction (steps that
@@ -43,28 +52,23 @@ def pooled(rows: list[dict], *, draws: int = 10_000, seed: int = 0) -> dict:
     tok = sum(r["tokens"] for r in rows)
     van = np.array([r["vanilla_decode_s"] for r in rows])
     spec = np.array([r["spec_decode_s"] for r in rows])
-    pick = np.random.default_rng(seed).integers(0, len(rows), (draws, len(rows)))
-    lo, hi = np.percentile(van[pick].sum(1) / spec[pick].sum(1), [2.5, 97.5])
+    speedup, ci = ratio_of_sums(van, spec)
     return {"prompts": len(rows), "vanilla_tokens_per_s": tok / van.sum(),
-            "spec_tokens_per_s": tok / spec.sum(), "speedup": float(van.sum() / spec.sum()),
-            "speedup_ci95": [float(lo), float(hi)],
+            "spec_tokens_per_s": tok / spec.sum(), "speedup": speedup, "speedup_ci95": ci,
             "mal": sum(r["mal"] for r in rows) / len(rows),
             "chained_fraction": sum(r["chained_fraction"] for r in rows) / len(rows)}
 
 
-def relative_speed(rows: list[dict], base: list[dict], *, draws: int = 10_000,
-                   seed: int = 0) -> dict:
+def relative_speed(rows: list[dict], base: list[dict]) -> dict:
     """Speed of one tree relative to ``base`` (both run on the same prompts and seeds):
     base's summed decode time over this tree's, with a 95% interval that resamples whole
     prompts, paired (a sampled run's speed varies by tens of percent from prompt to prompt,
     for every tree alike)."""
     if [r["tokens"] for r in rows] != [r["tokens"] for r in base]:
         raise ValueError("the trees must have run the same prompts to the same lengths")
-    mine = np.array([r["spec_decode_s"] for r in rows])
-    theirs = np.array([r["spec_decode_s"] for r in base])
-    pick = np.random.default_rng(seed).integers(0, len(mine), (draws, len(mine)))
-    lo, hi = np.percentile(theirs[pick].sum(1) / mine[pick].sum(1), [2.5, 97.5])
-    return {"ratio": float(theirs.sum() / mine.sum()), "ci95": [float(lo), float(hi)]}
+    ratio, ci = ratio_of_sums(np.array([r["spec_decode_s"] for r in base]),
+                              np.array([r["spec_decode_s"] for r in rows]))
+    return {"ratio": ratio, "ci95": ci}
 
 
 def main() -> None:
