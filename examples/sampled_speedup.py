@@ -30,18 +30,10 @@ import numpy as np
 from tqdm import tqdm
 
 import specjax
+from specjax.bench.common import ratio_of_sums
 from specjax.bench.questions import TASKS, calibration_prompts, spec_bench_prompts
 from specjax.defaults import resolve_model, shipped_drafter_for
 from specjax.tree import TreeSpec
-
-
-def ratio_of_sums(num: np.ndarray, den: np.ndarray, *, draws: int = 10_000,
-                  seed: int = 0) -> tuple[float, list[float]]:
-    """sum(num) / sum(den) over prompts ([P] each), and its 95% interval from resampling
-    whole prompts, the two arrays paired."""
-    pick = np.random.default_rng(seed).integers(0, len(num), (draws, len(num)))
-    lo, hi = np.percentile(num[pick].sum(1) / den[pick].sum(1), [2.5, 97.5])
-    return float(num.sum() / den.sum()), [float(lo), float(hi)]
 
 
 def pooled(rows: list[dict]) -> dict:

@@ -162,12 +162,20 @@ def pooled_difference(a: Sequence[np.ndarray], b: Sequence[np.ndarray], *,
     if n.sum() == 0:
         raise ValueError("no positions to compare")
     d = np.array([x.sum() - y.sum() for x, y in zip(a, b, strict=True)], np.float64)
-    pick = np.random.default_rng(seed).integers(0, len(n), (draws, len(n)))
-    with np.errstate(invalid="ignore"):  # a draw of only empty answers: left out
-        boot = d[pick].sum(1) / n[pick].sum(1)
-    lo, hi = np.nanpercentile(boot, [2.5, 97.5])
-    return {"diff": float(d.sum() / n.sum()), "ci95": [float(lo), float(hi)],
-            "prompts": len(n), "positions": int(n.sum())}
+    diff, ci = ratio_of_sums(d, n, draws=draws, seed=seed)
+    return {"diff": diff, "ci95": ci, "prompts": len(n), "positions": int(n.sum())}
+
+
+def ratio_of_sums(num: np.ndarray, den: np.ndarray, *, draws: int = 10_000,
+                  seed: int = 0) -> tuple[float, list[float]]:
+    """sum(num) / sum(den) over prompts ([P] each, paired), and its 95% interval from
+    resampling whole prompts. A draw whose ``den`` sums to 0 (only empty answers) is left
+    out of the interval."""
+    pick = np.random.default_rng(seed).integers(0, len(num), (draws, len(num)))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        boot = num[pick].sum(1) / den[pick].sum(1)
+    lo, hi = np.nanpercentile(np.where(np.isfinite(boot), boot, np.nan), [2.5, 97.5])
+    return float(num.sum() / den.sum()), [float(lo), float(hi)]
 
 
 def write_json(path: Path, result: dict[str, Any]) -> Path:
