@@ -15,6 +15,16 @@ the loop. It is the held-out top-1 of training, measured on the evaluation promp
     python examples/first_draft_agreement.py --model gemma3-270m --drafter A
     python examples/first_draft_agreement.py --tasks summarization,rag --drafter-window 512
 
+With ``--temperature T`` > 0 the target's answers are sampled at T (a seed per prompt)
+and each position scores the expected acceptance of a sampled first draft,
+``sum_x min(p_T(x), q_T(x))``: p over the whole vocabulary, q the drafter's softmax over
+its ``--vocab`` head (default the drafter's shipped one, e.g. ``fr:8192``), zero outside it.
+That is the first draft's acceptance probability in the loop's verifier at T (top-k and
+top-p off), and the training log's held-out ``accept`` measured on the evaluation prompts.
+The lookup chain's figure is then the expected acceptance of its (deterministic) first
+token, ``p_T(c)``; "either" is left out (two siblings, one sampled, accept by recursive
+rejection, not by either event).
+
 ``--drafter-window W`` lets each drafted position attend to its last W rows only (a
 diagnostic: does attention past the distances a drafter was trained on help or hurt?).
 
@@ -37,6 +47,7 @@ import argparse
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -47,12 +58,19 @@ from specjax.defaults import resolve_model, shipped_drafter_for
 from specjax.loop import bucket
 from specjax.model import forward_hidden, init_cache
 from specjax.tree.lookup import lookup_continuation
+from specjax.vocab import resolve_head
+from specjax.vocab.fr_head import FrequencyHead
+from specjax.vocab.head import FullHead
 
 
 def agreement(target, drafter, seqs: list[tuple[list[int], list[int]]],
-              window: int = 0) -> list[np.ndarray]:
-    """Per (prompt, answer) pair, [n - 1] bool: the drafter's top-1 is the next token, at
-    each drafted position (an answer of n tokens has n - 1; its first is the prefill's).
+              window: int = 0, temperature: float = 0.0,
+              head_ids: np.ndarray | None = None) -> list[np.ndarray]:
+    """Per (prompt, answer) pair, [n - 1] scores at each drafted position (an answer of n
+    tokens has n - 1; its first is the prefill's). Greedy (``temperature`` 0): bool, the
+    drafter's top-1 over the whole vocabulary is the next token. ``temperature`` > 0:
+    float, ``sum_x min(p, q)`` with p the target's softmax(logits / T) over the whole
+    vocabulary and q the drafter's over ``head_ids`` ([N] ids; None: all).
     ``window`` > 0: each row attends to the last ``window`` rows only (itself included)."""
     dm = drafter.cfg
     out = []
@@ -70,19 +88,68 @@ def agreement(target, drafter, seqs: list[tuple[list[int], list[int]]],
         mask = (j <= i) & ((i - j < window) if window > 0 else True)
         h, _ = dm.forward(drafter.params, target.params.embed, toks, shifted, pos,
                           dm.init_cache(1, n, target.params.embed.dtype), block_mask=mask[None])
-        pred = np.asarray(jnp.argmax(h @ target.params.head.T, -1))[0]
         # Position t predicts token t + 1; score the answer's tokens after the first (the
         # first answer token is the prefill's, never drafted).
         lo, hi = len(prompt), len(ids) - 1
+        if temperature > 0:
+            out.append(np.asarray(sampled_acceptance(
+                hidden[0, lo:hi], h[0, lo:hi], target.params.head, temperature, head_ids)))
+            continue
+        pred = np.asarray(jnp.argmax(h @ target.params.head.T, -1))[0]
         out.append(pred[lo:hi] == np.asarray(ids[lo + 1:hi + 1]))
     return out
 
 
-def lookup_hits(seqs: list[tuple[list[int], list[int]]], ngram: int,
-                least: int) -> list[np.ndarray]:
-    """Per pair, [n - 1] bool: the lookup matched >= ``least`` tokens and its chain's first
-    token is the answer's next token."""
+def sampled_acceptance(f, h, head, temperature: float, head_ids=None):
+    """[n] ``sum_x min(p, q)``: the probability that a draft sampled from q is accepted
+    by the verifier's rejection test against p. f, h: [n, d] the target's and the drafter's
+    final features; head: [V, d]; p = softmax(f @ head.T / T) over V, q = softmax of the
+    drafter's logits over ``head_ids`` ([N]; None: all V), zero elsewhere."""
+    p = jax.nn.softmax((f @ head.T).astype(jnp.float32) / temperature, axis=-1)
+    w = head if head_ids is None else head[jnp.asarray(head_ids)]
+    q = jax.nn.softmax((h @ w.T).astype(jnp.float32) / temperature, axis=-1)
+    if head_ids is not None:
+        p = p[:, jnp.asarray(head_ids)]  # min(p, 0) = 0 off the head
+    return jnp.sum(jnp.minimum(p, q), axis=-1)
+
+
+def lookup_expected(target, seqs: list[tuple[list[int], list[int]]], look_tok: list[np.ndarray],
+                    look_ok: list[np.ndarray], temperature: float) -> list[np.ndarray]:
+    """Per pair, [n - 1] float: ``p_T(c)`` of the lookup chain's first token c where the
+    lookup matched enough (``look_ok``), else 0; the expected acceptance of that draft."""
     out = []
+    for (prompt, answer), tok, ok in zip(seqs, look_tok, look_ok, strict=True):
+        ids = prompt + answer
+        n = bucket(len(ids))
+        toks = jnp.asarray([ids + [0] * (n - len(ids))], jnp.int32)
+        hidden, _, _ = forward_hidden(target.params, target.cfg, toks,
+                                      jnp.arange(n, dtype=jnp.int32)[None],
+                                      init_cache(target.cfg, 1, n))
+        lo, hi = len(prompt), len(ids) - 1
+        p = jax.nn.softmax((hidden[0, lo:hi] @ target.params.head.T).astype(jnp.float32)
+                           / temperature, axis=-1)
+        pc = np.asarray(jnp.take_along_axis(p, jnp.asarray(tok)[:, None], axis=1))[:, 0]
+        out.append(np.where(ok, pc, 0.0))
+    return out
+
+
+def head_ids_for(spec: str | None, target, drafter) -> np.ndarray | None:
+    """The ids a sampled draft can take under ``spec`` (None: the drafter's default head):
+    None for the whole vocabulary, else the fixed shortlist's [N] ids."""
+    head = resolve_head(spec or drafter.default_vocab or "full", target, drafter)
+    if isinstance(head, FullHead):
+        return None
+    if isinstance(head, FrequencyHead) and not head.position_aware:
+        return np.asarray(head.ids)
+    raise SystemExit(f"--vocab {spec}: --temperature scores a fixed head (full or fr:N)")
+
+
+def lookup_hits(seqs: list[tuple[list[int], list[int]]], ngram: int,
+                least: int, parts: bool = False):
+    """Per pair, [n - 1] bool: the lookup matched >= ``least`` tokens and its chain's first
+    token is the answer's next token. ``parts``: also per pair the [n - 1] first tokens and
+    the [n - 1] bool "matched >= least"."""
+    out, firsts, oks = [], [], []
     for prompt, answer in seqs:
         ids = prompt + answer
         lo, hi = len(prompt), len(ids) - 1
@@ -90,16 +157,18 @@ def lookup_hits(seqs: list[tuple[list[int], list[int]]], ngram: int,
         hist = np.where(np.arange(len(ids))[None] <= ends[:, None], np.asarray(ids)[None], -1)
         toks, match = lookup_continuation(jnp.asarray(hist, jnp.int32),
                                           jnp.asarray(ends + 1, jnp.int32), 1, ngram)
-        out.append((np.asarray(match) >= least)
-                   & (np.asarray(toks[:, 0]) == np.asarray(ids[lo + 1:])))
-    return out
+        ok, first = np.asarray(match) >= least, np.asarray(toks[:, 0])
+        out.append(ok & (first == np.asarray(ids[lo + 1:])))
+        firsts.append(first)
+        oks.append(ok)
+    return (out, firsts, oks) if parts else out
 
 
 def pooled(hits: list[np.ndarray]) -> float | None:
-    """Hits over drafted positions, pooled (an answer that stopped at once adds nothing);
-    None when no position was drafted."""
+    """Hits (bool) or expected hits (float) over drafted positions, pooled (an answer that
+    stopped at once adds nothing); None when no position was drafted."""
     n = sum(len(h) for h in hits)
-    return sum(int(h.sum()) for h in hits) / n if n else None
+    return sum(float(h.sum()) for h in hits) / n if n else None
 
 
 def pooled_per_task(hits: list[np.ndarray], task_of: list[str],
@@ -139,6 +208,14 @@ def main() -> None:
                     help="the longest suffix the lookup matches (default 3, TreeSpec's)")
     ap.add_argument("--lookup-min", type=int, default=1,
                     help="the shortest match that counts (default 1, TreeSpec's)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: sample the answers at T and score sum min(p, q) (default 0: "
+                         "greedy top-1 agreement)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="with --temperature: prompt i's answer is sampled with seed + i")
+    ap.add_argument("--vocab", default=None, metavar="full|fr:N",
+                    help="with --temperature: the head q is drafted over (default: each "
+                         "drafter's shipped one)")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     args = ap.parse_args()
     target = specjax.load(resolve_model(args.model, progress=False))
@@ -147,41 +224,52 @@ def main() -> None:
         raise SystemExit(f"--tasks: unknown {sorted(unknown)}; known: {', '.join(TASKS)}")
     evals, qpath = spec_bench_prompts(target, questions=None, tasks=tasks,
                                       per_task=args.per_task)
-    answers = [specjax.generate(target, [e["ids"]], max_new_tokens=args.max_new_tokens).tokens[0]
-               for e in evals]
+    if args.temperature < 0:
+        raise SystemExit(f"--temperature must be >= 0, got {args.temperature}")
+    sampled = args.temperature > 0
+    answers = [specjax.generate(target, [e["ids"]], max_new_tokens=args.max_new_tokens,
+                                temperature=args.temperature, seed=args.seed + i).tokens[0]
+               for i, e in enumerate(evals)]
     seqs = [(e["ids"], a) for e, a in zip(evals, answers, strict=True)]
     result = {"questions": str(qpath), "prompts": len(evals), "tasks": list(tasks),
-              "drafter_window": args.drafter_window,
+              "drafter_window": args.drafter_window, "temperature": args.temperature,
+              "seed": args.seed if sampled else None,
               "max_new_tokens": args.max_new_tokens, "drafters": {}}
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     task_of = [e["task"] for e in evals]
     by_task = lambda hits: pooled_per_task(hits, task_of, tasks)  # noqa: E731
-    look = lookup_hits(seqs, args.lookup_ngram, args.lookup_min)
+    look, look_tok, look_ok = lookup_hits(seqs, args.lookup_ngram, args.lookup_min, parts=True)
+    # Sampled, the lookup's draft is accepted with probability p_T(c), not when it is the
+    # token that happened to be drawn; `look` still says where the target copied.
+    look_acc = lookup_expected(target, seqs, look_tok, look_ok, args.temperature) \
+        if sampled else look
     result["lookup"] = {"ngram": args.lookup_ngram, "min": args.lookup_min,
-                        "pooled": pooled(look),
-                        "per_task": by_task(look)}
-    print(f"lookup chain: first-token acceptance {fmt(pooled(look))} "
-          + " ".join(f"{t} {fmt(v)}" for t, v in by_task(look).items()), flush=True)
+                        "pooled": pooled(look_acc),
+                        "per_task": by_task(look_acc)}
+    print(f"lookup chain: first-token acceptance {fmt(pooled(look_acc))} "
+          + " ".join(f"{t} {fmt(v)}" for t, v in by_task(look_acc).items()), flush=True)
     shipped = shipped_drafter_for(target.cfg)
     if not args.drafter and shipped is None:
         raise SystemExit(f"no drafter ships for {args.model}; pass --drafter")
     first: list[np.ndarray] | None = None  # the first drafter's hits: the others' baseline
     for path in args.drafter or [str(shipped)]:
         drafter = specjax.load_drafter(Path(path), target)
-        per = agreement(target, drafter, seqs, args.drafter_window)
-        either = [a | b for a, b in zip(per, look, strict=True)]
+        ids = head_ids_for(args.vocab, target, drafter) if sampled else None
+        per = agreement(target, drafter, seqs, args.drafter_window, args.temperature, ids)
+        either = None if sampled else [a | b for a, b in zip(per, look, strict=True)]
         overall, empty = pooled(per), sum(len(h) == 0 for h in per)
         result["drafters"][path] = {"pooled": overall, "per_task": by_task(per),
                                     "positions": sum(len(h) for h in per),
                                     "empty_answers": empty,
-                                    "either_with_lookup": pooled(either),
-                                    "either_per_task": by_task(either),
+                                    "head_size": None if ids is None else len(ids),
+                                    "either_with_lookup": either and pooled(either),
+                                    "either_per_task": either and by_task(either),
                                     **split_by_lookup(per, look, task_of, tasks)}
         print(f"{path}: first-draft acceptance {fmt(overall)} "
               + " ".join(f"{t} {fmt(v)}" for t, v in by_task(per).items())
-              + f" ({empty} answers with nothing drafted); either it or the lookup "
-              + f"{fmt(pooled(either))} "
-              + " ".join(f"{t} {fmt(v)}" for t, v in by_task(either).items()), flush=True)
+              + f" ({empty} answers with nothing drafted)"
+              + ("" if either is None else f"; either it or the lookup {fmt(pooled(either))} "
+                 + " ".join(f"{t} {fmt(v)}" for t, v in by_task(either).items())), flush=True)
         hit, miss = (result["drafters"][path][k] for k in ("where_lookup_hits",
                                                            "where_lookup_misses"))
         print(f"  where the lookup is right ({fmt(hit['share'])} of positions) "

@@ -76,6 +76,10 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
                         "a trained drafter; default 1)")
     p.add_argument("--ce-weight", type=float, default=0.1,
                    help="weight of the CE term next to the smooth-L1 (EAGLE: 0.1)")
+    p.add_argument("--tv-weight", type=float, default=0.0,
+                   help="weight of a total-variation term, 1 - sum min(p, q): the rejection "
+                        "probability of a draft sampled at temperature 1 (DistillSpec's TVD; "
+                        "default 0)")
     p.add_argument("--train-vocab", default=None, metavar="fr:N[:PATH]",
                    help="score the CE term over this FR-Spec shortlist during training (the "
                         "rows `--vocab fr:N` drafts from; counts default to the shipped "
@@ -378,6 +382,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
                      init=args.init, fc_init=args.fc_init, seed=args.seed,
                      checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
                      max_eval_tokens=args.max_eval_tokens, ce_weight=args.ce_weight,
+                     tv_weight=args.tv_weight,
                      train_vocab=args.train_vocab, ttt_steps=args.ttt_steps,
                      ttt_decay=args.ttt_decay, drafter_layers=args.drafter_layers,
                      drafter_taps=args.drafter_taps, tap_lr_scale=args.tap_lr_scale,

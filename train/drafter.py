@@ -71,6 +71,10 @@ class TrainConfig:
     b2: float = 0.95  # EAGLE's AdamW betas
     grad_clip: float = 0.5  # EAGLE clips the global norm at 0.5
     ce_weight: float = 0.1
+    # Weight of a total-variation term, 1 - sum_x min(p, q) over the scored head: the
+    # rejection probability of a draft sampled from q at temperature 1 (DistillSpec's TVD).
+    # The CE term is forward KL, which bounds it but does not target it.
+    tv_weight: float = 0.0
     # The head the CE term scores during training: None for the whole vocabulary, or a
     # shortlist spec such as "fr:16384" (the rows ``--vocab fr:16384`` drafts from). The
     # teacher is renormalised over the same rows. Held-out evaluation always uses the
@@ -109,9 +113,9 @@ class TrainConfig:
         d = dataclasses.asdict(self)
         # Absent at their defaults, so checkpoints written before taps resume with the same
         # settings.
-        taps, scale = d.pop("drafter_taps"), d.pop("tap_lr_scale")
+        taps, scale, tv = d.pop("drafter_taps"), d.pop("tap_lr_scale"), d.pop("tv_weight")
         return d | ({"drafter_taps": list(taps)} if taps else {}) | (
-            {"tap_lr_scale": scale} if scale != 1.0 else {})
+            {"tap_lr_scale": scale} if scale != 1.0 else {}) | ({"tv_weight": tv} if tv else {})
 
 
 # --------------------------------------------------------------------------- model and loss
@@ -289,7 +293,7 @@ def unrolled_features(model: EagleDrafter, embed: Array, tokens: Array, feats: A
 def eagle_loss(model: EagleDrafter, embed: Array, head: Array, tokens: Array, hidden: Array,
                loss_mask: Array, noise_key: Array | None, noise: float,
                ce_weight: float, cap: int | None = None, ttt_steps: int = 1,
-               ttt_decay: float = 1.0, taps: Array | None = None
+               ttt_decay: float = 1.0, taps: Array | None = None, tv_weight: float = 0.0
                ) -> tuple[Array, dict[str, Array]]:
     """EAGLE-1 loss over masked rows (optionally unrolled), plus agreement statistics.
 
@@ -305,10 +309,13 @@ def eagle_loss(model: EagleDrafter, embed: Array, head: Array, tokens: Array, hi
       ttt_decay: step k's loss is weighted ``ttt_decay ** (k - 1)``.
       taps: [B, T, k, d] the outputs of the drafter's tapped target layers (None for a
         drafter without taps); they enter the input feature, never the regression target.
+      tv_weight: weight of the total-variation term ``1 - accept`` (see ``accept``).
     Returns:
       (loss, stats) with stats sums over masked rows: reg, ce, top1 (argmax
-      of drafter logits == argmax of teacher logits over ``head``) and n (rows), for
-      step 1; top1_k for the unrolled steps k >= 2.
+      of drafter logits == argmax of teacher logits over ``head``), accept
+      (``sum_x min(p, q)`` over ``head``, teacher and drafter softmaxed at temperature 1:
+      the probability that a draft sampled from q is accepted) and n (rows), for step 1;
+      top1_k for the unrolled steps k >= 2.
     """
     feats = hidden
     if model.cfg.taps:
@@ -339,12 +346,16 @@ def eagle_loss(model: EagleDrafter, embed: Array, head: Array, tokens: Array, hi
         reg = jnp.mean(_smooth_l1(pred - hidden), axis=-1)  # [B, T]
         p_rows = pred if cap is None else pred.reshape(-1, pred.shape[-1])[idx]
         logits = jnp.einsum("...d,vd->...v", p_rows, head, preferred_element_type=jnp.float32)
-        ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)  # [B, T] or [cap]
+        logq = jax.nn.log_softmax(logits, axis=-1)
+        ce = -jnp.sum(p * logq, axis=-1)  # [B, T] or [cap]
+        accept = jnp.sum(jnp.minimum(p, jnp.exp(logq)), axis=-1)
         top1 = jnp.sum((jnp.argmax(logits, -1) == target).astype(jnp.float32) * m_rows)
-        total = total + ttt_decay ** (k - 1) * (jnp.sum(reg * m)
-                                                + ce_weight * jnp.sum(ce * m_rows))
+        total = total + ttt_decay ** (k - 1) * (
+            jnp.sum(reg * m) + ce_weight * jnp.sum(ce * m_rows)
+            + tv_weight * jnp.sum((1.0 - accept) * m_rows))
         if k == 1:
-            stats |= {"reg": jnp.sum(reg * m), "ce": jnp.sum(ce * m_rows), "top1": top1}
+            stats |= {"reg": jnp.sum(reg * m), "ce": jnp.sum(ce * m_rows), "top1": top1,
+                      "accept": jnp.sum(accept * m_rows)}
         else:
             stats[f"top1_{k}"] = top1
     return total / jnp.maximum(n, 1.0), stats
@@ -384,7 +395,8 @@ def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, tc: Tra
 
     def loss_fn(params, embed, head, tokens, hidden, mask, key, cap=None, taps=None):
         return eagle_loss(nnx.merge(graphdef, params), embed, head, tokens, hidden, mask, key,
-                          tc.noise, tc.ce_weight, cap, tc.ttt_steps, tc.ttt_decay, taps)
+                          tc.noise, tc.ce_weight, cap, tc.ttt_steps, tc.ttt_decay, taps,
+                          tc.tv_weight)
 
     @partial(jax.jit, donate_argnums=(0, 1), static_argnames=("cap",))
     def train_step(params, opt_state, embed, head, tokens, hidden, mask, key, cap=None,
@@ -405,7 +417,10 @@ def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, tc: Tra
 def evaluate(eval_step: Callable, params: Any, embed: Array, head: Array, split: HiddenSplit,
              token_budget: int, ce_weight: float, max_tokens: int | None = None,
              bucket_width: int = 128) -> dict:
-    """Held-out loss and top-1 agreement, averaged over every masked row of ``split``.
+    """Held-out loss, top-1 agreement and ``accept`` (the expected acceptance of a draft
+    sampled at temperature 1, :func:`eagle_loss`), averaged over every masked row of
+    ``split``. The reported loss is the smooth-L1 + CE objective (no TV term), so runs with
+    and without ``--tv-weight`` stay comparable.
 
     With training-time test the result also has ``top1_k``: step k's agreement when the
     k-1 earlier drafts were right (their tokens are teacher-forced).
@@ -427,7 +442,8 @@ def evaluate(eval_step: Callable, params: Any, embed: Array, head: Array, split:
     deeper = {k: v / n for k, v in tot.items() if k.startswith("top1_")}
     return {"loss": (tot.get("reg", 0.0) + ce_weight * tot.get("ce", 0.0)) / n,
             "reg": tot.get("reg", 0.0) / n, "ce": tot.get("ce", 0.0) / n,
-            "top1": tot.get("top1", 0.0) / n, "rows": int(tot.get("n", 0.0)), **deeper}
+            "top1": tot.get("top1", 0.0) / n, "accept": tot.get("accept", 0.0) / n,
+            "rows": int(tot.get("n", 0.0)), **deeper}
 
 
 def training_buckets(lengths: np.ndarray, width: int = 128) -> tuple[int, ...]:
@@ -647,7 +663,7 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
         if progress:
             deeper = "".join(f" {k} {v:.4f}" for k, v in r.items() if k.startswith("top1_"))
             tqdm.write(f"[eval {tag} step {step}] loss {r['loss']:.4f} top1 {r['top1']:.4f}"
-                       f"{deeper} ({r['rows']} rows)")
+                       f" accept {r['accept']:.4f}{deeper} ({r['rows']} rows)")
 
     def save(step: int) -> None:
         epoch, batch = divmod(step, per_epoch)
@@ -692,6 +708,7 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
             n = max(float(stats["n"]), 1.0)
             rec = {"step": step, "loss": float(loss), "reg": float(stats["reg"]) / n,
                    "ce": float(stats["ce"]) / n, "top1": float(stats["top1"]) / n,
+                   "accept": float(stats["accept"]) / n,
                    "grad_norm": float(stats["grad_norm"]), "tokens_seen": tokens_seen,
                    **{k: float(v) / n for k, v in stats.items() if k.startswith("top1_")},
                    "wall_s": round(wall0 + time.time() - t_run, 2)}

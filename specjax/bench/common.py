@@ -153,9 +153,10 @@ def pooled_difference(a: Sequence[np.ndarray], b: Sequence[np.ndarray], *,
     interval from resampling whole prompts.
 
     ``a[i]`` and ``b[i]`` are [n_i] bool arrays over prompt i's positions (e.g. first-draft
-    hits of two drafters on the same answer). Positions of one answer are not independent
-    (an easy answer is easy for both), so the bootstrap draws prompts, not positions, and
-    pairs them, which removes the prompt-to-prompt spread from the difference."""
+    hits of two drafters on the same answer), or float ones of expected hits. Positions of
+    one answer are not independent (an easy answer is easy for both), so the bootstrap
+    draws prompts, not positions, and pairs them, which removes the prompt-to-prompt spread
+    from the difference."""
     if len(a) != len(b) or any(len(x) != len(y) for x, y in zip(a, b, strict=False)):
         raise ValueError("a and b must score the same positions of the same prompts")
     n = np.array([len(x) for x in a], np.float64)

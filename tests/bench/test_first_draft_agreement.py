@@ -26,3 +26,34 @@ def test_split_by_lookup_pools_each_kind_of_position_per_task():
     # The two parts partition the positions: their pooled hits add back to the whole.
     assert (hit["pooled"] * hit["share"] + miss["pooled"] * miss["share"]
             == pytest.approx(fda.pooled(hits)))
+
+
+def test_sampled_acceptance_is_the_rejection_tests_acceptance_probability():
+    rng = np.random.default_rng(0)
+    v, d, n = 40, 8, 5
+    head = rng.normal(size=(v, d)).astype(np.float32)
+    f, h = rng.normal(size=(n, d)).astype(np.float32), rng.normal(size=(n, d)).astype(np.float32)
+
+    def softmax(z):
+        e = np.exp(z - z.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    for t in (1.0, 0.5):
+        p, q = softmax(f @ head.T / t), softmax(h @ head.T / t)
+        np.testing.assert_allclose(np.asarray(fda.sampled_acceptance(f, h, head, t)),
+                                   np.minimum(p, q).sum(-1), rtol=1e-5)
+    # A drafter that equals the target is always accepted over the whole vocabulary; over a
+    # shortlist S its q is p renormalised on S (>= p there), so it is accepted with p(S).
+    ids = np.arange(0, v, 3)
+    np.testing.assert_allclose(np.asarray(fda.sampled_acceptance(f, f, head, 1.0)), 1.0,
+                               rtol=1e-5)
+    p = softmax(f @ head.T)
+    np.testing.assert_allclose(np.asarray(fda.sampled_acceptance(f, f, head, 1.0, ids)),
+                               p[:, ids].sum(-1), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(fda.sampled_acceptance(f, h, head, 1.0, np.arange(v))),
+                               np.asarray(fda.sampled_acceptance(f, h, head, 1.0)), rtol=1e-5)
+
+
+def test_pooled_weighs_expected_hits_by_position():
+    assert fda.pooled([np.array([0.5, 0.25]), np.array([1.0])]) == pytest.approx(1.75 / 3)
+    assert fda.pooled([np.zeros(0)]) is None

@@ -494,6 +494,50 @@ def test_packed_loss_equals_the_unpacked_one(target, cache):
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-4, atol=1e-6)
 
 
+def test_tv_term_is_the_sampled_rejection_probability(target, cache):
+    """``accept`` is sum_x min(p, q) per scored row (the acceptance probability of a draft
+    sampled at temperature 1), and --tv-weight w adds exactly w * (1 - accept) per row."""
+    from specjax.train.drafter import eagle_loss, unrolled_features
+
+    train = load_split(cache, "train")
+    b = train.batch(32, list(range(4)), 4)
+    model = init_drafter(target.cfg, target.params, _tc())
+    graphdef, params = nnx.split(model, nnx.Param)
+    tokens, hidden, mask = (jnp.asarray(b[k]) for k in ("tokens", "hidden", "loss_mask"))
+    embed, head = target.params.embed, target.params.head
+
+    def f(p, w):
+        return eagle_loss(nnx.merge(graphdef, p), embed, head, tokens, hidden, mask, None,
+                          0.0, 0.5, None, tv_weight=w)
+
+    (l0, s0), (l1, s1) = f(params, 0.0), f(params, 2.0)
+    n = float(s0["n"])
+    assert float(s1["accept"]) == float(s0["accept"])  # a statistic, whatever the weight
+    # The reference from the drafter's predicted features, in numpy.
+    feats = jnp.pad(hidden[:, :-1], ((0, 0), (1, 0), (0, 0)))
+    pred = np.asarray(unrolled_features(model, embed, tokens, feats, 1)[0], np.float64)
+    softmax = lambda z: np.exp(z - z.max(-1, keepdims=True)) / np.exp(  # noqa: E731
+        z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)
+    w = np.asarray(head, np.float64)
+    p_, q_ = softmax(np.asarray(hidden, np.float64) @ w.T), softmax(pred @ w.T)
+    ref = (np.minimum(p_, q_).sum(-1) * np.asarray(mask)).sum()
+    np.testing.assert_allclose(float(s0["accept"]), ref, rtol=1e-4)
+    assert 0 < ref < n
+    np.testing.assert_allclose(float(l1) - float(l0), 2.0 * (n - ref) / n, rtol=1e-3)
+    g = jax.grad(lambda p: f(p, 1.0)[0] - f(p, 0.0)[0])(params)
+    assert max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(g)) > 0
+
+
+def test_held_out_evaluation_reports_the_sampled_acceptance(target, cache, tmp_path):
+    train, held = load_split(cache, "train"), load_split(cache, "heldout")
+    res = train_drafter(target.cfg, target.params, train, held, _tc(tv_weight=1.0),
+                        tmp_path / "ckpt", progress=False)
+    ev = {r["tag"]: r for r in res.log["eval"]}
+    assert 0 < ev["initial"]["accept"] < ev["final"]["accept"] < 1, ev
+    assert res.meta["train_config"]["tv_weight"] == 1.0
+    assert "tv_weight" not in _tc().to_json()  # older checkpoints resume unchanged
+
+
 def test_shortlist_training_head_trains_and_evaluates_on_the_full_vocabulary(target, cache,
                                                                             tmp_path):
     train, held = load_split(cache, "train"), load_split(cache, "heldout")
