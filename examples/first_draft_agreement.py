@@ -25,6 +25,9 @@ The lookup chain's figure is then the expected acceptance of its (deterministic)
 token, ``p_T(c)``; "either" is left out (two siblings, one sampled, accept by recursive
 rejection, not by either event).
 
+``--calibration N`` scores about N calibration prompts instead (as in
+``examples/sampled_speedup.py``): what a drafter is chosen on before Spec-Bench evaluates it.
+
 ``--drafter-window W`` lets each drafted position attend to its last W rows only (a
 diagnostic: does attention past the distances a drafter was trained on help or hurt?).
 
@@ -53,7 +56,7 @@ import numpy as np
 
 import specjax
 from specjax.bench.common import pooled_difference
-from specjax.bench.questions import TASKS, spec_bench_prompts
+from specjax.bench.questions import TASKS, calibration_prompts, spec_bench_prompts
 from specjax.defaults import resolve_model, shipped_drafter_for
 from specjax.loop import bucket
 from specjax.model import forward_hidden, init_cache
@@ -216,14 +219,22 @@ def main() -> None:
     ap.add_argument("--vocab", default=None, metavar="full|fr:N",
                     help="with --temperature: the head q is drafted over (default: each "
                          "drafter's shipped one)")
+    ap.add_argument("--calibration", type=int, default=0, metavar="N",
+                    help="about N calibration prompts (ShareGPT's calibration range, never "
+                         "Spec-Bench) instead of Spec-Bench's, to choose on (default 0)")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     args = ap.parse_args()
     target = specjax.load(resolve_model(args.model, progress=False))
     tasks = tuple(t for t in args.tasks.split(",") if t)
     if unknown := set(tasks) - set(TASKS):
         raise SystemExit(f"--tasks: unknown {sorted(unknown)}; known: {', '.join(TASKS)}")
-    evals, qpath = spec_bench_prompts(target, questions=None, tasks=tasks,
-                                      per_task=args.per_task)
+    if args.calibration:  # never Spec-Bench: what a drafter or head is chosen on
+        ids, source = calibration_prompts(target, num=args.calibration)
+        evals, qpath, tasks = [{"task": "calibration", "ids": p} for p in ids], source, \
+            ("calibration",)
+    else:
+        evals, qpath = spec_bench_prompts(target, questions=None, tasks=tasks,
+                                          per_task=args.per_task)
     if args.temperature < 0:
         raise SystemExit(f"--temperature must be >= 0, got {args.temperature}")
     sampled = args.temperature > 0
@@ -231,7 +242,8 @@ def main() -> None:
                                 temperature=args.temperature, seed=args.seed + i).tokens[0]
                for i, e in enumerate(evals)]
     seqs = [(e["ids"], a) for e, a in zip(evals, answers, strict=True)]
-    result = {"questions": str(qpath), "prompts": len(evals), "tasks": list(tasks),
+    result = {"questions": qpath if args.calibration else str(qpath), "prompts": len(evals),
+              "tasks": list(tasks),
               "drafter_window": args.drafter_window, "temperature": args.temperature,
               "seed": args.seed if sampled else None,
               "max_new_tokens": args.max_new_tokens, "drafters": {}}
