@@ -274,8 +274,10 @@ def main() -> None:
                                     "positions": sum(len(h) for h in per),
                                     "empty_answers": empty,
                                     "head_size": None if ids is None else len(ids),
-                                    "either_with_lookup": either and pooled(either),
-                                    "either_per_task": either and by_task(either),
+                                    "either_with_lookup": None if either is None
+                                    else pooled(either),
+                                    "either_per_task": None if either is None
+                                    else by_task(either),
                                     **split_by_lookup(per, look, task_of, tasks)}
         print(f"{path}: first-draft acceptance {fmt(overall)} "
               + " ".join(f"{t} {fmt(v)}" for t, v in by_task(per).items())

@@ -111,8 +111,8 @@ class TrainConfig:
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
-        # Absent at their defaults, so checkpoints written before taps resume with the same
-        # settings.
+        # Absent at their defaults, so checkpoints written before taps (or the TV term)
+        # resume with the same settings.
         taps, scale, tv = d.pop("drafter_taps"), d.pop("tap_lr_scale"), d.pop("tv_weight")
         return d | ({"drafter_taps": list(taps)} if taps else {}) | (
             {"tap_lr_scale": scale} if scale != 1.0 else {}) | ({"tv_weight": tv} if tv else {})
