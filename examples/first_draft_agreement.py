@@ -50,7 +50,6 @@ import argparse
 import json
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -60,6 +59,7 @@ from specjax.bench.questions import TASKS, calibration_prompts, spec_bench_promp
 from specjax.defaults import resolve_model, shipped_drafter_for
 from specjax.loop import bucket
 from specjax.model import forward_hidden, init_cache
+from specjax.sampling import SamplingConfig, target_probs
 from specjax.tree.lookup import lookup_continuation
 from specjax.vocab import resolve_head
 from specjax.vocab.fr_head import FrequencyHead
@@ -79,12 +79,8 @@ def agreement(target, drafter, seqs: list[tuple[list[int], list[int]]],
     out = []
     for prompt, answer in seqs:
         ids = prompt + answer
-        n = bucket(len(ids))
-        toks = jnp.asarray([ids + [0] * (n - len(ids))], jnp.int32)
-        pos = jnp.arange(n, dtype=jnp.int32)[None]
-        hidden, _, taps = forward_hidden(target.params, target.cfg, toks, pos,
-                                         init_cache(target.cfg, 1, n), tap_layers=dm.tap_layers(
-                                             target.cfg))
+        toks, pos, hidden, taps = target_forward(target, ids, dm.tap_layers(target.cfg))
+        n = toks.shape[1]
         feats = dm.target_features(drafter.params, hidden, taps)
         shifted = jnp.concatenate([jnp.zeros_like(feats[:, :1]), feats[:, :-1]], axis=1)
         i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
@@ -103,14 +99,33 @@ def agreement(target, drafter, seqs: list[tuple[list[int], list[int]]],
     return out
 
 
+def target_forward(target, ids: list[int], tap_layers: tuple[int, ...] = ()):
+    """One teacher-forced target forward over ``ids``, padded to the loop's bucket n:
+    ([1, n] tokens, [1, n] positions, [1, n, d] final features, the tapped layers' outputs).
+    Rows past ``len(ids)`` are padding."""
+    n = bucket(len(ids))
+    toks = jnp.asarray([ids + [0] * (n - len(ids))], jnp.int32)
+    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    hidden, _, taps = forward_hidden(target.params, target.cfg, toks, pos,
+                                     init_cache(target.cfg, 1, n), tap_layers=tap_layers)
+    return toks, pos, hidden, taps
+
+
+def probs(logits, temperature: float):
+    """[..., N] the distribution the loop samples at ``temperature`` (top-k, top-p off):
+    the verifier's own :func:`specjax.sampling.target_probs`."""
+    cfg = SamplingConfig(temperature=temperature)
+    return target_probs(logits, cfg.static(), **cfg.dynamic())
+
+
 def sampled_acceptance(f, h, head, temperature: float, head_ids=None):
     """[n] ``sum_x min(p, q)``: the probability that a draft sampled from q is accepted
     by the verifier's rejection test against p. f, h: [n, d] the target's and the drafter's
     final features; head: [V, d]; p = softmax(f @ head.T / T) over V, q = softmax of the
     drafter's logits over ``head_ids`` ([N]; None: all V), zero elsewhere."""
-    p = jax.nn.softmax((f @ head.T).astype(jnp.float32) / temperature, axis=-1)
+    p = probs(f @ head.T, temperature)
     w = head if head_ids is None else head[jnp.asarray(head_ids)]
-    q = jax.nn.softmax((h @ w.T).astype(jnp.float32) / temperature, axis=-1)
+    q = probs(h @ w.T, temperature)
     if head_ids is not None:
         p = p[:, jnp.asarray(head_ids)]  # min(p, 0) = 0 off the head
     return jnp.sum(jnp.minimum(p, q), axis=-1)
@@ -123,14 +138,9 @@ def lookup_expected(target, seqs: list[tuple[list[int], list[int]]], look_tok: l
     out = []
     for (prompt, answer), tok, ok in zip(seqs, look_tok, look_ok, strict=True):
         ids = prompt + answer
-        n = bucket(len(ids))
-        toks = jnp.asarray([ids + [0] * (n - len(ids))], jnp.int32)
-        hidden, _, _ = forward_hidden(target.params, target.cfg, toks,
-                                      jnp.arange(n, dtype=jnp.int32)[None],
-                                      init_cache(target.cfg, 1, n))
+        hidden = target_forward(target, ids)[2]
         lo, hi = len(prompt), len(ids) - 1
-        p = jax.nn.softmax((hidden[0, lo:hi] @ target.params.head.T).astype(jnp.float32)
-                           / temperature, axis=-1)
+        p = probs(hidden[0, lo:hi] @ target.params.head.T, temperature)
         pc = np.asarray(jnp.take_along_axis(p, jnp.asarray(tok)[:, None], axis=1))[:, 0]
         out.append(np.where(ok, pc, 0.0))
     return out
