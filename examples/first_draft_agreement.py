@@ -47,14 +47,13 @@ token as children. Each drafter's acceptance is also split by where the lookup i
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 
 import specjax
-from specjax.bench.common import pooled_difference
+from specjax.bench.common import pooled_difference, write_json
 from specjax.bench.questions import TASKS, calibration_prompts, spec_bench_prompts
 from specjax.defaults import resolve_model, shipped_drafter_for
 from specjax.loop import bucket
@@ -308,7 +307,7 @@ def main() -> None:
             print(f"  minus the first drafter: {g['diff']:+.3f}, 95% interval "
                   f"[{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}] (prompts resampled)", flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_json(Path(args.out), result)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import specjax
+from specjax.bench.common import write_json
 from specjax.bench.questions import TASKS, load_questions, select_questions
 from specjax.defaults import default_drafter_dir, ensure_default_target
 
@@ -46,7 +47,7 @@ def dump(out: Path, questions: Path, per_task: int, max_new_tokens: int) -> int:
         tokens[name] = res.tokens
         print(f"{name}: MAL {res.stats.get('mean_accepted_length')}", flush=True)
     bad = [n for n in tokens if tokens[n] != tokens["vanilla"]]
-    out.write_text(json.dumps({"prompts": prompts, "by_config": tokens}))
+    write_json(out, {"prompts": prompts, "by_config": tokens})
     print(f"wrote {out}" + (f"; NOT equal to vanilla: {bad}" if bad else ""))
     return 1 if bad else 0
 

@@ -10,12 +10,12 @@ whole vocabulary as training's evaluation does.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from flax import nnx
 
 import specjax
+from specjax.bench.common import write_json
 from specjax.checkpoint import read_manifest
 from specjax.defaults import resolve_model, shipped_drafter_for
 from specjax.drafter import FORMAT, DrafterConfig
@@ -57,7 +57,7 @@ def main() -> None:
             print(f"{path} {cache}: top-1 {r['top1']:.4f} over {r['rows']} rows "
                   f"({len(split)} conversations)", flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_json(Path(args.out), result)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 import specjax
-from specjax.bench.common import ratio_of_sums
+from specjax.bench.common import ratio_of_sums, write_json
 from specjax.bench.questions import TASKS, calibration_prompts, spec_bench_prompts
 from specjax.defaults import resolve_model, shipped_drafter_for
 from specjax.tree import TreeSpec
@@ -127,7 +127,7 @@ def main() -> None:
     # One tree keeps the flat layout earlier results used; several go under "trees".
     result = {**head, **results[0]} if len(results) == 1 else {**head, "trees": results}
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_json(Path(args.out), result)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,12 @@ vanilla decoding's draw and speculative decoding's bonus token; more rows are a 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from specjax.bench.common import write_json
 from specjax.bench.timing import time_calls
 from specjax.sampling import categorical, first_argmax
 
@@ -49,9 +49,8 @@ def main() -> None:
         print(f"rows {n:3d}: " + "  ".join(f"{k} {v['median_ms']:.3f}" for k, v in row.items()
                                            if k != "rows") + "  (median ms)")
     if args.out:
-        Path(args.out).write_text(json.dumps({"vocab": args.vocab, "runs": args.runs,
-                                              "backend": jax.default_backend(),
-                                              "rows": rows}, indent=1))
+        write_json(Path(args.out), {"vocab": args.vocab, "runs": args.runs,
+                                    "backend": jax.default_backend(), "rows": rows})
 
 
 if __name__ == "__main__":
