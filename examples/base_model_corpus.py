@@ -40,6 +40,7 @@ def main() -> None:
     tok = load_tokenizer(resolve_model(args.model))
     exclude = load_exclusions([resolve_questions(None)])
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     n_tok = n_rec = n_excl = 0
     bar = tqdm(total=args.tokens, desc="plain-text ShareGPT", unit="tok")
     with open(f"{out}.text.jsonl", "w") as ft, open(f"{out}.tokens.jsonl", "w") as fk:

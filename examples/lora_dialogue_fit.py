@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
 import specjax
+from specjax.bench.common import write_json
 from specjax.bench.dialogue import Histories, traces
 from specjax.bench.evospec import DEFAULT_SKIP
 from specjax.bench.phases import resolve_drafter
@@ -91,8 +93,7 @@ def main() -> None:
             s.generate([prompt], max_new_tokens=args.max_new_tokens)
         out["runs"][setting] = rows
         print(setting, [(r["frozen"], r["adapted"]) for r in rows])
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(Path(args.out), out)
     print(f"wrote {args.out}")
 
 
