@@ -18,7 +18,8 @@ the loop. It is the held-out top-1 of training, measured on the evaluation promp
 With ``--temperature T`` > 0 the target's answers are sampled at T (a seed per prompt)
 and each position scores the expected acceptance of a sampled first draft,
 ``sum_x min(p_T(x), q_T(x))``: p over the whole vocabulary, q the drafter's softmax over
-its ``--vocab`` head (default the drafter's shipped one, e.g. ``fr:8192``), zero outside it.
+its ``--vocab`` head (default the first drafter's shipped one, e.g. ``fr:8192``, used for
+every drafter so that all are scored on one head), zero outside it.
 That is the first draft's acceptance probability in the loop's verifier at T (top-k and
 top-p off), and the training log's held-out ``accept`` measured on the evaluation prompts.
 The lookup chain's figure is then the expected acceptance of its (deterministic) first
@@ -226,8 +227,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0,
                     help="with --temperature: prompt i's answer is sampled with seed + i")
     ap.add_argument("--vocab", default=None, metavar="full|fr:N",
-                    help="with --temperature: the head q is drafted over (default: each "
-                         "drafter's shipped one)")
+                    help="with --temperature: the head q is drafted over, the same for every "
+                         "drafter (default: the first drafter's shipped one)")
     ap.add_argument("--calibration", type=int, default=0, metavar="N",
                     help="about N calibration prompts (ShareGPT's calibration range, never "
                          "Spec-Bench) instead of Spec-Bench's, to choose on (default 0)")
@@ -273,9 +274,13 @@ def main() -> None:
     if not args.drafter and shipped is None:
         raise SystemExit(f"no drafter ships for {args.model}; pass --drafter")
     first: list[np.ndarray] | None = None  # the first drafter's hits: the others' baseline
-    for path in args.drafter or [str(shipped)]:
+    ids: np.ndarray | None = None
+    for k, path in enumerate(args.drafter or [str(shipped)]):
         drafter = specjax.load_drafter(Path(path), target)
-        ids = head_ids_for(args.vocab, target, drafter) if sampled else None
+        if sampled and k == 0:
+            # One head for every drafter: a fine-tune's folder often lacks freq_counts, and
+            # its own default (the full head) would be compared against the first's shortlist.
+            ids = head_ids_for(args.vocab, target, drafter)
         per = agreement(target, drafter, seqs, args.drafter_window, args.temperature, ids)
         either = None if sampled else [a | b for a, b in zip(per, look, strict=True)]
         overall, empty = pooled(per), sum(len(h) == 0 for h in per)
