@@ -274,13 +274,12 @@ def main() -> None:
     if not args.drafter and shipped is None:
         raise SystemExit(f"no drafter ships for {args.model}; pass --drafter")
     first: list[np.ndarray] | None = None  # the first drafter's hits: the others' baseline
-    ids: np.ndarray | None = None
-    for k, path in enumerate(args.drafter or [str(shipped)]):
-        drafter = specjax.load_drafter(Path(path), target)
-        if sampled and k == 0:
-            # One head for every drafter: a fine-tune's folder often lacks freq_counts, and
-            # its own default (the full head) would be compared against the first's shortlist.
-            ids = head_ids_for(args.vocab, target, drafter)
+    drafters = [(path, specjax.load_drafter(Path(path), target))
+                for path in args.drafter or [str(shipped)]]
+    # One head for every drafter: a fine-tune's folder often lacks freq_counts, and its own
+    # default (the full head) would be compared against the first drafter's shortlist.
+    ids = head_ids_for(args.vocab, target, drafters[0][1]) if sampled else None
+    for path, drafter in drafters:
         per = agreement(target, drafter, seqs, args.drafter_window, args.temperature, ids)
         either = None if sampled else [a | b for a, b in zip(per, look, strict=True)]
         overall, empty = pooled(per), sum(len(h) == 0 for h in per)
