@@ -248,6 +248,12 @@ def main() -> None:
     if args.temperature < 0:
         raise SystemExit(f"--temperature must be >= 0, got {args.temperature}")
     sampled = args.temperature > 0
+    # Drafters load before the answers are generated, so a bad path fails at once.
+    shipped = shipped_drafter_for(target.cfg)
+    if not args.drafter and shipped is None:
+        raise SystemExit(f"no drafter ships for {args.model}; pass --drafter")
+    drafters = [(path, specjax.load_drafter(Path(path), target))
+                for path in args.drafter or [str(shipped)]]
     answers = [specjax.generate(target, [e["ids"]], max_new_tokens=args.max_new_tokens,
                                 temperature=args.temperature, seed=args.seed + i).tokens[0]
                for i, e in enumerate(evals)]
@@ -270,12 +276,7 @@ def main() -> None:
                         "per_task": by_task(look_acc)}
     print(f"lookup chain: first-token acceptance {fmt(pooled(look_acc))} "
           + " ".join(f"{t} {fmt(v)}" for t, v in by_task(look_acc).items()), flush=True)
-    shipped = shipped_drafter_for(target.cfg)
-    if not args.drafter and shipped is None:
-        raise SystemExit(f"no drafter ships for {args.model}; pass --drafter")
     first: list[np.ndarray] | None = None  # the first drafter's hits: the others' baseline
-    drafters = [(path, specjax.load_drafter(Path(path), target))
-                for path in args.drafter or [str(shipped)]]
     # One head for every drafter: a fine-tune's folder often lacks freq_counts, and its own
     # default (the full head) would be compared against the first drafter's shortlist.
     ids = head_ids_for(args.vocab, target, drafters[0][1]) if sampled else None
