@@ -17,17 +17,11 @@
 // rows into a new [C, K] buffer and then reads it again; this reads each listed row once,
 // straight from the table.
 //
-// Weights in float16 (the F16 targets, SpecjaxRowDotF16 and SpecjaxRowDotGatheredF16) are
-// widened to float32 in registers as they are loaded (vcvtph2ps); x, y and the
-// accumulation stay float32. The products are bound by memory at a few rows
-// (docs/benchmarks.md, forty-fifth session), so half the bytes cost about half the time.
-//
-// Invariants: x and y float32, w float32 or float16; K % 16 == 0 (checked; every supported
-// model's widths are); w rows contiguous (the [out, in] layout, like a tied LM head's
-// embedding table). Needs AVX-512F, or AVX2 with FMA and F16C (the host's widest, chosen at
-// compile time by -march=native; an AVX2 host, such as an AMD Zen 3, has 16 vector
-// registers of 8 floats instead of 32 of 16, so its tiles are narrower; every AVX2 CPU has
-// F16C).
+// Invariants: float32; K % 16 == 0 (checked; every supported model's widths are); w rows
+// contiguous (the [out, in] layout, like a tied LM head's embedding table). Needs AVX-512F,
+// or AVX2 with FMA (the host's widest, chosen at compile time by -march=native; an AVX2
+// host, such as an AMD Zen 3, has 16 vector registers of 8 floats instead of 32 of 16, so
+// its tiles are narrower).
 //
 // Threads: XLA's own intra-op pool (Ctx<ThreadPool>). Work is split into chunks claimed from
 // an atomic counter by the caller and by helpers it schedules. The caller never waits for a
@@ -44,7 +38,6 @@
 #include <memory>
 #include <numeric>
 #include <thread>
-#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -67,10 +60,7 @@ inline Vec Zero() { return _mm512_setzero_ps(); }
 inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float Sum(Vec v) { return _mm512_reduce_add_ps(v); }
-inline Vec Widen(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#elif defined(__AVX2__) && defined(__FMA__)
 using Vec = __m256;  // 16 registers: at most 12 accumulators + 2 + 1
 constexpr int kLanes = 8, kRowTile = 6;
 constexpr int kColTile[kRowTile + 1] = {0, 8, 6, 4, 3, 2, 2};
@@ -82,16 +72,9 @@ inline float Sum(Vec v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
-inline Vec Widen(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
 #else
-#error "cpu_rowdot needs AVX-512F, or AVX2 with FMA and F16C (-march=native on such a CPU)"
+#error "cpu_rowdot needs AVX-512F, or AVX2 with FMA (compile with -march=native on such a CPU)"
 #endif
-
-// A weight vector: float32 as it is, float16 (IEEE half, its bits as uint16_t) widened.
-inline Vec LoadW(const float* p) { return Load(p); }
-inline Vec LoadW(const uint16_t* p) { return Widen(p); }
 
 // A chunk of weight rows is whole tiles of every width.
 constexpr int kChunkRows = std::lcm(std::lcm(std::lcm(kColTile[1], kColTile[2]),
@@ -106,32 +89,28 @@ static_assert(16 % kLanes == 0, "K % 16 == 0 must make every row whole vectors")
 // overlapping (a SmolLM2 forward's products at M = 4 / 10: 33 / 50 ms without, 27 / 38
 // with; M = 1 and 2 are not faster with it).
 constexpr int64_t kPrefetchRows = 3;
-constexpr int kLineBytes = 64;
+constexpr int kLineFloats = 16;  // one 64-byte cache line
 
 // Where output column j's weight row lives. Dense: row j of w (rowdot). Gathered: row
 // idx[j] of w, or a row of zeros for a padding id outside [0, N), whose output is then
 // written as exactly 0 (rowdot_gathered). ``At`` clamps j to the last column, so a tile may
 // name the columns after the last one for its prefetch.
-template <class T>
 struct Dense {
-  using Elem = T;
   static constexpr bool kGathered = false;
-  const T* w;
+  const float* w;
   int64_t K, cols;
-  const T* At(int64_t j) const { return w + std::min(j, cols - 1) * K; }
+  const float* At(int64_t j) const { return w + std::min(j, cols - 1) * K; }
   bool Valid(int64_t) const { return true; }
 };
 
-template <class T>
 struct Gathered {
-  using Elem = T;
   static constexpr bool kGathered = true;
-  const T* w;
+  const float* w;
   const int32_t* idx;
-  const T* zeros;  // K zeros
+  const float* zeros;  // K floats
   int64_t K, cols, N;  // cols = C outputs, N = rows of w
   bool Valid(int64_t j) const { return idx[j] >= 0 && idx[j] < N; }
-  const T* At(int64_t j) const {
+  const float* At(int64_t j) const {
     j = std::min(j, cols - 1);
     return Valid(j) ? w + static_cast<int64_t>(idx[j]) * K : zeros;
   }
@@ -147,10 +126,8 @@ void Tile(const float* x, const Src& src, float* y, int64_t K, int64_t m0, int64
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) acc[r][t] = Zero();
-  using T = typename Src::Elem;
-  constexpr int64_t kLine = kLineBytes / sizeof(T);  // weights per cache line
-  const T* row[NT];
-  const T* next[NT];
+  const float* row[NT];
+  const float* next[NT];
 #pragma GCC unroll 8
   for (int t = 0; t < NT; ++t) {
     row[t] = src.At(n0 + t);
@@ -158,7 +135,7 @@ void Tile(const float* x, const Src& src, float* y, int64_t K, int64_t m0, int64
   }
   for (int64_t k = 0; k < K; k += kLanes) {
     if constexpr (kPrefetch) {
-      if (k % kLine == 0) {
+      if (k % kLineFloats == 0) {
 #pragma GCC unroll 8
         for (int t = 0; t < NT; ++t)
           _mm_prefetch(reinterpret_cast<const char*>(next[t] + k), _MM_HINT_T0);
@@ -166,7 +143,7 @@ void Tile(const float* x, const Src& src, float* y, int64_t K, int64_t m0, int64
     }
     Vec wv[NT];
 #pragma GCC unroll 8
-    for (int t = 0; t < NT; ++t) wv[t] = LoadW(row[t] + k);
+    for (int t = 0; t < NT; ++t) wv[t] = Load(row[t] + k);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const Vec xv = Load(x + (m0 + r) * K + k);
@@ -243,12 +220,11 @@ void Span(const float* x, const Src& src, float* y, int64_t M, int64_t K, int64_
 // One call's work: ``groups`` independent products (one for rowdot and for a shared gathered
 // shortlist; one per row of x for per-row shortlists), each cut into chunks of
 // ``cols_per_chunk`` output columns, claimed from an atomic counter.
-template <class T>
 struct Work {
   const float* x;
-  const T* w;
+  const float* w;
   const int32_t* idx = nullptr;  // [groups or 1, cols]; null for rowdot
-  std::vector<T> zeros;
+  std::vector<float> zeros;
   float* y;
   int64_t M, N, K, cols, groups, cols_per_chunk, chunks_per_group, chunks;
   std::atomic<int64_t> next{0};
@@ -263,9 +239,9 @@ struct Work {
       const float* xg = x + g * rows * K;
       float* yg = y + g * rows * cols;
       if (idx == nullptr) {
-        Span(xg, Dense<T>{w, K, cols}, yg, rows, K, a, b);
+        Span(xg, Dense{w, K, cols}, yg, rows, K, a, b);
       } else {
-        Span(xg, Gathered<T>{w, idx + g * cols, zeros.data(), K, cols, N}, yg, rows, K, a, b);
+        Span(xg, Gathered{w, idx + g * cols, zeros.data(), K, cols, N}, yg, rows, K, a, b);
       }
       done.fetch_add(1, std::memory_order_release);
     }
@@ -274,11 +250,9 @@ struct Work {
 
 // Runs ``work`` on the caller and XLA's pool. About 64 KB of weights per chunk, rounded up
 // to whole column tiles of every width.
-template <class T>
-void RunOnPool(ffi::ThreadPool& pool, const std::shared_ptr<Work<T>>& work) {
+void RunOnPool(ffi::ThreadPool& pool, const std::shared_ptr<Work>& work) {
   constexpr int64_t g = kChunkRows;
-  const int64_t row_bytes = work->K * static_cast<int64_t>(sizeof(T));
-  work->cols_per_chunk = std::max<int64_t>(g, (65536 / row_bytes + g - 1) / g * g);
+  work->cols_per_chunk = std::max<int64_t>(g, (16384 / work->K + g - 1) / g * g);
   work->chunks_per_group = (work->cols + work->cols_per_chunk - 1) / work->cols_per_chunk;
   work->chunks = work->groups * work->chunks_per_group;
   const int64_t helpers = std::max<int64_t>(1, pool.num_threads()) - 1;
@@ -297,8 +271,7 @@ void RunOnPool(ffi::ThreadPool& pool, const std::shared_ptr<Work<T>>& work) {
 }
 
 // The checks both products share: w is [N, K] with K % 16 == 0, and x's last axis is K.
-template <ffi::DataType D>
-ffi::Error CheckOperands(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<D>& w) {
+ffi::Error CheckOperands(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F32>& w) {
   const auto wd = w.dimensions();
   if (wd.size() != 2) return ffi::Error::InvalidArgument("w must be [N, K]");
   if (wd[1] % 16 != 0) return ffi::Error::InvalidArgument("K must be a multiple of 16");
@@ -307,17 +280,11 @@ ffi::Error CheckOperands(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<D>& w
   return ffi::Error::Success();
 }
 
-// float32 weights are read as float, float16 ones as their bits (uint16_t).
-template <ffi::DataType D>
-using WeightOf = std::conditional_t<D == ffi::DataType::F32, float, uint16_t>;
-
-template <ffi::DataType D>
-std::shared_ptr<Work<WeightOf<D>>> NewWork(const ffi::Buffer<ffi::F32>& x,
-                                            const ffi::Buffer<D>& w, float* y) {
-  using T = WeightOf<D>;
-  auto work = std::make_shared<Work<T>>();
+std::shared_ptr<Work> NewWork(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F32>& w,
+                              float* y) {
+  auto work = std::make_shared<Work>();
   work->x = x.typed_data();
-  work->w = reinterpret_cast<const T*>(w.untyped_data());
+  work->w = w.typed_data();
   work->y = y;
   work->N = w.dimensions()[0];
   work->K = w.dimensions()[1];
@@ -325,8 +292,7 @@ std::shared_ptr<Work<WeightOf<D>>> NewWork(const ffi::Buffer<ffi::F32>& x,
   return work;
 }
 
-template <ffi::DataType D>
-ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<D> w,
+ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                       ffi::ResultBuffer<ffi::F32> y) {
   if (auto err = CheckOperands(x, w); err.failure()) return err;
   auto work = NewWork(x, w, y->typed_data());
@@ -337,9 +303,8 @@ ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 }
 
 // idx [R, C] int32 with R = 1 (one shortlist for every row of x) or R = M (one per row).
-template <ffi::DataType D>
 ffi::Error RowDotGatheredImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                              ffi::Buffer<D> w, ffi::Buffer<ffi::S32> idx,
+                              ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> idx,
                               ffi::ResultBuffer<ffi::F32> y) {
   if (auto err = CheckOperands(x, w); err.failure()) return err;
   const auto id = idx.dimensions();
@@ -348,7 +313,7 @@ ffi::Error RowDotGatheredImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (id[0] != 1 && id[0] != work->M)
     return ffi::Error::InvalidArgument("idx must have one row, or one per row of x");
   work->idx = idx.typed_data();
-  work->zeros.assign(work->K, 0);  // +0.0 in either type
+  work->zeros.assign(work->K, 0.0f);
   work->cols = id[1];
   work->groups = id[0];
   if (work->cols > 0) RunOnPool(pool, work);
@@ -357,24 +322,17 @@ ffi::Error RowDotGatheredImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 }  // namespace
 
-// One binding per weight type: the element type is part of an FFI handler's signature.
-#define SPECJAX_ROWDOT(NAME, D)                                   \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, RowDotImpl<D>,              \
-                                ffi::Ffi::Bind()                  \
-                                    .Ctx<ffi::ThreadPool>()       \
-                                    .Arg<ffi::Buffer<ffi::F32>>() \
-                                    .Arg<ffi::Buffer<D>>()        \
-                                    .Ret<ffi::Buffer<ffi::F32>>());
-#define SPECJAX_ROWDOT_GATHERED(NAME, D)                          \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, RowDotGatheredImpl<D>,      \
-                                ffi::Ffi::Bind()                  \
-                                    .Ctx<ffi::ThreadPool>()       \
-                                    .Arg<ffi::Buffer<ffi::F32>>() \
-                                    .Arg<ffi::Buffer<D>>()        \
-                                    .Arg<ffi::Buffer<ffi::S32>>() \
-                                    .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowDot, RowDotImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
-SPECJAX_ROWDOT(SpecjaxRowDot, ffi::F32)
-SPECJAX_ROWDOT(SpecjaxRowDotF16, ffi::F16)
-SPECJAX_ROWDOT_GATHERED(SpecjaxRowDotGathered, ffi::F32)
-SPECJAX_ROWDOT_GATHERED(SpecjaxRowDotGatheredF16, ffi::F16)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowDotGathered, RowDotGatheredImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

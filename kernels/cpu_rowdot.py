@@ -9,8 +9,7 @@ The source,
 ``cpu_rowdot.cc``, ships beside this file and is compiled on first use with the host's g++
 into ``$SPECJAX_HOME/kernels`` (keyed by the source, the flags, the jaxlib version and the
 CPU's feature flags, since ``-march=native`` code may not run on another CPU), then
-registered as an FFI target. It uses AVX-512F where the CPU has it, else AVX2 with FMA
-(and F16C).
+registered as an FFI target. It uses AVX-512F where the CPU has it, else AVX2 with FMA.
 Hosts without g++ or either get :func:`available` False and a reason, and callers keep the
 XLA dot.
 
@@ -18,10 +17,6 @@ XLA dot.
 w_t[idx].T``, the gather fused: each listed row is read once, straight from the table, and
 prefetched one tile ahead since no hardware prefetcher can guess it), for the DynaSpec
 head's gathered-column GEMM on the CPU (:mod:`specjax.kernels.gathered_gemm`).
-
-Both products take float16 weights too (``w_t`` float16, ``x`` and the result float32):
-the kernel widens each weight vector to float32 as it loads it and accumulates in float32.
-A few rows' product is bound by memory, so half the bytes take about half the time.
 
 Where it runs: :func:`head_product` (the target's LM head, whose [V, d] table is already the
 [out, in] layout this kernel reads) sends 2..16 float32 rows to it, and
@@ -50,22 +45,13 @@ import jaxlib
 Array = jax.Array
 TARGET = "specjax_cpu_rowdot"
 GATHERED_TARGET = "specjax_cpu_rowdot_gathered"
-# The (dense, gathered) targets by the weights' dtype: an FFI handler's argument types are
-# fixed, so float16 weights have handlers of their own.
-TARGETS = {jnp.dtype(jnp.float32): (TARGET, GATHERED_TARGET),
-           jnp.dtype(jnp.float16): (TARGET + "_f16", GATHERED_TARGET + "_f16")}
-_SYMBOLS = {TARGET: "SpecjaxRowDot", GATHERED_TARGET: "SpecjaxRowDotGathered",
-            TARGET + "_f16": "SpecjaxRowDotF16",
-            GATHERED_TARGET + "_f16": "SpecjaxRowDotGatheredF16"}  # in cpu_rowdot.cc
 _SOURCE = Path(__file__).with_name("cpu_rowdot.cc")
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 
 
 def rowdot_reference(x: Array, w_t: Array) -> Array:
-    """The same product in jnp: x [..., K], w_t [N, K] -> [..., N] (fp32, HIGHEST precision;
-    float16 weights are widened first, as the kernel does)."""
-    return jnp.einsum("...k,nk->...n", x, w_t.astype(jnp.float32),
-                      precision=jax.lax.Precision.HIGHEST)
+    """The same product in jnp: x [..., K], w_t [N, K] -> [..., N] (fp32, HIGHEST precision)."""
+    return jnp.einsum("...k,nk->...n", x, w_t, precision=jax.lax.Precision.HIGHEST)
 
 
 def _kernel_dir() -> Path:
@@ -89,7 +75,7 @@ def _cpu_isa(flags: frozenset[str]) -> str | None:
     """The vector instructions the kernel will use on a CPU with ``flags``, or None."""
     if "avx512f" in flags:
         return "avx512f"
-    if {"avx2", "fma", "f16c"} <= flags:
+    if {"avx2", "fma"} <= flags:
         return "avx2"
     return None
 
@@ -110,7 +96,7 @@ def _build() -> tuple[Path | None, str]:
     """The compiled library (built once per source, flags, jaxlib and CPU), or None and why."""
     cpu = _cpu_flags()
     if _cpu_isa(cpu) is None:
-        return None, "the CPU has neither AVX-512F nor AVX2 with FMA and F16C"
+        return None, "the CPU has neither AVX-512F nor AVX2 with FMA"
     cxx = _compiler()
     if cxx is None:
         return None, "no C++ compiler (g++, or $CXX) on PATH"
@@ -141,9 +127,9 @@ def _register() -> str:
     if path is None:
         return why
     lib = ctypes.cdll.LoadLibrary(str(path))
-    for name, symbol in _SYMBOLS.items():
-        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)),
-                                    platform="cpu")
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SpecjaxRowDot), platform="cpu")
+    jax.ffi.register_ffi_target(GATHERED_TARGET, jax.ffi.pycapsule(lib.SpecjaxRowDotGathered),
+                                platform="cpu")
     return ""
 
 
@@ -156,7 +142,7 @@ def available() -> tuple[bool, str]:
 @jax.custom_vjp
 def _rowdot(x: Array, w_t: Array) -> Array:
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (w_t.shape[0],), jnp.float32)
-    return jax.ffi.ffi_call(TARGETS[w_t.dtype][0], out, vmap_method="sequential")(x, w_t)
+    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w_t)
 
 
 def _rowdot_fwd(x: Array, w_t: Array) -> tuple[Array, tuple[Array, Array]]:
@@ -166,8 +152,7 @@ def _rowdot_fwd(x: Array, w_t: Array) -> tuple[Array, tuple[Array, Array]]:
 def _rowdot_bwd(res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
     # The gradient is a large-M product (or a rank-M update): XLA's own GEMMs do it well.
     x, w_t = res
-    return (g @ w_t.astype(jnp.float32),
-            jnp.einsum("...n,...k->nk", g, x).astype(w_t.dtype))
+    return g @ w_t, jnp.einsum("...n,...k->nk", g, x)
 
 
 _rowdot.defvjp(_rowdot_fwd, _rowdot_bwd)
@@ -178,7 +163,7 @@ def rowdot(x: Array, w_t: Array) -> Array:
 
     Args:
       x: [..., K] float32; the leading axes are flattened into M rows (M small: ~1-16).
-      w_t: [N, K] float32 or float16, one output feature per row; K a multiple of 16.
+      w_t: [N, K] float32, one output feature per row; K a multiple of 16.
 
     Returns:
       [..., N] float32, equal to :func:`rowdot_reference` up to summation order.
@@ -189,9 +174,8 @@ def rowdot(x: Array, w_t: Array) -> Array:
 
 def _check_operands(x: Array, w_t: Array) -> None:
     """The checks :func:`rowdot` and :func:`rowdot_gathered` share, with the kernel built."""
-    if x.dtype != jnp.float32 or w_t.dtype not in TARGETS:
-        raise TypeError(f"rowdot takes float32 x and float32 or float16 w_t, got x {x.dtype} "
-                        f"and w_t {w_t.dtype}")
+    if x.dtype != jnp.float32 or w_t.dtype != jnp.float32:
+        raise TypeError(f"rowdot takes float32, got x {x.dtype} and w_t {w_t.dtype}")
     if w_t.ndim != 2 or x.shape[-1] != w_t.shape[1]:
         raise ValueError(f"rowdot needs x [..., K] and w_t [N, K]; got {x.shape} and "
                          f"{w_t.shape}")
@@ -209,14 +193,13 @@ def rowdot_gathered_reference(x: Array, w_t: Array, idx: Array) -> Array:
     GEMM's specification with the shortlist broadcast to every row."""
     from specjax.kernels.gathered_gemm import gathered_matmul_ref  # it imports this module
 
-    return gathered_matmul_ref(x, w_t.astype(jnp.float32),
-                               jnp.broadcast_to(idx, (x.shape[0], idx.shape[1])))
+    return gathered_matmul_ref(x, w_t, jnp.broadcast_to(idx, (x.shape[0], idx.shape[1])))
 
 
 @jax.custom_vjp
 def _rowdot_gathered(x: Array, w_t: Array, idx: Array) -> Array:
     out = jax.ShapeDtypeStruct((x.shape[0], idx.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(TARGETS[w_t.dtype][1], out, vmap_method="sequential")(x, w_t, idx)
+    return jax.ffi.ffi_call(GATHERED_TARGET, out, vmap_method="sequential")(x, w_t, idx)
 
 
 def _rowdot_gathered_fwd(x: Array, w_t: Array, idx: Array):
@@ -238,7 +221,7 @@ def rowdot_gathered(x: Array, w_t: Array, idx: Array) -> Array:
 
     Args:
       x: [M, K] float32 (M small, as in :func:`rowdot`).
-      w_t: [N, K] float32 or float16, one output feature per row; K a multiple of 16.
+      w_t: [N, K] float32, one output feature per row; K a multiple of 16.
       idx: [R, C] int32 row ids of ``w_t``: R = 1 (one shortlist for every row of x) or
         R = M (one per row). Duplicates are allowed; an id outside [0, N) is padding.
 
@@ -259,15 +242,14 @@ MAX_ROWS = 16  # above this the FMAs, not the weight stream, bound the kernel (i
 
 
 def use_rowdot(x: Array, w_t: Array, min_rows: int = 2) -> bool:
-    """Whether the kernel takes these operands (decided at trace time): float32 x and
-    float32 or float16 w_t, min_rows..MAX_ROWS rows, K % 16 == 0, a CPU backend with one
-    device in use (no active mesh), the kernel built, and ``SPECJAX_CPU_ROWDOT`` not
-    ``off``."""
+    """Whether the kernel takes these operands (decided at trace time): float32,
+    min_rows..MAX_ROWS rows, K % 16 == 0, a CPU backend with one device in use (no
+    active mesh), the kernel built, and ``SPECJAX_CPU_ROWDOT`` not ``off``."""
     from specjax.sharding import active_mesh
 
     rows = math.prod(x.shape[:-1])
     return (os.environ.get("SPECJAX_CPU_ROWDOT", "auto").lower() not in ("off", "0", "false")
-            and x.dtype == jnp.float32 and w_t.dtype in TARGETS and min_rows <= rows <= MAX_ROWS
+            and x.dtype == jnp.float32 and w_t.dtype == jnp.float32 and min_rows <= rows <= MAX_ROWS
             and w_t.shape[1] % 16 == 0 and jax.default_backend() == "cpu"
             and active_mesh() is None and available()[0])
 
