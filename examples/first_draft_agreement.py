@@ -254,6 +254,10 @@ def main() -> None:
         raise SystemExit(f"no drafter ships for {args.model}; pass --drafter")
     drafters = [(path, specjax.load_drafter(Path(path), target))
                 for path in args.drafter or [str(shipped)]]
+    # One head for every drafter: a fine-tune's folder often lacks freq_counts, and its own
+    # default (the full head) would be compared against the first drafter's shortlist. It
+    # is resolved here too, so a --vocab the script cannot score fails before the answers.
+    ids = head_ids_for(args.vocab, target, drafters[0][1]) if sampled else None
     answers = [specjax.generate(target, [e["ids"]], max_new_tokens=args.max_new_tokens,
                                 temperature=args.temperature, seed=args.seed + i).tokens[0]
                for i, e in enumerate(evals)]
@@ -277,9 +281,6 @@ def main() -> None:
     print(f"lookup chain: first-token acceptance {fmt(pooled(look_acc))} "
           + " ".join(f"{t} {fmt(v)}" for t, v in by_task(look_acc).items()), flush=True)
     first: list[np.ndarray] | None = None  # the first drafter's hits: the others' baseline
-    # One head for every drafter: a fine-tune's folder often lacks freq_counts, and its own
-    # default (the full head) would be compared against the first drafter's shortlist.
-    ids = head_ids_for(args.vocab, target, drafters[0][1]) if sampled else None
     for path, drafter in drafters:
         per = agreement(target, drafter, seqs, args.drafter_window, args.temperature, ids)
         either = None if sampled else [a | b for a, b in zip(per, look, strict=True)]
