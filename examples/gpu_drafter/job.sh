@@ -152,6 +152,11 @@ w = [r['wall_s'] for r in t]; print('calib wall_s', w[0], w[9], w[-1],
   ;;
 train)
   HF=$(cat "$STAGE/heldout_fraction")
+  # The hidden states first, outside the time limits below, for a `generate` that stopped
+  # before it had cached them (a no-op when it had): caching inside the timed call would
+  # count against the hard timeout, which on 2 CPU cores ends the toy run before a step.
+  specjax train drafter --data "$STAGE/data.jsonl" --heldout-fraction "$HF" "${COMMON[@]}" \
+    --cache-only --out "$STAGE/unused" --no-progress || exit 1
   # TRAIN_S stops training gracefully (checkpointed, the drafter still written, marked
   # incomplete); the hard timeout only catches a hang. LR 1e-4 by default: every run starts
   # from a trained drafter, and higher peaks dipped (5e-4: 0.577 -> 0.259 in a toy run).
