@@ -54,6 +54,13 @@ install() {
   python3 -c "import specjax.kernels, gguf, jax; print('jax', jax.__version__, jax.devices())"
 }
 
+# The target's hidden states (with taps) for every record of data.jsonl, into $CACHE; a no-op
+# when they are there already.
+cache_states() {
+  specjax train drafter --data "$STAGE/data.jsonl" --heldout-fraction "$(cat "$STAGE/heldout_fraction")" \
+    "${COMMON[@]}" --cache-only --out "$STAGE/unused" --no-progress
+}
+
 store() {
   for p in "$GPU"/gguf/part_*; do [ -e "$p" ] && cp "$p" "$STAGE"/; done
   for d in payload tokenizer; do
@@ -136,8 +143,7 @@ print(json.dumps({"prepared": n, "new": len(rows), "heldout": meta["heldout"]}))
 EOF
   cp "$STAGE"/answers/*.meta.json "$OUT"/ 2>/dev/null
   HF=$(cat "$STAGE/heldout_fraction")
-  specjax train drafter --data "$STAGE/data.jsonl" --heldout-fraction "$HF" "${COMMON[@]}" \
-    --cache-only --out "$STAGE/unused" --no-progress || exit 1
+  cache_states || exit 1
   # 20 timed steps (compiles included) over the whole cache: the rate `train` sizes from.
   [ "${CALIB:-1}" = 1 ] || exit 0
   rm -rf "$STAGE/calib-ckpt"
@@ -155,8 +161,7 @@ train)
   # The hidden states first, outside the time limits below, for a `generate` that stopped
   # before it had cached them (a no-op when it had): caching inside the timed call would
   # count against the hard timeout, which on 2 CPU cores ends the toy run before a step.
-  specjax train drafter --data "$STAGE/data.jsonl" --heldout-fraction "$HF" "${COMMON[@]}" \
-    --cache-only --out "$STAGE/unused" --no-progress || exit 1
+  cache_states || exit 1
   # TRAIN_S stops training gracefully (checkpointed, the drafter still written, marked
   # incomplete); the hard timeout only catches a hang. LR 1e-4 by default: every run starts
   # from a trained drafter, and higher peaks dipped (5e-4: 0.577 -> 0.259 in a toy run).
