@@ -324,16 +324,22 @@ def verify_phase(params: Params, dparams: Any, head: VocabHead, state: SpecState
     branch runs), so a chain costs verify rows only where the lookup matched.
     """
     if draft.unchained is None:
-        return _verify_tree(params, dparams, head, state, draft, spec)
+        return _verify_tree(params, dparams, head, state, draft, spec, spec.tree.max_depth)
+    # Without its chain the tree is the builder's, no deeper than the builder makes it: the
+    # catch-up then re-reads only that many accepted drafts.
     return jax.lax.cond(
-        jnp.any(draft.chained), lambda: _verify_tree(params, dparams, head, state, draft, spec),
+        jnp.any(draft.chained),
+        lambda: _verify_tree(params, dparams, head, state, draft, spec, spec.tree.max_depth),
         lambda: _verify_tree(params, dparams, head, state,
                              dataclasses.replace(draft, tree=draft.unchained,
-                                                 chained=jnp.zeros_like(draft.chained)), spec))
+                                                 chained=jnp.zeros_like(draft.chained)), spec,
+                             spec.tree.builder.max_depth(spec.tree)))
 
 
 def _verify_tree(params: Params, dparams: Any, head: VocabHead, state: SpecState, draft: Draft,
-                 spec: SpecConfig) -> SpecState:
+                 spec: SpecConfig, max_depth: int) -> SpecState:
+    """``max_depth``: the deepest node ``draft.tree`` can hold (static), which bounds the
+    accepted path the catch-up re-reads."""
     tree = draft.tree
     b, t = tree.tokens.shape
     dm = spec.drafter
@@ -368,7 +374,7 @@ def _verify_tree(params: Params, dparams: Any, head: VocabHead, state: SpecState
         # the causal block hides them from row k, and later reads see only rows a draft
         # or catch-up has written since (model.cache_mask).
         feats = dm.target_features(dparams, hidden, taps)
-        d = min(spec.tree.max_depth, t - 1)  # the longest path a tree of T nodes can accept
+        d = min(max_depth, t - 1)  # the longest path this tree can accept
         dcache = dataclasses.replace(draft.dcache, lengths=lengths + 1)
         j = jnp.arange(d + 1)
         drafts = jnp.concatenate([_row_gather(tree.tokens, acc.path[:, 1:d + 1]),
