@@ -3,9 +3,10 @@
 ``specjax bench spec`` times greedy decoding, where the output must equal vanilla's. When
 sampling, outputs differ run to run (only their distribution is the target's, which the
 chi-square tests check), so this script compares speed alone: for each prompt, vanilla and
-speculative decoding (the drafter's shipped default tree and head unless given) draw
-``--max-new-tokens`` tokens at ``--temperature`` without stopping at EOS, and the decode
-rates (compile excluded, ``decode_tokens_per_s``) are pooled over the prompts, in one run.
+speculative decoding (the tree and head generate drafts at that temperature unless given)
+draw ``--max-new-tokens`` tokens at ``--temperature`` without stopping at EOS, and the
+decode rates (compile excluded, ``decode_tokens_per_s``) are pooled over the prompts, in
+one run.
 
     python examples/sampled_speedup.py --temperature 1.0 --out results/sampled_speedup.json
 
@@ -89,7 +90,7 @@ def main() -> None:
                                       per_task=args.per_task)
     tasks = list(dict.fromkeys(e["task"] for e in evals))
     trees = ([TreeSpec.from_json(json.loads(t)) for t in args.tree_json] if args.tree_json
-             else [drafter.default_tree])  # None: generate's own default (TreeSpec())
+             else [drafter.tree_for(args.temperature == 0)])  # what generate drafts
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
               stop_on_eos=False)
     rows: list[list[dict]] = [[] for _ in trees]

@@ -198,7 +198,8 @@ def load_drafter(path: str | Path, target: Target, dtype: str | None = None) -> 
     cfg, params, meta = read(Path(path), target.cfg, dtype)
     return Drafter(cfg=cfg, params=params, path=Path(path), meta=meta,
                    default_tree=read_default_tree(path),
-                   default_vocab=read_default_vocab(path))
+                   default_vocab=read_default_vocab(path),
+                   default_sampled_tree=read_default_tree(path, sampled=True))
 
 
 def check_generate_args(target: Any, *, max_new_tokens: Any, temperature: Any, top_k: Any,
@@ -272,8 +273,10 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
         the same functions from Python (for comparison, debugging and per-phase
         timing).
       drafter: from :func:`load_drafter`; None for vanilla decoding.
-      tree: the draft tree; default the drafter's measured one (``drafter.default_tree``,
-        from its folder's ``default_tree.json``), else ``TreeSpec()`` (a small EAGLE-2 tree).
+      tree: the draft tree; default the drafter's measured one (``drafter.tree_for``:
+        from its folder's ``default_tree.json``, the tree measured for sampling when
+        ``temperature`` > 0 and the file has one), else ``TreeSpec()`` (a small EAGLE-2
+        tree).
       assume_q_one: EAGLE's verification shortcut for sampled drafts (see
         :class:`specjax.speculative.SpecConfig`); off by default.
       vocab: the drafter's vocabulary head: "full", "fr:N", "pafr:N", "dynaspec",
@@ -453,7 +456,7 @@ def _plan(target: Target, ids: list[list[int]], *, max_new_tokens: int, temperat
     runner: VanillaRunner | SpecRunner = VanillaRunner(target, sampling)
     if drafter is not None:
         drafter.cfg.check_target(target.cfg)
-        tree = tree or drafter.default_tree or TreeSpec()
+        tree = tree or drafter.tree_for(sampling.greedy)
         vocab = vocab or drafter.default_vocab or "full"
         runner = SpecRunner.of(target, drafter, resolve_head(vocab, target, drafter), tree,
                                sampling, assume_q_one, attention)

@@ -44,6 +44,15 @@ class Drafter:
     meta: dict | None = None
     # The tree and vocabulary head measured fastest for this drafter on some machine (its
     # folder's default_tree.json; see specjax.tree.default); generate uses them when given
-    # none. default_vocab is a head spec that reads only the folder's own artifacts.
+    # none. default_vocab is a head spec that reads only the folder's own artifacts;
+    # default_sampled_tree, where the file has one, is the tree measured for temperature > 0.
     default_tree: TreeSpec | None = None
     default_vocab: str | None = None
+    default_sampled_tree: TreeSpec | None = None
+
+    def tree_for(self, greedy: bool) -> TreeSpec:
+        """The tree generate drafts when given none: the measured one for sampling when not
+        ``greedy`` and the folder has one, else the measured greedy one, else
+        :class:`TreeSpec`'s defaults (a small EAGLE-2 tree)."""
+        return ((None if greedy else self.default_sampled_tree) or self.default_tree
+                or TreeSpec())

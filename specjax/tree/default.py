@@ -9,6 +9,12 @@ the head is part of the default. ``specjax.generate`` and ``specjax generate`` u
 when given none; a drafter without the file gets :class:`TreeSpec`'s defaults and the
 full head.
 
+The file may also hold a tree for sampling (``"sampled"``, with its own ``measured``): at a
+temperature above 0 a drafted child is accepted with probability ``min(1, p / q)`` rather
+than when it is the target's argmax, so the fastest tree differs (Sequoia calibrates one per
+temperature). Sampling uses it where there is one, else the greedy tree; the head is the
+file's for both.
+
 A stored head names only artifacts inside the drafter's folder (``fr:8192``, never
 ``fr:8192:/some/path``), so the folder can be copied or shipped whole.
 """
@@ -52,6 +58,10 @@ def _read(folder: str | Path) -> dict[str, Any] | None:
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise ValueError(f"not a {FORMAT!r} file")
         d["tree"] = TreeSpec.from_json(d["tree"])
+        if "sampled" in d:
+            if not isinstance(d["sampled"], dict):
+                raise ValueError("sampled must be an object with a tree")
+            d["sampled"] = {**d["sampled"], "tree": TreeSpec.from_json(d["sampled"]["tree"])}
         vocab = d.get("vocab", "full")
         if not isinstance(vocab, str):
             raise ValueError(f"vocab must be a head spec string, got {vocab!r}")
@@ -63,15 +73,20 @@ def _read(folder: str | Path) -> dict[str, Any] | None:
                          "`specjax bench spec --save-default-tree`") from None
 
 
-def read_default_tree(folder: str | Path) -> TreeSpec | None:
-    """The tree stored in ``folder`` (None when it has none).
+def read_default_tree(folder: str | Path, *, sampled: bool = False) -> TreeSpec | None:
+    """The tree stored in ``folder`` (None when it has none); with ``sampled``, the tree
+    measured for sampling (None when the file holds only the greedy one).
 
     Raises:
       ValueError: the file exists but is not a valid default (names the file and how to
         fix it).
     """
     d = _read(folder)
-    return None if d is None else d["tree"]
+    if d is None:
+        return None
+    if sampled:
+        return d["sampled"]["tree"] if "sampled" in d else None
+    return d["tree"]
 
 
 def read_default_vocab(folder: str | Path) -> str | None:
@@ -84,8 +99,36 @@ def read_default_vocab(folder: str | Path) -> str | None:
 def write_default_tree(folder: str | Path, tree: TreeSpec, measured: dict[str, Any],
                        vocab: str = "full") -> Path:
     """Store ``tree`` and the head ``vocab`` as ``folder``'s defaults, with ``measured``
-    (how they were chosen). Raises ValueError for a head that names an outside path."""
+    (how they were chosen). A tree for sampling already in a valid file is kept: it was
+    measured on its own. Raises ValueError for a head that names an outside path."""
     path = Path(folder) / FILE
-    write_json_atomic(path, {"format": FORMAT, "tree": tree.to_json(),
-                             "vocab": check_portable_vocab(vocab), "measured": measured})
+    try:
+        old = _read(folder)
+    except ValueError:  # an invalid file is replaced whole
+        old = None
+    data = {"format": FORMAT, "tree": tree.to_json(), "vocab": check_portable_vocab(vocab),
+            "measured": measured}
+    if old is not None and "sampled" in old:
+        data["sampled"] = {**old["sampled"], "tree": old["sampled"]["tree"].to_json()}
+    write_json_atomic(path, data)
+    return path
+
+
+def write_sampled_default_tree(folder: str | Path, tree: TreeSpec,
+                               measured: dict[str, Any]) -> Path:
+    """Store ``tree`` as ``folder``'s tree for sampling, with ``measured``, beside the greedy
+    default and head already there (the head is shared, so it must have been measured).
+
+    Raises:
+      ValueError: the folder has no default tree yet, or an invalid one.
+    """
+    old = _read(folder)
+    if old is None:
+        raise ValueError(f"{Path(folder) / FILE} does not exist; measure the greedy default "
+                         "first (`specjax bench spec --save-default-tree`), which also "
+                         "stores the head both trees use")
+    path = Path(folder) / FILE
+    write_json_atomic(path, {"format": FORMAT, "tree": old["tree"].to_json(),
+                             "vocab": old["vocab"], "measured": old.get("measured", {}),
+                             "sampled": {"tree": tree.to_json(), "measured": measured}})
     return path

@@ -4,6 +4,7 @@ API and CLI falling back to it when no tree is given."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import numpy as np
@@ -20,6 +21,7 @@ from specjax.tree.default import (
     read_default_tree,
     read_default_vocab,
     write_default_tree,
+    write_sampled_default_tree,
 )
 
 TREES = [TreeSpec(), TreeSpec("chain", depth=2), TreeSpec("dyspec", total_tokens=6),
@@ -57,6 +59,30 @@ def test_default_tree_file(tmp_path):
         read_default_tree(tmp_path)
 
 
+def test_a_tree_for_sampling_sits_beside_the_greedy_one(tmp_path):
+    chain, wide = TreeSpec("chain", depth=1, lookup=8), TreeSpec(
+        "dyspec-threshold", depth=1, total_tokens=2, threshold=0.001, lookup=8)
+    with pytest.raises(ValueError, match="does not exist; measure the greedy default first"):
+        write_sampled_default_tree(tmp_path, wide, {})
+    write_default_tree(tmp_path, chain, {"chosen": "chain"}, vocab="fr:8192")
+    assert read_default_tree(tmp_path, sampled=True) is None
+    write_sampled_default_tree(tmp_path, wide, {"how": "t=1"})
+    assert read_default_tree(tmp_path, sampled=True) == wide
+    assert read_default_tree(tmp_path) == chain and read_default_vocab(tmp_path) == "fr:8192"
+    # Measuring the greedy default again keeps the sampled one, measured on its own.
+    write_default_tree(tmp_path, TreeSpec("chain", depth=2), {}, vocab="fr:4096")
+    assert read_default_tree(tmp_path, sampled=True) == wide
+    assert json.loads((tmp_path / FILE).read_text())["sampled"]["measured"] == {"how": "t=1"}
+    text = json.loads((tmp_path / FILE).read_text())
+    (tmp_path / FILE).write_text(json.dumps({**text, "sampled": {"tree": {"kind": "bush"}}}))
+    with pytest.raises(ValueError, match="not a valid default tree"):
+        read_default_tree(tmp_path)
+    # An invalid file is replaced whole by a new greedy measurement.
+    write_default_tree(tmp_path, chain, {})
+    assert read_default_tree(tmp_path) == chain
+    assert read_default_tree(tmp_path, sampled=True) is None
+
+
 def test_default_head_is_stored_only_when_it_travels_with_the_folder(tmp_path):
     assert read_default_vocab(tmp_path) is None
     write_default_tree(tmp_path, TreeSpec("chain", depth=1), {})
@@ -78,6 +104,7 @@ def test_default_head_is_stored_only_when_it_travels_with_the_folder(tmp_path):
 def _cli_tree(*flags: str, drafter=None):
     p = argparse.ArgumentParser()
     _add_tree(p)
+    p.add_argument("--temperature", type=float, default=0.0)  # generate's and chat's own
     return _tree(p.parse_args(list(flags)), drafter)
 
 
@@ -109,6 +136,18 @@ def test_generate_uses_the_drafters_default_tree(tiny_target, tmp_path):
         "dyspec", topk_children=True)
     # --tree-lookup alone adds the chain to the drafter's default tree.
     assert _cli_tree("--tree-lookup", "4", drafter=d) == TreeSpec("chain", depth=2, lookup=4)
+    # Sampling drafts the tree measured for it, where the folder has one.
+    wide = TreeSpec("dyspec-threshold", depth=1, total_tokens=2, threshold=0.001)
+    write_sampled_default_tree(folder, wide, {})
+    d = specjax.load_drafter(folder, tiny_target)
+    assert d.tree_for(greedy=True) == TreeSpec("chain", depth=2) and d.tree_for(False) == wide
+    sampled = specjax.generate(tiny_target, prompt, drafter=d, max_new_tokens=4,
+                               temperature=1.0).stats
+    assert sampled["tree"]["kind"] == "dyspec-threshold"
+    assert specjax.generate(tiny_target, prompt, drafter=d,
+                            max_new_tokens=4).stats["tree"]["kind"] == "chain"
+    assert _cli_tree("--temperature", "1", "--tree-lookup", "4", drafter=d) == (
+        dataclasses.replace(wide, lookup=4))
     assert _cli_tree("--tree", "chain", "--tree-lookup", "3", "--tree-lookup-min", "2") == (
         TreeSpec("chain", lookup=3, lookup_min=2))
     with pytest.raises(ValueError, match="name the tree"):
