@@ -1,0 +1,170 @@
+"""Choose the draft tree for sampling the way ``bench spec`` chooses the greedy one.
+
+Sequoia's rule: the fastest tree maximises calibration MAL over the time a step takes. At a
+temperature above 0 a drafted child is accepted with probability ``min(1, p / q)``, not
+when it is the target's argmax, so the tree that wins differs from the greedy one (a
+second sampled child, for instance, is accepted where the first was rejected, by
+multi-draft rejection sampling). For each candidate (``--tree-json``, repeated; the first
+is the reference), on calibration prompts (ShareGPT's calibration range, never
+Spec-Bench):
+
+1. **MAL**: tokens over target forwards at ``--temperature``, pooled over the prompts and
+   ``--seeds`` seeds, ``--batch`` prompts a call (MAL does not depend on the machine), with
+   a 95% interval on the difference from the first tree that resamples (prompt, seed)
+   pairs, paired;
+2. **step time**: milliseconds a target forward, from ``--timing-prompts`` prompts at batch
+   1, vanilla and every tree in turn on each, ``--timing-reps`` passes (the first, which
+   compiles, is dropped), so the machine's drift between runs falls on all of them alike.
+
+The estimate is MAL x (vanilla ms a token) / (ms a step); the highest wins, and
+``--save-default-tree`` stores it as the drafter's tree for sampling (``default_tree.json``'s
+``sampled``; :func:`specjax.tree.default.write_sampled_default_tree`), which
+``specjax.generate`` drafts at temperature > 0 when given no tree. The MAL part resumes
+from ``--out`` (each finished call is saved there).
+
+    python examples/sampled_tree_calibration.py --out results/sampled_tree_calibration.json \\
+        --tree-json '{"kind": "chain", "depth": 1, "lookup": 8, "lookup_min": 2}' \\
+        --tree-json '{"kind": "dyspec-threshold", "depth": 1, "total_tokens": 2,
+                      "threshold": 0.001, "lookup": 8, "lookup_min": 2}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+import specjax
+from specjax.bench.common import machine_info, write_json
+from specjax.bench.questions import calibration_prompts
+from specjax.defaults import resolve_model, shipped_drafter_for
+from specjax.tree import TreeSpec
+from specjax.tree.default import write_sampled_default_tree
+
+
+def _key(tree: TreeSpec) -> str:
+    return json.dumps(tree.to_json(), sort_keys=True)
+
+
+def sampled_mal(target, drafter, trees: list[TreeSpec], prompts: list[list[int]], *,
+                temperature: float, seeds: int, batch: int, max_new_tokens: int,
+                done: dict[str, list], save) -> dict[str, np.ndarray]:
+    """Per tree, [prompts * seeds, 2] (tokens, target forwards) of each (prompt, seed).
+    ``done`` holds finished calls by key (resumed); ``save`` is called after each new one."""
+    calls = [(t, s, lo) for t in trees for s in range(seeds)
+             for lo in range(0, len(prompts), batch)]
+    for tree, seed, lo in tqdm(calls, desc=f"MAL at T={temperature}"):
+        key = f"{_key(tree)}|{seed}|{lo}"
+        if key in done:
+            continue
+        res = specjax.generate(target, prompts[lo:lo + batch], drafter=drafter, tree=tree,
+                               seed=seed, max_new_tokens=max_new_tokens,
+                               temperature=temperature)
+        done[key] = [[sum(row), len(row)] for row in res.stats["accept_lengths"]]
+        save()
+    return {_key(t): np.array([r for s in range(seeds) for lo in range(0, len(prompts), batch)
+                               for r in done[f"{_key(t)}|{s}|{lo}"]], np.float64)
+            for t in trees}
+
+
+def mal_difference_ci(x: np.ndarray, base: np.ndarray, draws: int = 10_000,
+                      seed: int = 0) -> list[float]:
+    """95% interval of pooled MAL(x) - pooled MAL(base), both [U, 2] (tokens, forwards) over
+    the same (prompt, seed) units, resampling units, paired."""
+    pick = np.random.default_rng(seed).integers(0, len(x), (draws, len(x)))
+    boot = (x[pick, 0].sum(1) / x[pick, 1].sum(1)
+            - base[pick, 0].sum(1) / base[pick, 1].sum(1))
+    return [float(v) for v in np.percentile(boot, [2.5, 97.5])]
+
+
+def step_times(target, drafter, trees: list[TreeSpec], prompts: list[list[int]], *,
+               temperature: float, reps: int, max_new_tokens: int) -> dict[str, float]:
+    """Milliseconds a target forward: vanilla's (key "vanilla") and each tree's, every
+    configuration in turn on each prompt, the first of ``reps`` passes dropped."""
+    spent = {k: [0.0, 0.0] for k in ["vanilla", *map(_key, trees)]}
+    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, stop_on_eos=False)
+    runs = [(r, i, t) for r in range(reps) for i in range(len(prompts))
+            for t in [None, *trees]]
+    for rep, i, tree in tqdm(runs, desc="step time"):
+        res = (specjax.generate(target, [prompts[i]], seed=i, **kw) if tree is None else
+               specjax.generate(target, [prompts[i]], drafter=drafter, tree=tree, seed=i,
+                                **kw))
+        if rep == 0:
+            continue
+        st = res.stats
+        n = st["new_tokens"] - 1  # the first new token is the prefill's
+        acc = spent["vanilla" if tree is None else _key(tree)]
+        acc[0] += n / st["decode_tokens_per_s"]
+        acc[1] += n if tree is None else st["target_forwards"]
+    return {k: 1e3 * s / max(n, 1) for k, (s, n) in spent.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tree-json", action="append", required=True, metavar="JSON",
+                    help="a candidate TreeSpec as JSON; repeat it (the first is the reference)")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--calibration", type=int, default=48, metavar="N",
+                    help="about N calibration prompts for MAL (default 48)")
+    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--timing-prompts", type=int, default=4,
+                    help="prompts under 400 tokens timed at batch 1 (default 4)")
+    ap.add_argument("--timing-reps", type=int, default=3)
+    ap.add_argument("--save-default-tree", action="store_true",
+                    help="store the winner as the shipped drafter's tree for sampling")
+    ap.add_argument("--out", type=Path, default=Path("results/sampled_tree_calibration.json"))
+    args = ap.parse_args()
+    if args.temperature <= 0:
+        ap.error("--temperature must be > 0 (the greedy tree is bench spec's)")
+    trees = [TreeSpec.from_json(json.loads(t)) for t in args.tree_json]
+    target = specjax.load(resolve_model(None, progress=False))
+    folder = shipped_drafter_for(target.cfg)
+    drafter = specjax.load_drafter(folder, target)
+    prompts, source = calibration_prompts(target, num=args.calibration)
+    prev = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    settings = {"temperature": args.temperature, "prompts": len(prompts), "seeds": args.seeds,
+                "batch": args.batch, "max_new_tokens": args.max_new_tokens}
+    done = prev.get("calls", {}) if prev.get("settings") == settings else {}
+    result = {"settings": settings, "source": source, "calls": done}
+    mal = sampled_mal(target, drafter, trees, prompts, temperature=args.temperature,
+                      seeds=args.seeds, batch=args.batch, max_new_tokens=args.max_new_tokens,
+                      done=done, save=lambda: write_json(args.out, result))
+    short = [p for p in prompts if len(p) < 400][:args.timing_prompts]
+    ms = step_times(target, drafter, trees, short, temperature=args.temperature,
+                    reps=args.timing_reps, max_new_tokens=args.max_new_tokens)
+    base = mal[_key(trees[0])]
+    rows = []
+    for tree in trees:
+        x = mal[_key(tree)]
+        m = x[:, 0].sum() / x[:, 1].sum()
+        ci = mal_difference_ci(x, base)
+        rows.append({"tree": tree.to_json(), "mal": m, "mal_vs_first_ci95": ci,
+                     "ms_per_step": ms[_key(tree)],
+                     "est_speedup": m * ms["vanilla"] / ms[_key(tree)]})
+        print(f"{_key(tree)}\n  MAL {m:.3f} (vs the first "
+              f"[{ci[0]:+.3f}, {ci[1]:+.3f}])  {ms[_key(tree)]:.1f} ms a step  "
+              f"est. {rows[-1]['est_speedup']:.3f}x vanilla ({ms['vanilla']:.1f} ms a token)")
+    best = max(rows, key=lambda r: r["est_speedup"])
+    result |= {"candidates": rows, "vanilla_ms_per_token": ms["vanilla"], "chosen": best,
+               "timing_prompts": len(short), "timing_reps": args.timing_reps,
+               "machine": machine_info()}
+    write_json(args.out, result)
+    print(f"chosen: {_key(TreeSpec.from_json(best['tree']))}")
+    if args.save_default_tree:
+        how = ("examples/sampled_tree_calibration.py: calibration MAL at the temperature / "
+               "ms a step at batch 1, highest wins")
+        where = write_sampled_default_tree(folder, TreeSpec.from_json(best["tree"]), {
+            "how": how, "chosen": best, "candidates": rows, "settings": settings,
+            "vanilla_ms_per_token": ms["vanilla"], "results": str(args.out),
+            "machine": result["machine"]})
+        print(f"saved as the tree for sampling in {where}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""examples/sampled_tree_calibration.py: sampled MAL per tree (resumed call by call), step
+times, and the paired interval on the MAL difference."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import specjax
+from specjax.drafter import DrafterConfig, EagleDrafter, save_drafter
+from specjax.tree import TreeSpec
+
+_SCRIPT = Path(__file__).parents[2] / "examples" / "sampled_tree_calibration.py"
+_spec = importlib.util.spec_from_file_location("sampled_tree_calibration", _SCRIPT)
+calib = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(calib)
+
+
+def test_mal_difference_is_paired_over_units():
+    base = np.array([[10, 10], [40, 10], [90, 10], [20, 10]], np.float64)  # MAL 1, 4, 9, 2
+    # Every unit one token a forward better: every resample differs by exactly 1.
+    lo, hi = calib.mal_difference_ci(base + [[10, 0]], base)
+    assert lo == pytest.approx(1.0) and hi == pytest.approx(1.0)
+    worse = base.copy()
+    worse[2, 0] = 50  # one unit worse, the rest equal: the interval reaches below 0
+    lo, hi = calib.mal_difference_ci(worse, base)
+    assert lo < 0 and hi == pytest.approx(0.0)
+
+
+def test_mal_and_step_times_on_a_tiny_model(tiny_target, tmp_path):
+    drafter = EagleDrafter(DrafterConfig(tiny_target.cfg), rngs=nnx.Rngs(0))
+    d = specjax.load_drafter(save_drafter(tmp_path / "d", drafter.cfg, drafter.params()),
+                             tiny_target)
+    trees = [TreeSpec("chain", depth=1),
+             TreeSpec("dyspec-threshold", depth=1, total_tokens=2, threshold=0.001)]
+    prompts = [[1, 17, 42, 99], [3, 5, 7], [8, 9, 10, 11, 12]]
+    done, saves = {}, []
+    kw = dict(temperature=1.0, seeds=2, batch=3, max_new_tokens=6)
+    mal = calib.sampled_mal(tiny_target, d, trees, prompts, done=done,
+                            save=lambda: saves.append(1), **kw)
+    assert len(done) == len(saves) == 2 * 2  # trees x seeds (one batch)
+    for tree in trees:
+        x = mal[calib._key(tree)]
+        assert x.shape == (len(prompts) * 2, 2)
+        assert np.all(x[:, 0] >= x[:, 1]) and np.all(x[:, 1] >= 1)  # >= 1 token a forward
+    # A second run resumes: nothing is generated again.
+    again = calib.sampled_mal(tiny_target, d, trees, prompts, done=done,
+                              save=lambda: saves.append(1), **kw)
+    assert len(saves) == 4 and all(np.array_equal(again[k], mal[k]) for k in mal)
+    ms = calib.step_times(tiny_target, d, trees, prompts[:1], temperature=1.0, reps=2,
+                          max_new_tokens=6)
+    assert set(ms) == {"vanilla", *map(calib._key, trees)}
+    assert all(v > 0 for v in ms.values())
