@@ -113,9 +113,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--timing-prompts", type=int, default=4,
-                    help="prompts under 400 tokens timed at batch 1 (default 4)")
-    ap.add_argument("--timing-reps", type=int, default=3)
+    ap.add_argument("--timing-prompts", type=int, default=8,
+                    help="prompts under 400 tokens timed at batch 1 (default 8)")
+    ap.add_argument("--timing-reps", type=int, default=2)
     ap.add_argument("--save-default-tree", action="store_true",
                     help="store the winner as the shipped drafter's tree for sampling")
     ap.add_argument("--out", type=Path, default=Path("results/sampled_tree_calibration.json"))
