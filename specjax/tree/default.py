@@ -89,6 +89,16 @@ def read_default_tree(folder: str | Path, *, sampled: bool = False) -> TreeSpec 
     return d["tree"]
 
 
+def read_defaults(folder: str | Path) -> tuple[TreeSpec | None, str | None, TreeSpec | None]:
+    """(greedy tree, head spec, tree for sampling) from one read of ``folder``'s file, each
+    None as :func:`read_default_tree` and :func:`read_default_vocab` give it. Raises
+    ValueError as they do."""
+    d = _read(folder)
+    if d is None:
+        return None, None, None
+    return d["tree"], d["vocab"], d["sampled"]["tree"] if "sampled" in d else None
+
+
 def read_default_vocab(folder: str | Path) -> str | None:
     """The vocabulary head spec stored in ``folder`` ("full" when the file names none; None
     when there is no file). Raises ValueError as :func:`read_default_tree`."""
@@ -101,17 +111,12 @@ def write_default_tree(folder: str | Path, tree: TreeSpec, measured: dict[str, A
     """Store ``tree`` and the head ``vocab`` as ``folder``'s defaults, with ``measured``
     (how they were chosen). A tree for sampling already in a valid file is kept: it was
     measured on its own. Raises ValueError for a head that names an outside path."""
-    path = Path(folder) / FILE
+    vocab = check_portable_vocab(vocab)
     try:
         old = _read(folder)
     except ValueError:  # an invalid file is replaced whole
         old = None
-    data = {"format": FORMAT, "tree": tree.to_json(), "vocab": check_portable_vocab(vocab),
-            "measured": measured}
-    if old is not None and "sampled" in old:
-        data["sampled"] = {**old["sampled"], "tree": old["sampled"]["tree"].to_json()}
-    write_json_atomic(path, data)
-    return path
+    return _write(folder, tree, vocab, measured, None if old is None else old.get("sampled"))
 
 
 def write_sampled_default_tree(folder: str | Path, tree: TreeSpec,
@@ -127,8 +132,16 @@ def write_sampled_default_tree(folder: str | Path, tree: TreeSpec,
         raise ValueError(f"{Path(folder) / FILE} does not exist; measure the greedy default "
                          "first (`specjax bench spec --save-default-tree`), which also "
                          "stores the head both trees use")
+    return _write(folder, old["tree"], old["vocab"], old.get("measured", {}),
+                  {"tree": tree, "measured": measured})
+
+
+def _write(folder: str | Path, tree: TreeSpec, vocab: str, measured: dict[str, Any],
+           sampled: dict[str, Any] | None) -> Path:
+    """The file, atomically; ``sampled``: None, or its entry as :func:`_read` returns it."""
+    data = {"format": FORMAT, "tree": tree.to_json(), "vocab": vocab, "measured": measured}
+    if sampled is not None:
+        data["sampled"] = {**sampled, "tree": sampled["tree"].to_json()}
     path = Path(folder) / FILE
-    write_json_atomic(path, {"format": FORMAT, "tree": old["tree"].to_json(),
-                             "vocab": old["vocab"], "measured": old.get("measured", {}),
-                             "sampled": {"tree": tree.to_json(), "measured": measured}})
+    write_json_atomic(path, data)
     return path
