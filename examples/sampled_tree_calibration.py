@@ -22,6 +22,13 @@ The estimate is MAL x (vanilla ms a token) / (ms a step); the highest wins, and
 ``specjax.generate`` drafts at temperature > 0 when given no tree. The MAL part resumes
 from ``--out`` (each finished call is saved there).
 
+``--temperature 0`` calibrates the greedy default the same way (one seed: a greedy run does
+not depend on it), and ``--save-default-tree`` then stores the winner as the greedy tree,
+keeping the file's head and its tree for sampling. ``specjax bench spec`` chooses from its
+grid of chains and EAGLE-2 trees with a latency model instead; this measures given
+candidates' steps directly, so it can weigh trees the grid lacks (a root with two
+children, say, whose extra verify row costs almost nothing on the row-dot kernel).
+
     python examples/sampled_tree_calibration.py --out results/sampled_tree_calibration.json \\
         --tree-json '{"kind": "chain", "depth": 1, "lookup": 8, "lookup_min": 2}' \\
         --tree-json '{"kind": "dyspec-threshold", "depth": 1, "total_tokens": 2,
@@ -42,7 +49,11 @@ from specjax.bench.common import machine_info, write_json
 from specjax.bench.questions import calibration_prompts
 from specjax.defaults import resolve_model, shipped_drafter_for
 from specjax.tree import TreeSpec
-from specjax.tree.default import write_sampled_default_tree
+from specjax.tree.default import (
+    read_default_vocab,
+    write_default_tree,
+    write_sampled_default_tree,
+)
 
 
 def _key(tree: TreeSpec) -> str:
@@ -102,6 +113,16 @@ def step_times(target, drafter, trees: list[TreeSpec], prompts: list[list[int]],
     return {k: 1e3 * s / max(n, 1) for k, (s, n) in spent.items()}
 
 
+def save_choice(folder: Path, tree: TreeSpec, measured: dict, *, temperature: float) -> Path:
+    """Store ``tree`` in ``folder``'s default_tree.json: as the greedy tree at temperature 0
+    (the file's head kept: every candidate drafted with it), else as the tree for sampling
+    (the greedy tree and head kept). Returns the file's path."""
+    if temperature == 0:
+        return write_default_tree(folder, tree, measured,
+                                  vocab=read_default_vocab(folder) or "full")
+    return write_sampled_default_tree(folder, tree, measured)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -120,8 +141,11 @@ def main() -> None:
                     help="store the winner as the shipped drafter's tree for sampling")
     ap.add_argument("--out", type=Path, default=Path("results/sampled_tree_calibration.json"))
     args = ap.parse_args()
-    if args.temperature <= 0:
-        ap.error("--temperature must be > 0 (the greedy tree is bench spec's)")
+    if args.temperature < 0:
+        ap.error("--temperature must be >= 0 (0: greedy)")
+    greedy = args.temperature == 0
+    if greedy:
+        args.seeds = 1  # greedy runs are the same for every seed
     trees = [TreeSpec.from_json(json.loads(t)) for t in args.tree_json]
     target = specjax.load(resolve_model(None, progress=False))
     folder = shipped_drafter_for(target.cfg)
@@ -159,11 +183,12 @@ def main() -> None:
     if args.save_default_tree:
         how = ("examples/sampled_tree_calibration.py: calibration MAL at the temperature / "
                "ms a step at batch 1, highest wins")
-        where = write_sampled_default_tree(folder, TreeSpec.from_json(best["tree"]), {
-            "how": how, "chosen": best, "candidates": rows, "settings": settings,
-            "vanilla_ms_per_token": ms["vanilla"], "results": str(args.out),
-            "machine": result["machine"]})
-        print(f"saved as the tree for sampling in {where}")
+        measured = {"how": how, "chosen": best, "candidates": rows, "settings": settings,
+                    "vanilla_ms_per_token": ms["vanilla"], "results": str(args.out),
+                    "machine": result["machine"]}
+        where = save_choice(folder, TreeSpec.from_json(best["tree"]), measured,
+                            temperature=args.temperature)
+        print(f"saved as the {'greedy tree' if greedy else 'tree for sampling'} in {where}")
 
 
 if __name__ == "__main__":

@@ -53,3 +53,16 @@ def test_mal_and_step_times_on_a_tiny_model(tiny_target, tmp_path):
                           max_new_tokens=6)
     assert set(ms) == {"vanilla", *map(calib._key, trees)}
     assert all(v > 0 for v in ms.values())
+
+
+def test_save_choice_greedy_keeps_head_and_sampled_tree(tmp_path):
+    from specjax.tree.default import read_defaults, write_default_tree, write_sampled_default_tree
+    chain = TreeSpec("chain", depth=1, lookup=8, lookup_min=2)
+    n2 = TreeSpec("dyspec-threshold", depth=1, total_tokens=2, threshold=0.001)
+    write_default_tree(tmp_path, chain, {"how": "bench spec"}, vocab="fr:8192")
+    write_sampled_default_tree(tmp_path, n2, {"how": "t=1"})
+    two = TreeSpec("static", paths=((0,), (1,)), lookup=8, lookup_min=2)
+    calib.save_choice(tmp_path, two, {"how": "t=0"}, temperature=0.0)
+    assert read_defaults(tmp_path) == (two, "fr:8192", n2)
+    calib.save_choice(tmp_path, chain, {"how": "t=1 again"}, temperature=1.0)
+    assert read_defaults(tmp_path) == (two, "fr:8192", chain)
