@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from functools import partial
 from typing import Any
 
@@ -24,6 +25,9 @@ def add_tree_args(p: argparse.ArgumentParser, *, auto: bool) -> None:
     p.add_argument("--tree-tokens", type=int, default=None,
                    help=f"EAGLE-2 draft tokens per step, root excluded (default "
                         f"{d.total_tokens})")
+    p.add_argument("--tree-json", default=None, metavar="JSON",
+                   help="any draft tree as TreeSpec JSON, e.g. a drafter's measured default "
+                        "from its default_tree.json (replaces --tree and its sizes)")
     p.add_argument("--tree-lookup", type=lookup_sizes, default=(),
                    help="graft a chain of this many tokens copied from the committed text "
                         "onto the tree (prompt lookup); with auto, a comma list: the grid "
@@ -47,9 +51,22 @@ def lookup_sizes(text: str, what: str = "chain lengths") -> tuple[int, ...]:
 
 
 def tree_from_args(args: argparse.Namespace) -> TreeSpec | None:
-    """The TreeSpec the flags name; None for ``--tree auto``."""
+    """The TreeSpec the flags name; None for ``--tree auto``.
+
+    Raises:
+      ValueError: sizes with ``--tree auto``, lists with a fixed tree, ``--tree-json`` with
+        other tree flags, or JSON that is not a valid tree.
+    """
     given = [f for f in ("tree_depth", "tree_top_k", "tree_tokens")
              if getattr(args, f) is not None]
+    if getattr(args, "tree_json", None) is not None:
+        if given or args.tree_lookup or args.tree_lookup_min != (1,):
+            raise ValueError("--tree-json names the whole tree (its lookup included); drop "
+                             "--tree-depth/--tree-top-k/--tree-tokens/--tree-lookup*")
+        try:
+            return TreeSpec.from_json(json.loads(args.tree_json))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--tree-json is not JSON ({e}): {args.tree_json!r}") from None
     if args.tree == "auto":
         if given:
             raise ValueError("--tree-depth/--tree-top-k/--tree-tokens need --tree eagle2|chain")
@@ -84,8 +101,10 @@ def tree_label(tree: TreeSpec) -> str:
 def _shape_label(tree: TreeSpec) -> str:
     if tree.kind == "chain":
         return f"chain d{tree.depth}"
-    if tree.kind == "static":
-        return f"static n{tree.num_nodes - 1}"
+    if tree.kind == "static":  # small trees by their paths (ranks from the root), e.g. 0 1 00
+        if len(tree.paths) <= 12 and max(max(p) for p in tree.paths) < 10:
+            return "static " + " ".join("".join(map(str, p)) for p in tree.paths)
+        return f"static n{len(tree.paths)} d{max(map(len, tree.paths))}"
     if tree.kind == "eagle2":
         return f"eagle2 d{tree.depth} k{tree.top_k} n{tree.total_tokens}"
     topk = " top-k" if tree.topk_children else ""

@@ -30,7 +30,7 @@ from specjax.bench.questions import (
 )
 from specjax.bench.spec import SpecBenchConfig, add_spec_args, run_spec_bench, with_lookup
 from specjax.bench.timing import monotone_fit, warmup_tokens
-from specjax.bench.trees import tree_dict, tree_from_args
+from specjax.bench.trees import tree_dict, tree_from_args, tree_label
 from specjax.loop import bucket
 from specjax.speculative import TreeSpec
 from specjax.vocab.fr_head import frequency_head
@@ -104,6 +104,17 @@ def test_helpers(tmp_path, monkeypatch):
         ("chain", 1, 8, 3)]
     with pytest.raises(SystemExit):
         p.parse_args(["--tree-lookup-min", "0"])
+    # Any tree as JSON, its lookup included (a static tree has no --tree of its own).
+    two = '{"kind": "static", "paths": [[0], [1], [0, 0]], "lookup": 8, "lookup_min": 2}'
+    assert tree_from_args(p.parse_args(["--tree-json", two])) == TreeSpec(
+        "static", paths=((0,), (1,), (0, 0)), lookup=8, lookup_min=2)
+    assert tree_label(TreeSpec("static", paths=((0,), (1,), (0, 0)), lookup=8, lookup_min=2)
+                      ) == "static 0 1 00 +lookup8 m2"
+    for bad, match in ((["--tree-json", two, "--tree-lookup", "8"], "names the whole tree"),
+                       (["--tree-json", "{kind: static}"], "not JSON"),
+                       (["--tree-json", '{"kind": "static"}'], "paths must list")):
+        with pytest.raises(ValueError, match=match):
+            tree_from_args(p.parse_args(bad))
     b = argparse.ArgumentParser()
     add_breakdown_args(b)
     assert tree_from_args(b.parse_args([])) == TreeSpec()
