@@ -113,6 +113,11 @@ LOOKUP_TREES = {
                                            lookup=3),
     "chain-sampled-lookup": specjax.TreeSpec("chain", depth=2, lookup=3),
     "dyspec-lookup": specjax.TreeSpec("dyspec", total_tokens=5, lookup=3),
+    # The shipped SmolLM2 drafter's tree for sampling: three sampled children of the root,
+    # the chain's first node a fourth sibling after them.
+    "dyspec-threshold-wide-lookup": specjax.TreeSpec("dyspec-threshold", depth=1,
+                                                     total_tokens=3, threshold=0.001,
+                                                     lookup=3),
 }
 
 

@@ -136,7 +136,10 @@ def test_spec_json_keeps_old_trees_and_checks_sizes():
 @pytest.mark.parametrize("tree", [TreeSpec("chain", depth=2, lookup=4),
                                   TreeSpec("chain", depth=2, lookup=4, lookup_min=2),
                                   TreeSpec("eagle2", depth=3, top_k=3, total_tokens=6, lookup=6),
-                                  TreeSpec("dyspec", total_tokens=6, lookup=3)])
+                                  TreeSpec("dyspec", total_tokens=6, lookup=3),
+                                  # the shape of the shipped SmolLM2 drafter's greedy trees
+                                  TreeSpec("static", paths=((0,), (1,), (2,), (0, 0)),
+                                           lookup=4, lookup_min=2)])
 def test_greedy_equals_vanilla_and_the_chain_is_accepted(tiny_target, fitted_drafter, tree):
     # A random target's greedy text falls into loops, which the lookup chain copies.
     want = specjax.generate(tiny_target, PROMPTS, max_new_tokens=64, stop_on_eos=False)
