@@ -138,7 +138,8 @@ def main() -> None:
                     help="prompts under 400 tokens timed at batch 1 (default 8)")
     ap.add_argument("--timing-reps", type=int, default=2)
     ap.add_argument("--save-default-tree", action="store_true",
-                    help="store the winner as the shipped drafter's tree for sampling")
+                    help="store the winner as the shipped drafter's tree for sampling (at "
+                         "--temperature 0: as its greedy tree)")
     ap.add_argument("--out", type=Path, default=Path("results/sampled_tree_calibration.json"))
     args = ap.parse_args()
     if args.temperature < 0:

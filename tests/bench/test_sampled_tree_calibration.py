@@ -11,6 +11,7 @@ from flax import nnx
 import specjax
 from specjax.drafter import DrafterConfig, EagleDrafter, save_drafter
 from specjax.tree import TreeSpec
+from specjax.tree.default import read_defaults, write_default_tree, write_sampled_default_tree
 
 _SCRIPT = Path(__file__).parents[2] / "examples" / "sampled_tree_calibration.py"
 _spec = importlib.util.spec_from_file_location("sampled_tree_calibration", _SCRIPT)
@@ -56,7 +57,6 @@ def test_mal_and_step_times_on_a_tiny_model(tiny_target, tmp_path):
 
 
 def test_save_choice_greedy_keeps_head_and_sampled_tree(tmp_path):
-    from specjax.tree.default import read_defaults, write_default_tree, write_sampled_default_tree
     chain = TreeSpec("chain", depth=1, lookup=8, lookup_min=2)
     n2 = TreeSpec("dyspec-threshold", depth=1, total_tokens=2, threshold=0.001)
     write_default_tree(tmp_path, chain, {"how": "bench spec"}, vocab="fr:8192")

@@ -137,7 +137,8 @@ def test_spec_json_keeps_old_trees_and_checks_sizes():
                                   TreeSpec("chain", depth=2, lookup=4, lookup_min=2),
                                   TreeSpec("eagle2", depth=3, top_k=3, total_tokens=6, lookup=6),
                                   TreeSpec("dyspec", total_tokens=6, lookup=3),
-                                  # the shape of the shipped SmolLM2 drafter's greedy trees
+                                  # a wide root and a second level (static trees the
+                                  # greedy calibration weighs; SmolLM2's ships `0 1 2`)
                                   TreeSpec("static", paths=((0,), (1,), (2,), (0, 0)),
                                            lookup=4, lookup_min=2)])
 def test_greedy_equals_vanilla_and_the_chain_is_accepted(tiny_target, fitted_drafter, tree):
