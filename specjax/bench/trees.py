@@ -59,7 +59,7 @@ def tree_from_args(args: argparse.Namespace) -> TreeSpec | None:
     """
     given = [f for f in ("tree_depth", "tree_top_k", "tree_tokens")
              if getattr(args, f) is not None]
-    if getattr(args, "tree_json", None) is not None:
+    if args.tree_json is not None:
         if given or args.tree_lookup or args.tree_lookup_min != (1,):
             raise ValueError("--tree-json names the whole tree (its lookup included); drop "
                              "--tree-depth/--tree-top-k/--tree-tokens/--tree-lookup*")

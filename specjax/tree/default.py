@@ -73,9 +73,10 @@ def _read(folder: str | Path) -> dict[str, Any] | None:
                          "`specjax bench spec --save-default-tree`") from None
 
 
-def read_default_tree(folder: str | Path, *, sampled: bool = False) -> TreeSpec | None:
-    """The tree stored in ``folder`` (None when it has none); with ``sampled``, the tree
-    measured for sampling (None when the file holds only the greedy one).
+def read_defaults(folder: str | Path) -> tuple[TreeSpec | None, str | None, TreeSpec | None]:
+    """(greedy tree, head spec, tree for sampling) from one read of ``folder``'s file: all
+    None when there is no file; the head "full" when the file names none; the tree for
+    sampling None when the file holds only the greedy one.
 
     Raises:
       ValueError: the file exists but is not a valid default (names the file and how to
@@ -83,27 +84,20 @@ def read_default_tree(folder: str | Path, *, sampled: bool = False) -> TreeSpec 
     """
     d = _read(folder)
     if d is None:
-        return None
-    if sampled:
-        return d["sampled"]["tree"] if "sampled" in d else None
-    return d["tree"]
-
-
-def read_defaults(folder: str | Path) -> tuple[TreeSpec | None, str | None, TreeSpec | None]:
-    """(greedy tree, head spec, tree for sampling) from one read of ``folder``'s file, each
-    None as :func:`read_default_tree` and :func:`read_default_vocab` give it. Raises
-    ValueError as they do."""
-    d = _read(folder)
-    if d is None:
         return None, None, None
     return d["tree"], d["vocab"], d["sampled"]["tree"] if "sampled" in d else None
 
 
+def read_default_tree(folder: str | Path, *, sampled: bool = False) -> TreeSpec | None:
+    """The greedy tree stored in ``folder``, or with ``sampled`` the tree for sampling (see
+    :func:`read_defaults`, which raises the same errors)."""
+    tree, _, sampled_tree = read_defaults(folder)
+    return sampled_tree if sampled else tree
+
+
 def read_default_vocab(folder: str | Path) -> str | None:
-    """The vocabulary head spec stored in ``folder`` ("full" when the file names none; None
-    when there is no file). Raises ValueError as :func:`read_default_tree`."""
-    d = _read(folder)
-    return None if d is None else d["vocab"]
+    """The head spec stored in ``folder`` (see :func:`read_defaults`)."""
+    return read_defaults(folder)[1]
 
 
 def write_default_tree(folder: str | Path, tree: TreeSpec, measured: dict[str, Any],
