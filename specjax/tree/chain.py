@@ -83,7 +83,9 @@ class ChainBuilder:
     """A chain of ``spec.depth`` drafts: one child per node."""
 
     samples_children: ClassVar[bool] = True
-    skips_expansions: ClassVar[bool] = False
+
+    def skips_expansions(self, spec: TreeSpec) -> bool:
+        return False
 
     def prepare(self, spec: TreeSpec) -> dict[str, Any]:
         return {}

@@ -212,7 +212,9 @@ class Eagle2Builder:
     """
 
     samples_children: ClassVar[bool] = False
-    skips_expansions: ClassVar[bool] = False
+
+    def skips_expansions(self, spec: TreeSpec) -> bool:
+        return False
 
     def prepare(self, spec: TreeSpec) -> dict[str, Any]:
         pool = eagle2_sizes(spec.top_k, spec.depth)[1]
