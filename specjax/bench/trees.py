@@ -102,10 +102,9 @@ def _shape_label(tree: TreeSpec) -> str:
     if tree.kind == "chain":
         return f"chain d{tree.depth}"
     if tree.kind == "static":  # small trees by their paths (ranks from the root), e.g. 0 1 00
-        gate = f" thr{tree.threshold:g}" if tree.threshold else ""
         if len(tree.paths) <= 12 and max(max(p) for p in tree.paths) < 10:
-            return "static " + " ".join("".join(map(str, p)) for p in tree.paths) + gate
-        return f"static n{len(tree.paths)} d{max(map(len, tree.paths))}{gate}"
+            return "static " + " ".join("".join(map(str, p)) for p in tree.paths)
+        return f"static n{len(tree.paths)} d{max(map(len, tree.paths))}"
     if tree.kind == "eagle2":
         return f"eagle2 d{tree.depth} k{tree.top_k} n{tree.total_tokens}"
     topk = " top-k" if tree.topk_children else ""

@@ -169,10 +169,9 @@ class ExpandFn(Protocol):
     padding). The speculative loop answers that call without running the drafter: the
     previous step's catch-up already read the root (``SpecState.root_h``).
 
-    A tree whose ``skips_expansions`` is set (``dyspec-threshold``, a gated ``static``)
-    makes every call after the root's inside ``lax.cond``: such calls must not leak traced
-    values through trace-time side effects (Python lists); return what must survive in
-    ``carry``.
+    A builder whose ``skips_expansions`` is set (``dyspec-threshold``) makes every call
+    after the root's inside ``lax.cond``: such calls must not leak traced values through
+    trace-time side effects (Python lists); return what must survive in ``carry``.
 
     Returns:
       (carry, cand_ids [B, K, C] int32, cand_logits [B, K, C] float32): candidate next

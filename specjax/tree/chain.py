@@ -83,9 +83,7 @@ class ChainBuilder:
     """A chain of ``spec.depth`` drafts: one child per node."""
 
     samples_children: ClassVar[bool] = True
-
-    def skips_expansions(self, spec: TreeSpec) -> bool:
-        return False
+    skips_expansions: ClassVar[bool] = False
 
     def prepare(self, spec: TreeSpec) -> dict[str, Any]:
         return {}

@@ -339,9 +339,7 @@ class DySpecBuilder:
     """``kind="dyspec"``: the greedy tree of ``spec.total_tokens`` drafted nodes."""
 
     samples_children: ClassVar[bool] = True
-
-    def skips_expansions(self, spec: TreeSpec) -> bool:
-        return False
+    skips_expansions: ClassVar[bool] = False
 
     def prepare(self, spec: TreeSpec) -> dict[str, Any]:
         if spec.depth != TreeSpec.depth:
@@ -376,9 +374,7 @@ class DySpecThresholdBuilder:
     expanded per layer."""
 
     samples_children: ClassVar[bool] = True
-
-    def skips_expansions(self, spec: TreeSpec) -> bool:
-        return True
+    skips_expansions: ClassVar[bool] = True
 
     def prepare(self, spec: TreeSpec) -> dict[str, Any]:
         if not 0.0 < spec.threshold < 1.0:

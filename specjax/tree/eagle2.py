@@ -212,9 +212,7 @@ class Eagle2Builder:
     """
 
     samples_children: ClassVar[bool] = False
-
-    def skips_expansions(self, spec: TreeSpec) -> bool:
-        return False
+    skips_expansions: ClassVar[bool] = False
 
     def prepare(self, spec: TreeSpec) -> dict[str, Any]:
         pool = eagle2_sizes(spec.top_k, spec.depth)[1]

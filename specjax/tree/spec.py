@@ -22,11 +22,9 @@ class TreeBuilder(Protocol):
     # shape is fixed in advance draw exact samples without replacement (SpecInfer/Sequoia
     # verification applies); trees that keep nodes by drafted value take them top-k.
     samples_children: ClassVar[bool]
-
-    def skips_expansions(self, spec: TreeSpec) -> bool:
-        """Whether ``build`` may skip drafter calls at run time (under ``lax.cond``): such a
-        tree needs an ``expand`` without trace-time side effects after the root's call."""
-        ...
+    # Whether ``build`` may skip drafter calls at run time (under ``lax.cond``): such a
+    # builder needs an ``expand`` without trace-time side effects after the root's call.
+    skips_expansions: ClassVar[bool]
 
     def prepare(self, spec: TreeSpec) -> dict[str, Any]:
         """Validate ``spec`` (ValueError naming the field) and return canonical field values."""
@@ -72,9 +70,7 @@ class TreeSpec:
     top_k: EAGLE-2 beam width and children per expanded node.
     total_tokens: EAGLE-2 draft nodes kept (root excluded); DySpec's node budget.
     paths: static trees' child-rank paths.
-    threshold: DySpec threshold trees' least slot value worth drafting; static trees'
-      least path probability (product of q) at which a node past the root is expanded
-      (0: no gate; :func:`~specjax.tree.static.build_static`). Other kinds take 0.
+    threshold: DySpec threshold trees' least slot value worth drafting.
     frontier: DySpec threshold trees' most nodes expanded per layer, the highest-valued
       (0: every node of the layer, up to ``total_tokens``); the rest stay leaves.
     topk_children: DySpec trees only; when sampling, take children in top-k order of q and
@@ -124,9 +120,9 @@ class TreeSpec:
         if self.lookup_min > self.lookup_ngram:
             raise ValueError(f"tree lookup_min ({self.lookup_min}) cannot exceed lookup_ngram "
                              f"({self.lookup_ngram}), the longest match the lookup tries")
-        if self.threshold and self.kind not in ("static", "dyspec-threshold"):
-            raise ValueError(f"only static and dyspec-threshold trees take a threshold; a "
-                             f"{self.kind} tree got threshold={self.threshold}")
+        if self.threshold and self.kind != "dyspec-threshold":
+            raise ValueError(f"only dyspec-threshold trees take a threshold; a {self.kind} "
+                             f"tree got threshold={self.threshold}")
         if not isinstance(self.topk_children, bool):
             raise ValueError(f"tree topk_children must be a bool, got {self.topk_children!r}")
         if self.topk_children and not self.kind.startswith("dyspec"):
@@ -162,7 +158,7 @@ class TreeSpec:
     @property
     def skips_expansions(self) -> bool:
         """Whether a build may skip drafter calls at run time (see :class:`TreeBuilder`)."""
-        return self.builder.skips_expansions(self)
+        return self.builder.skips_expansions
 
     def build(self, expand: ExpandFn, carry: Carry, root: Array, key: Array | None,
               temperature: float | Array, vocab_size: int) -> tuple[DraftTree, Carry]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import operator
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -70,8 +69,8 @@ def normalize_paths(paths: Sequence[Sequence[int]]) -> Paths:
 
 def build_static(expand: ExpandFn, carry: Carry, root: Array,
                  paths: Sequence[Sequence[int]], *, key: Array | None = None,
-                 temperature: float | Array = 0.0, vocab_size: int | None = None,
-                 threshold: float = 0.0) -> tuple[DraftTree, Carry]:
+                 temperature: float | Array = 0.0,
+                 vocab_size: int | None = None) -> tuple[DraftTree, Carry]:
     """A static tree given as a path list of child ranks (Medusa / EAGLE-1 style).
 
     ``paths`` (static) e.g. ``((0,), (1,), (0, 0), (0, 1), (1, 0))``: the root's first and
@@ -86,14 +85,6 @@ def build_static(expand: ExpandFn, carry: Carry, root: Array,
     ``sampled=True`` and ``draft_dist`` ([B, T, V], V = ``vocab_size`` or C) holds q of
     every node with children. A rank beyond the valid candidates gives a padding node (and
     so do its descendants).
-
-    ``threshold`` > 0 gates every expansion past the root by DySpec's hypothesis (a node is
-    accepted about as often as the product of q along its path, its ``score``): a node
-    below it stays a leaf (its listed descendants are padding), and a level with no node
-    at or above it in any row skips its drafter call (``lax.cond``), so a step pays for
-    the deeper levels only where the drafter is confident. The gate reads only drafted
-    nodes' own q, never an undrawn child's, so sampled children stay draws without
-    replacement and multi-draft verification stays exact. 0: every listed node is drafted.
 
     Returns:
       (tree, carry).
@@ -123,33 +114,24 @@ def build_static(expand: ExpandFn, carry: Carry, root: Array,
     for d, front in enumerate(frontiers):
         slot_of = {int(n): s for s, n in enumerate(front)}
         front_p = np.concatenate([front, np.full(k_max - len(front), front[-1])]).astype(np.int32)
-        ok = valid[:, front_p]  # [B, K] the frontier entries expanded
-        gated = d > 0 and threshold > 0
-        if gated:
-            ok = ok & (score[:, front_p] >= math.log(threshold))
-        # A gated-off entry is computed like padding (its output unused, its row rewritten
-        # by the catch-up before anything reads it).
+        ok = valid[:, front_p]  # [B, K]
         rows = jnp.where(ok[:, :, None], anc_s[front_p], pad_rows[front_p])
         positions = jnp.where(ok, int(d), 1).astype(jnp.int32)
-        args = (carry, tokens[:, front_p], positions,
-                jnp.broadcast_to(jnp.asarray(front_p), (b, k_max)), rows)
-        if gated:
-            carry, ids, logits = _gated_expand(expand, args, d, jnp.any(ok[:, :len(front)]))
-        else:
-            carry, ids, logits = expand(*args, d)
+        carry, ids, logits = expand(carry, tokens[:, front_p], positions,
+                                    jnp.broadcast_to(jnp.asarray(front_p), (b, k_max)), rows, d)
         kids = np.flatnonzero(depth_s == d + 1)
         slot = np.array([slot_of[int(parent_s[c])] for c in kids], np.int32)
         rank = np.array([paths[c - 1][-1] for c in kids], np.int32)
         k = jax.random.fold_in(mode.key, d) if mode.sampled else None
         ch = draft_children(ids, logits, int(rank.max()) + 1, mode, k)
-        kid_ok = ok[:, slot] & jnp.isfinite(ch.logq[:, slot, rank])
+        kid_ok = valid[:, parent_s[kids]] & jnp.isfinite(ch.logq[:, slot, rank])
         tokens = tokens.at[:, kids].set(jnp.where(kid_ok, ch.ids[:, slot, rank], 0))
         valid = valid.at[:, kids].set(kid_ok)
         logp = logp.at[:, kids].set(ch.logq[:, slot, rank])
         score = score.at[:, kids].set(score[:, parent_s[kids]] + ch.logq[:, slot, rank])
         if mode.sampled:
             n = len(front)  # only real frontier entries: padding repeats would add twice
-            expanded_q.append(dense_dist(ids[:, :n], ch.cand_q[:, :n] * ok[:, :n, None],
+            expanded_q.append(dense_dist(ids[:, :n], ch.cand_q[:, :n],
                                           candidate_vocab(vocab_size, ids.shape[-1])))
             expanded_nodes.append(front)
     dist = None
@@ -164,33 +146,14 @@ def build_static(expand: ExpandFn, carry: Carry, root: Array,
     return tree, carry
 
 
-def _gated_expand(expand: ExpandFn, args: tuple, step: int, any_ok: Array):
-    """``expand(*args, step)`` under ``lax.cond``: skipped when ``any_ok`` is False, its
-    candidates then all invalid (-inf logits) and ``carry`` unchanged."""
-    run = lambda *a: expand(*a, step)  # noqa: E731
-    _, ids_s, logits_s = jax.eval_shape(run, *args)  # C may depend on the step
-
-    def skip(c, *_):
-        return (c, jnp.zeros(ids_s.shape, ids_s.dtype),
-                jnp.full(logits_s.shape, -jnp.inf, logits_s.dtype))
-
-    return jax.lax.cond(any_ok, run, skip, *args)
-
-
 @dataclasses.dataclass(frozen=True)
 class StaticBuilder:
     """A fixed tree given as child-rank paths (``spec.paths``), as Medusa and EAGLE-1 use."""
 
     samples_children: ClassVar[bool] = True
-
-    def skips_expansions(self, spec: TreeSpec) -> bool:
-        return spec.threshold > 0
+    skips_expansions: ClassVar[bool] = False
 
     def prepare(self, spec: TreeSpec) -> dict[str, Any]:
-        if not 0.0 <= spec.threshold < 1.0:
-            raise ValueError(f"a static tree's threshold (the least path probability a node "
-                             f"is expanded at; 0: no gate) must lie in [0, 1), got "
-                             f"{spec.threshold!r}")
         return {"paths": normalize_paths(spec.paths)}
 
     def num_nodes(self, spec: TreeSpec) -> int:
@@ -206,7 +169,7 @@ class StaticBuilder:
               key: Array | None, temperature: float | Array,
               vocab_size: int) -> tuple[DraftTree, Carry]:
         return build_static(expand, carry, root, spec.paths, key=key, temperature=temperature,
-                            vocab_size=vocab_size, threshold=spec.threshold)
+                            vocab_size=vocab_size)
 
 
 register("static", StaticBuilder())

@@ -12,10 +12,6 @@ from tests.speculative.conftest import PROMPTS
 TREES = {
     "chain": TreeSpec("chain", depth=4),
     "static": TreeSpec("static", paths=((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),
-    # Gated at a path probability this drafter's level-1 nodes clear and its level-2 ones
-    # do not: the level-3 drafter call is skipped (lax.cond) on every step.
-    "static-gated": TreeSpec("static", paths=((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)),
-                             threshold=0.003),
     "eagle2": TreeSpec("eagle2", depth=4, top_k=3, total_tokens=10),
     "dyspec": TreeSpec("dyspec", total_tokens=10),
     "dyspec-threshold": TreeSpec("dyspec-threshold", total_tokens=10, depth=4, threshold=1e-3),

@@ -92,10 +92,6 @@ def pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
 TREES = {
     "chain-sampled": specjax.TreeSpec("chain", depth=3),
     "static-sampled": specjax.TreeSpec("static", paths=((0,), (1,), (0, 0), (1, 0))),
-    # Gated: a sampled child is expanded only where its path q clears 0.5 (the shape below
-    # a drafted node depends on that node's own q, never on an undrawn child's).
-    "static-gated-sampled": specjax.TreeSpec("static", paths=((0,), (1,), (0, 0), (1, 0),
-                                                             (0, 0, 0)), threshold=0.5),
     "eagle2-topk": specjax.TreeSpec("eagle2", depth=2, top_k=3, total_tokens=5),
     # DySpec decides to draw each child before seeing it, so its sampled trees verify with
     # the q-aware rule exactly (and stop at an exhausted residual, algorithm 3).
@@ -135,17 +131,6 @@ def test_dyspec_greedy_accepts_deep_paths(small_vocab, name):
                            drafter=drafter, tree=TREES[name])
     assert res.tokens == want
     assert max(n for row in res.stats["accept_lengths"] for n in row) >= 3
-
-
-def test_static_gate_skips_levels_greedy(small_vocab):
-    """A gated static tree drafts its deeper levels on some steps only; output is vanilla's."""
-    target, drafter = small_vocab
-    prompts = [PROMPT, PROMPT[:5], [7, 7, 2, 9]]
-    want = specjax.generate(target, prompts, max_new_tokens=24, stop_on_eos=False).tokens
-    res = specjax.generate(target, prompts, max_new_tokens=24, stop_on_eos=False,
-                           drafter=drafter, tree=TREES["static-gated-sampled"])
-    assert res.tokens == want
-    assert 1.0 < res.stats["mean_drafter_calls"] < 3.0, res.stats["mean_drafter_calls"]
 
 
 @pytest.mark.parametrize("name", list(TREES))

@@ -242,15 +242,12 @@ def path_lists(draw, max_nodes: int = 12, max_depth: int = 3, max_children: int 
     return tuple(draw(st.permutations(paths)))
 
 
-def ref_static(table, ids, root: int, paths, threshold: float = 0.0) -> tuple[np.ndarray, ...]:
-    """tokens, valid, draft_logp, score of a static tree, node by node in numpy; with a
-    ``threshold``, a node past the root whose score is below log(threshold) has no children."""
+def ref_static(table, ids, root: int, paths) -> tuple[np.ndarray, ...]:
+    """tokens, valid, draft_logp, score of a static tree, node by node in numpy."""
     norm = normalize_paths(paths)
     info = {(): ((root,), True, 0.0, 0.0)}
     for p in norm:
         toks, ok, _, score = info[p[:-1]]
-        if threshold and len(p) > 1 and score < math.log(threshold):
-            ok = False
         lq = log_softmax(ref_logits(table, toks))
         j = topk_order(lq)[p[-1]]
         ok = ok and bool(np.isfinite(lq[j]))
@@ -381,10 +378,9 @@ def test_pack_unpack_round_trip():
 # --------------------------------------------------------------------------------------
 
 
-def check_static_brute_force(tree: DraftTree, table, ids, roots, paths,
-                             threshold: float = 0.0) -> None:
+def check_static_brute_force(tree: DraftTree, table, ids, roots, paths) -> None:
     for r in range(tree.tokens.shape[0]):
-        tok, val, logp, score = ref_static(table, ids, int(roots[r]), paths, threshold)
+        tok, val, logp, score = ref_static(table, ids, int(roots[r]), paths)
         np.testing.assert_array_equal(np.asarray(tree.tokens[r]), tok)
         np.testing.assert_array_equal(np.asarray(tree.valid[r]), val)
         np.testing.assert_allclose(np.asarray(tree.draft_logp[r]), logp, atol=1e-5)
@@ -426,49 +422,6 @@ def test_static_random_paths(paths, seed, inf_frac, sampled):
     assert (np.asarray(tree.depth)[val] == depth_s[val]).all()
     if not sampled:
         check_static_brute_force(tree, table, ids, roots, paths)
-
-
-@SETTINGS
-@given(seed=seeds, inf_frac=inf_fracs, threshold=st.sampled_from([0.05, 0.15, 0.3]))
-def test_static_gated(seed, inf_frac, threshold):
-    """A gated static tree keeps exactly the nodes whose parent's path probability clears
-    the gate, and a level none clears in any row makes no drafter call."""
-    table, ids = random_table(seed, inf_frac), shortlist_ids(seed, True)
-    roots = random_roots(seed, B)
-    tree, calls = run("static", table, ids, roots, paths=MEDUSA_LIKE, threshold=threshold)
-    check_invariants(tree)
-    check_static_brute_force(tree, table, ids, roots, MEDUSA_LIKE, threshold)
-    # Levels past the root run when some row has a valid node there with children that
-    # clears the gate: nodes 1-3 (children at level 2) and 4, 5 (children at level 3).
-    score, val = np.asarray(tree.score), np.asarray(tree.valid)
-    clears = val & (score >= math.log(threshold))
-    assert int(calls) == 1 + int(clears[:, [1, 2, 3]].any()) + int(clears[:, [4, 5]].any())
-
-
-def test_static_gate_sampled_and_refused():
-    """Sampled gated trees keep q only for expanded nodes; a gate outside [0, 1) and a
-    threshold on a kind that ignores it are refused."""
-    table, ids = random_table(1), shortlist_ids(1, True)
-    roots = random_roots(1, N_SAMPLES)
-    tree, _ = run("static", table, ids, roots, seed=1, temperature=TEMP, paths=MEDUSA_LIKE,
-                  threshold=0.2)
-    check_invariants(head(tree))
-    has_kids = np.zeros(np.asarray(tree.valid).shape, bool)
-    par, val = np.asarray(tree.parent), np.asarray(tree.valid)
-    for i in range(1, par.shape[1]):
-        has_kids[np.arange(par.shape[0])[val[:, i]], par[val[:, i], i]] = True
-    mass = np.asarray(tree.draft_dist).sum(-1)
-    np.testing.assert_allclose(mass[has_kids], 1.0, atol=1e-5)
-    gated_off = val & ~has_kids & (np.asarray(tree.depth) >= 1)
-    gated_off[:, [6, 7, 8, 9, 10]] = False  # leaves of the shape itself
-    assert gated_off.any() and (mass[gated_off] == 0).all()
-    from specjax.tree import TreeSpec
-    with pytest.raises(ValueError, match=r"\[0, 1\)"):
-        TreeSpec("static", paths=((0,),), threshold=1.0)
-    with pytest.raises(ValueError, match="only static and dyspec-threshold"):
-        TreeSpec("chain", depth=2, threshold=0.1)
-    assert TreeSpec("static", paths=((0,),), threshold=0.1).skips_expansions
-    assert not TreeSpec("static", paths=((0,),)).skips_expansions
 
 
 # --------------------------------------------------------------------------------------
@@ -618,6 +571,16 @@ def test_invalid_static_paths(paths, match):
 
 def test_normalize_paths_sorts_breadth_first():
     assert normalize_paths([[1], [0, 0], [0]]) == ((0,), (1,), (0, 0))
+
+
+def test_threshold_only_where_a_builder_reads_it():
+    from specjax.tree import TreeSpec
+
+    for kind, fields in (("chain", {"depth": 2}), ("static", {"paths": ((0,),)}),
+                         ("eagle2", {}), ("dyspec", {})):
+        with pytest.raises(ValueError, match="only dyspec-threshold trees take a threshold"):
+            TreeSpec(kind, threshold=0.1, **fields)
+        TreeSpec(kind, **fields)  # the default 0 is every kind's
 
 
 def test_bad_sizes_and_modes():
