@@ -30,6 +30,7 @@ import itertools
 import json
 import os
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,13 @@ PROGRESS_FILE = "progress.json"
 # --------------------------------------------------------------------------- tokenizer identity
 
 
+# Fingerprints by tokenizer object, with the size they were taken at: every generate call
+# that resolves a shortlist head checks one, and hashing 49k pairs takes ~0.2 s. Adding
+# tokens changes the size (and so retakes it); nothing in the tokenizer API renumbers
+# tokens without adding or removing some.
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     """sha256 hex identifying a tokenizer's id <-> token mapping.
 
@@ -68,8 +76,23 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     tokens) plus every added token's content and ``special`` flag. Counts and shortlists
     are indexed by id, so this is exactly what must match for them to be reusable; the
     merges, normaliser and role assignments (``pad_token`` ...) are deliberately left out,
-    since changing them does not renumber tokens.
+    since changing them does not renumber tokens. Remembered per tokenizer object while its
+    ``len()`` is unchanged.
     """
+    try:
+        size = len(tokenizer)
+        cached = _FINGERPRINTS.get(tokenizer)
+    except TypeError:  # no len() or not weakly referenceable: hash every time
+        size = cached = None
+    if cached is not None and cached[0] == size:
+        return cached[1]
+    fp = _fingerprint(tokenizer)
+    if size is not None:
+        _FINGERPRINTS[tokenizer] = (size, fp)
+    return fp
+
+
+def _fingerprint(tokenizer: Any) -> str:
     vocab = sorted((str(t), int(i)) for t, i in tokenizer.get_vocab().items())
     added = sorted((int(i), str(t.content), bool(getattr(t, "special", False)))
                    for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items())

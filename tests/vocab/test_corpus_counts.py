@@ -216,3 +216,19 @@ def test_cli_import_swaps_in_required(model_dir, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["required_swapped_in"] == [1, 2, 3]
     sl = load_shortlist(out / "fr_6", vocab_size=32, eos_ids=[1, 3])
     assert sl.ids.tolist() == [9, 8, 7, 1, 2, 3] and sl.tokenizer_fingerprint is None
+
+
+def test_fingerprint_is_remembered_until_tokens_are_added(monkeypatch):
+    """Each generate call that resolves a shortlist checks the fingerprint: it is hashed
+    once per tokenizer, and again after the tokenizer grows."""
+    tok = toy_tokenizer()
+    calls = []
+    real = corpus_counts._fingerprint
+    monkeypatch.setattr(corpus_counts, "_fingerprint", lambda t: calls.append(1) or real(t))
+    fp = tokenizer_fingerprint(tok)
+    assert tokenizer_fingerprint(tok) == fp and len(calls) == 1
+    assert tokenizer_fingerprint(toy_tokenizer()) == fp and len(calls) == 2  # another object
+    tok.add_tokens(["platypus"])
+    grown = tokenizer_fingerprint(tok)
+    assert grown != fp and len(calls) == 3
+    assert tokenizer_fingerprint(tok) == grown and len(calls) == 3
