@@ -269,7 +269,8 @@ def drafted_tiles(target: Target, drafter: Drafter, head: VocabHead, tree: TreeS
     state = runner.prefill(req)
     rows = []
     while not all_done(state):
-        draft, state = draft_phase_jit(p, dp, head, state, spec=runner.spec)
+        draft, output = draft_phase_jit(p, dp, head, state, spec=runner.spec)
+        state = dataclasses.replace(state, output=output)
         rows.append(np.asarray(tree_tiles(draft.tree, blocks))[0])
         state = verify_phase_jit(p, dp, head, state, draft, spec=runner.spec)
     counts = np.asarray(rows, np.int64).reshape(-1, 2 * len(blocks) + 1)
