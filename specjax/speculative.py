@@ -448,5 +448,7 @@ def draft_phase_jit(params: Params, dparams: Any, head: VocabHead, state: SpecSt
     it instead was slower still."""
     draft, state = draft_phase(params, dparams, head, state, spec)
     return draft, state.output
+
+
 verify_phase_jit = jax.jit(verify_phase, static_argnames=("spec",), donate_argnames=("state",))
 spec_step_jit = jax.jit(spec_step, static_argnames=("spec",), donate_argnames=("state",))
