@@ -156,9 +156,8 @@ class SpecRunner:
     def step(self, state: SpecState) -> SpecState:
         p, dp = self.target.params, self.drafter.params
         ta = time.perf_counter()
-        draft, output = jax.block_until_ready(draft_phase_jit(p, dp, self.head, state,
-                                                              spec=self.spec))
-        state = dataclasses.replace(state, output=output)
+        draft, state = jax.block_until_ready(draft_phase_jit(p, dp, self.head, state,
+                                                             spec=self.spec))
         tb = time.perf_counter()
         state = jax.block_until_ready(verify_phase_jit(p, dp, self.head, state, draft,
                                                        spec=self.spec))

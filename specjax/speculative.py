@@ -438,16 +438,21 @@ def spec_loop(params: Params, dparams: Any, head: VocabHead, state: SpecState, *
 
 
 @partial(jax.jit, static_argnames=("spec",))
-def draft_phase_jit(params: Params, dparams: Any, head: VocabHead, state: SpecState, *,
-                    spec: SpecConfig) -> tuple[Draft, Output]:
-    """:func:`draft_phase` for eager callers: the draft and the state's new ``output`` (its
-    key advanced; nothing else in the state changes), to be put back with
-    ``dataclasses.replace(state, output=...)``. Returning the whole state would copy both
-    caches on every call (XLA copies an undonated input it returns: 107 copies, ~4 ms a
-    call for SmolLM2 on a 2-core CPU, against ~1.5 ms for the draft itself), and donating
-    it instead was slower still."""
+def _draft_and_output(params: Params, dparams: Any, head: VocabHead, state: SpecState, *,
+                      spec: SpecConfig) -> tuple[Draft, Output]:
+    # Only what the draft phase changes leaves the program: returning the whole (undonated)
+    # state would copy both caches on every call (107 copies, ~4 ms a call for SmolLM2 on a
+    # 2-core CPU, against ~1.5 ms for the draft itself); donating it was slower still.
     draft, state = draft_phase(params, dparams, head, state, spec)
     return draft, state.output
+
+
+def draft_phase_jit(params: Params, dparams: Any, head: VocabHead, state: SpecState, *,
+                    spec: SpecConfig) -> tuple[Draft, SpecState]:
+    """:func:`draft_phase`, compiled, for eager callers: the draft and the state with its
+    key advanced. The caches pass through on the host side, uncopied."""
+    draft, output = _draft_and_output(params, dparams, head, state, spec=spec)
+    return draft, dataclasses.replace(state, output=output)
 
 
 verify_phase_jit = jax.jit(verify_phase, static_argnames=("spec",), donate_argnames=("state",))

@@ -111,9 +111,7 @@ def collect_router_data(target: Target, drafter: Drafter, out_dir: str | Path, *
                              capacity=req.capacity)
         got = 0
         while not all_done(state):
-            draft, output = draft_phase_jit(target.params, drafter.params, head, state,
-                                            spec=spec)
-            state = dataclasses.replace(state, output=output)
+            draft, state = draft_phase_jit(target.params, drafter.params, head, state, spec=spec)
             for ctx, top, step in draft.shortlists.records:
                 n = ctx.shape[0] * ctx.shape[1]
                 buf["x"].append(np.asarray(ctx, np.float16).reshape(n, -1))

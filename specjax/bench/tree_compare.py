@@ -269,8 +269,7 @@ def drafted_tiles(target: Target, drafter: Drafter, head: VocabHead, tree: TreeS
     state = runner.prefill(req)
     rows = []
     while not all_done(state):
-        draft, output = draft_phase_jit(p, dp, head, state, spec=runner.spec)
-        state = dataclasses.replace(state, output=output)
+        draft, state = draft_phase_jit(p, dp, head, state, spec=runner.spec)
         rows.append(np.asarray(tree_tiles(draft.tree, blocks))[0])
         state = verify_phase_jit(p, dp, head, state, draft, spec=runner.spec)
     counts = np.asarray(rows, np.int64).reshape(-1, 2 * len(blocks) + 1)
