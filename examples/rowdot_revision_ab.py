@@ -28,19 +28,28 @@ import jax.numpy as jnp
 import numpy as np
 
 import specjax
+import specjax.kernels.cpu_build as cpu_build
 import specjax.kernels.cpu_rowdot as cpu_rowdot
 from specjax.defaults import resolve_model
 from specjax.model import forward_hidden, init_cache, is_out_major, lm_head
 
 
 def register_revision(rev: str) -> str:
-    """Build ``rev``'s kernel and register it; returns its FFI target name."""
-    src = subprocess.run(["git", "show", f"{rev}:kernels/cpu_rowdot.cc"], capture_output=True,
-                         text=True, check=True).stdout
+    """Build ``rev``'s kernel and register it; returns its FFI target name. The shared
+    headers (from the fiftieth session on) are taken from the same revision."""
+    def show(path: str) -> str | None:
+        proc = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True)
+        return proc.stdout if proc.returncode == 0 else None
+
     folder = Path(tempfile.mkdtemp(prefix="rowdot_ab_"))
-    (folder / "rowdot.cc").write_text(src)
-    cmd = ["g++", *cpu_rowdot._FLAGS, "-w", "-DSpecjaxRowDot=SpecjaxRowDotBase",
-           "-I", jax.ffi.include_dir(), str(folder / "rowdot.cc"), "-o", str(folder / "lib.so")]
+    (folder / "rowdot.cc").write_text(show("kernels/cpu_rowdot.cc"))
+    for header in cpu_build._HEADERS:
+        text = show(f"kernels/{header.name}")
+        if text is not None:
+            (folder / header.name).write_text(text)
+    cmd = ["g++", *cpu_build._FLAGS, "-w", "-DSpecjaxRowDot=SpecjaxRowDotBase",
+           "-I", jax.ffi.include_dir(), "-I", str(folder), str(folder / "rowdot.cc"),
+           "-o", str(folder / "lib.so")]
     subprocess.run(cmd, check=True)
     lib = ctypes.cdll.LoadLibrary(str(folder / "lib.so"))
     name = "specjax_cpu_rowdot_base"

@@ -23,57 +23,32 @@
 // host, such as an AMD Zen 3, has 16 vector registers of 8 floats instead of 32 of 16, so
 // its tiles are narrower).
 //
-// Threads: XLA's own intra-op pool (Ctx<ThreadPool>). Work is split into chunks claimed from
-// an atomic counter by the caller and by helpers it schedules. The caller never waits for a
-// helper that has not started: several custom calls can run at once and fill the pool, and
-// a caller that waited for queued helpers would deadlock. It waits only for chunks a running
-// helper has claimed (spinning, then yielding the core). The shared state lives in a
-// shared_ptr, since a late helper may start after the call returned (it then finds no chunk
-// and exits).
-#include <immintrin.h>
-
+// Threads: XLA's own intra-op pool, shared as cpu_pool.h says. SIMD: cpu_simd.h.
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <numeric>
-#include <thread>
 #include <vector>
 
+#include "cpu_pool.h"
+#include "cpu_simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// One SIMD vector of floats and the four operations the tiles use. A tile of MR <= kRowTile
-// rows of x times NT = kColTile[min(M, kRowTile)] rows of w keeps MR * NT accumulators in
-// registers (with the NT weight vectors and one x vector, where they fit). Fewer rows of x
-// take more rows of w at once: more independent FMA chains and loads in flight, without
-// which one or two rows on AVX2 cannot keep up with memory (30 against XLA's 24-28 ms for
-// one row of a SmolLM2 forward with 2 columns; 26 with 8).
+// A tile of MR <= kRowTile rows of x times NT = kColTile[min(M, kRowTile)] rows of w keeps
+// MR * NT accumulators in registers (with the NT weight vectors and one x vector, where they
+// fit). Fewer rows of x take more rows of w at once: more independent FMA chains and loads
+// in flight, without which one or two rows on AVX2 cannot keep up with memory (30 against
+// XLA's 24-28 ms for one row of a SmolLM2 forward with 2 columns; 26 with 8).
 #if defined(__AVX512F__)
-using Vec = __m512;  // 32 registers: at most 24 accumulators + 4 + 1
-constexpr int kLanes = 16, kRowTile = 6;
+constexpr int kRowTile = 6;  // at most 24 accumulators + 4 + 1 of 32 registers
 constexpr int kColTile[kRowTile + 1] = {0, 4, 4, 4, 4, 4, 4};
-inline Vec Zero() { return _mm512_setzero_ps(); }
-inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float Sum(Vec v) { return _mm512_reduce_add_ps(v); }
-#elif defined(__AVX2__) && defined(__FMA__)
-using Vec = __m256;  // 16 registers: at most 12 accumulators + 2 + 1
-constexpr int kLanes = 8, kRowTile = 6;
-constexpr int kColTile[kRowTile + 1] = {0, 8, 6, 4, 3, 2, 2};
-inline Vec Zero() { return _mm256_setzero_ps(); }
-inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float Sum(Vec v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 #else
-#error "cpu_rowdot needs AVX-512F, or AVX2 with FMA (compile with -march=native on such a CPU)"
+constexpr int kRowTile = 6;  // AVX2: at most 12 accumulators + 2 + 1 of 16 registers
+constexpr int kColTile[kRowTile + 1] = {0, 8, 6, 4, 3, 2, 2};
 #endif
 
 // A chunk of weight rows is whole tiles of every width.
@@ -220,54 +195,37 @@ void Span(const float* x, const Src& src, float* y, int64_t M, int64_t K, int64_
 // One call's work: ``groups`` independent products (one for rowdot and for a shared gathered
 // shortlist; one per row of x for per-row shortlists), each cut into chunks of
 // ``cols_per_chunk`` output columns, claimed from an atomic counter.
-struct Work {
+struct Work : PoolWork {
   const float* x;
   const float* w;
   const int32_t* idx = nullptr;  // [groups or 1, cols]; null for rowdot
   std::vector<float> zeros;
   float* y;
-  int64_t M, N, K, cols, groups, cols_per_chunk, chunks_per_group, chunks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+  int64_t M, N, K, cols, groups, cols_per_chunk, chunks_per_group;
 
-  void Run() {
+  void RunChunk(int64_t c) {
     const int64_t rows = M / groups;  // rows of x per group
-    for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
-      const int64_t g = c / chunks_per_group;
-      const int64_t a = (c % chunks_per_group) * cols_per_chunk;
-      const int64_t b = std::min(cols, a + cols_per_chunk);
-      const float* xg = x + g * rows * K;
-      float* yg = y + g * rows * cols;
-      if (idx == nullptr) {
-        Span(xg, Dense{w, K, cols}, yg, rows, K, a, b);
-      } else {
-        Span(xg, Gathered{w, idx + g * cols, zeros.data(), K, cols, N}, yg, rows, K, a, b);
-      }
-      done.fetch_add(1, std::memory_order_release);
+    const int64_t g = c / chunks_per_group;
+    const int64_t a = (c % chunks_per_group) * cols_per_chunk;
+    const int64_t b = std::min(cols, a + cols_per_chunk);
+    const float* xg = x + g * rows * K;
+    float* yg = y + g * rows * cols;
+    if (idx == nullptr) {
+      Span(xg, Dense{w, K, cols}, yg, rows, K, a, b);
+    } else {
+      Span(xg, Gathered{w, idx + g * cols, zeros.data(), K, cols, N}, yg, rows, K, a, b);
     }
   }
 };
 
 // Runs ``work`` on the caller and XLA's pool. About 64 KB of weights per chunk, rounded up
 // to whole column tiles of every width.
-void RunOnPool(ffi::ThreadPool& pool, const std::shared_ptr<Work>& work) {
+void Run(ffi::ThreadPool& pool, const std::shared_ptr<Work>& work) {
   constexpr int64_t g = kChunkRows;
   work->cols_per_chunk = std::max<int64_t>(g, (16384 / work->K + g - 1) / g * g);
   work->chunks_per_group = (work->cols + work->cols_per_chunk - 1) / work->cols_per_chunk;
   work->chunks = work->groups * work->chunks_per_group;
-  const int64_t helpers = std::max<int64_t>(1, pool.num_threads()) - 1;
-  if (work->chunks > 4)
-    for (int64_t p = 0; p < helpers; ++p) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  // The last chunks are a running helper's. Spin briefly, then yield: on a loaded machine
-  // (more runnable threads than cores) that helper may be waiting for this very core.
-  for (int spins = 0; work->done.load(std::memory_order_acquire) < work->chunks; ++spins) {
-    if (spins < 4096) {
-      _mm_pause();
-    } else {
-      std::this_thread::yield();
-    }
-  }
+  RunOnPool(pool, work, /*min_chunks_to_share=*/4);
 }
 
 // The checks both products share: w is [N, K] with K % 16 == 0, and x's last axis is K.
@@ -298,7 +256,7 @@ ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   auto work = NewWork(x, w, y->typed_data());
   work->cols = work->N;
   work->groups = 1;
-  RunOnPool(pool, work);
+  Run(pool, work);
   return ffi::Error::Success();
 }
 
@@ -316,7 +274,7 @@ ffi::Error RowDotGatheredImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   work->zeros.assign(work->K, 0.0f);
   work->cols = id[1];
   work->groups = id[0];
-  if (work->cols > 0) RunOnPool(pool, work);
+  if (work->cols > 0) Run(pool, work);
   return ffi::Error::Success();
 }
 

@@ -5,12 +5,9 @@ nodes) by streaming each row of ``w_t`` once for all of them: M = 2 rows cost ab
 does and M = 4 about 1.2-1.4x, where XLA's own small-M GEMM costs 1.5-2x and 2-3x
 (``examples/cpu_rowdot_cost.py``; docs/benchmarks.md, issue 10); from three rows on it asks
 for the next weight rows ahead of their use, so memory and FMAs overlap (docs/kernels.md).
-The source,
-``cpu_rowdot.cc``, ships beside this file and is compiled on first use with the host's g++
-into ``$SPECJAX_HOME/kernels`` (keyed by the source, the flags, the jaxlib version and the
-CPU's feature flags, since ``-march=native`` code may not run on another CPU), then
-registered as an FFI target. It uses AVX-512F where the CPU has it, else AVX2 with FMA.
-Hosts without g++ or either get :func:`available` False and a reason, and callers keep the
+The source, ``cpu_rowdot.cc``, ships beside this file and is built on first use with the
+other CPU kernels (:mod:`specjax.kernels.cpu_build`: the host's g++, AVX-512F or AVX2 with
+FMA). Hosts without either get :func:`available` False and a reason, and callers keep the
 XLA dot.
 
 :func:`rowdot_gathered` is the same product over a shortlist of ``w_t``'s rows (``x @
@@ -28,115 +25,21 @@ backend for float32 weights without a mesh). Prefill's many rows stay on XLA's d
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
 import math
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import jaxlib
+
+from specjax.kernels.cpu_build import available, kernels_enabled
 
 Array = jax.Array
 TARGET = "specjax_cpu_rowdot"
 GATHERED_TARGET = "specjax_cpu_rowdot_gathered"
-_SOURCE = Path(__file__).with_name("cpu_rowdot.cc")
-_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 
 
 def rowdot_reference(x: Array, w_t: Array) -> Array:
     """The same product in jnp: x [..., K], w_t [N, K] -> [..., N] (fp32, HIGHEST precision)."""
     return jnp.einsum("...k,nk->...n", x, w_t, precision=jax.lax.Precision.HIGHEST)
-
-
-def _kernel_dir() -> Path:
-    home = os.environ.get("SPECJAX_HOME")
-    return (Path(home) if home else Path.home() / ".cache" / "specjax") / "kernels"
-
-
-def _cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (the first ``flags`` line of /proc/cpuinfo; empty elsewhere)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
-
-
-def _cpu_isa(flags: frozenset[str]) -> str | None:
-    """The vector instructions the kernel will use on a CPU with ``flags``, or None."""
-    if "avx512f" in flags:
-        return "avx512f"
-    if {"avx2", "fma"} <= flags:
-        return "avx2"
-    return None
-
-
-def _compiler() -> str | None:
-    """The C++ compiler that builds the kernel ($CXX, else g++): its path, None if absent."""
-    return shutil.which(os.environ.get("CXX", "g++"))
-
-
-def _compile_args(flags: tuple[str, ...] | list[str]) -> list[str]:
-    """What follows the compiler on the command line: ``flags``, then the FFI headers and
-    the source."""
-    return [*flags, "-w", "-I", jax.ffi.include_dir(), str(_SOURCE)]
-
-
-@functools.cache
-def _build() -> tuple[Path | None, str]:
-    """The compiled library (built once per source, flags, jaxlib and CPU), or None and why."""
-    cpu = _cpu_flags()
-    if _cpu_isa(cpu) is None:
-        return None, "the CPU has neither AVX-512F nor AVX2 with FMA"
-    cxx = _compiler()
-    if cxx is None:
-        return None, "no C++ compiler (g++, or $CXX) on PATH"
-    src = _SOURCE.read_bytes()
-    # -march=native: a library built on one CPU may not run on another sharing this folder.
-    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + jaxlib.__version__.encode()
-                         + " ".join(sorted(cpu)).encode())
-    out = _kernel_dir() / f"cpu_rowdot-{key.hexdigest()[:16]}.so"
-    if out.exists():
-        return out, ""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: a concurrent process never loads half a file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    cmd = [cxx, *_compile_args(_FLAGS), "-o", tmp]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        return None, f"compiling {_SOURCE.name} failed: {proc.stderr.strip()[-400:]}"
-    os.replace(tmp, out)
-    return out, ""
-
-
-@functools.cache
-def _register() -> str:
-    """Register the FFI target once per process; '' on success, else the reason."""
-    path, why = _build()
-    if path is None:
-        return why
-    lib = ctypes.cdll.LoadLibrary(str(path))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SpecjaxRowDot), platform="cpu")
-    jax.ffi.register_ffi_target(GATHERED_TARGET, jax.ffi.pycapsule(lib.SpecjaxRowDotGathered),
-                                platform="cpu")
-    return ""
-
-
-def available() -> tuple[bool, str]:
-    """Whether :func:`rowdot` can run here (builds the kernel on first call), and if not, why."""
-    why = _register()
-    return not why, why
 
 
 @jax.custom_vjp
@@ -248,8 +151,8 @@ def use_rowdot(x: Array, w_t: Array, min_rows: int = 2) -> bool:
     from specjax.sharding import active_mesh
 
     rows = math.prod(x.shape[:-1])
-    return (os.environ.get("SPECJAX_CPU_ROWDOT", "auto").lower() not in ("off", "0", "false")
-            and x.dtype == jnp.float32 and w_t.dtype == jnp.float32 and min_rows <= rows <= MAX_ROWS
+    return (kernels_enabled("SPECJAX_CPU_ROWDOT") and x.dtype == jnp.float32
+            and w_t.dtype == jnp.float32 and min_rows <= rows <= MAX_ROWS
             and w_t.shape[1] % 16 == 0 and jax.default_backend() == "cpu"
             and active_mesh() is None and available()[0])
 

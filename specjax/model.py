@@ -36,6 +36,7 @@ from jax import Array
 
 from specjax import pytree
 from specjax.config import ModelConfig
+from specjax.kernels.cpu_attention import cache_attention, use_cpu_attention
 from specjax.kernels.cpu_rowdot import head_product, out_major_product
 from specjax.kernels.tree_attention import tree_attention, window_visible
 from specjax.sharding import attend_by_heads, constrain_logits
@@ -304,7 +305,9 @@ def attention(cfg: ModelConfig, lp: LayerParams | FusedLayerParams, x: Array,
 
     x: [B, T, in] (in = d, or 2d for an EAGLE-3 layer); only the attention
     fields of ``lp`` are read. Returns (out [B, T, d], k_buf, v_buf).
-    ``attention_impl`` (static): "dense" is the masked softmax below over ``mask``;
+    ``attention_impl`` (static): "dense" is :func:`masked_attention` over ``mask``, or,
+    where :func:`specjax.kernels.cpu_attention.use_cpu_attention` says so (float32 on a
+    CPU, 1..64 new tokens, no window), the CPU kernel that computes it from ``block``;
     "auto", "xla" or "pallas" route through :func:`specjax.kernels.tree_attention`,
     which reads ``block = (lengths [B], block_mask [B, T, R])``, the arguments ``mask``
     was built from by :func:`cache_mask` ("auto": the Pallas kernel on a GPU, else XLA,
@@ -344,14 +347,25 @@ def attention(cfg: ModelConfig, lp: LayerParams | FusedLayerParams, x: Array,
                               lengths, block_mask, positions if window is not None else None)
         return _out_proj(lp, out.reshape(b, t, cfg.num_heads * dh)), k_buf, v_buf
 
-    q = q.reshape(b, t, cfg.num_kv_heads, cfg.q_per_kv, dh)
+    if block is not None and use_cpu_attention(q, k_buf, window):
+        out = cache_attention(q, k_buf, v_buf, *block, cfg.attn_scale)
+    else:
+        out = masked_attention(q, k_buf, v_buf, mask, cfg.attn_scale)
+    return _out_proj(lp, out.reshape(b, t, cfg.num_heads * dh)), k_buf, v_buf
+
+
+def masked_attention(q: Array, k_buf: Array, v_buf: Array, mask: Array, scale: float) -> Array:
+    """The dense masked softmax: q [B, T, H, Dh] over k_buf/v_buf [B, S, Hkv, Dh] (GQA:
+    query head h reads KV head h // (H / Hkv)) where mask [B, T, S] -> [B, T, H, Dh].
+    A query that sees no row averages all S rows (the finite fill keeps it NaN-free)."""
+    b, t, h, dh = q.shape
+    hkv = k_buf.shape[2]
+    q = q.reshape(b, t, hkv, h // hkv, dh)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k_buf, preferred_element_type=jnp.float32)
-    scores = scores * cfg.attn_scale
-    # A finite fill keeps fully masked rows (padding queries) NaN-free.
+    scores = scores * scale
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_buf.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_buf).reshape(b, t, cfg.num_heads * dh)
-    return _out_proj(lp, out), k_buf, v_buf
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v_buf).reshape(b, t, h, dh)
 
 
 def _out_proj(lp: LayerParams | FusedLayerParams, x: Array, name: str = "wo") -> Array:

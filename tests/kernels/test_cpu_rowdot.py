@@ -1,7 +1,8 @@
 """The CPU rowdot kernel (C++ through XLA FFI) against its jnp reference: every remainder of
 the 6-row tiles and of the output tiles (4 wide on AVX-512; 8, 6, 4, 3 or 2 wide on AVX2,
 by the number of rows), leading batch axes, many calls in one program (the pool deadlock
-this kernel's work sharing avoids), the argument checks, and the instruction-set choice."""
+this kernel's work sharing avoids), the argument checks and the dispatch (the build: in
+test_cpu_build.py)."""
 
 from __future__ import annotations
 
@@ -85,15 +86,6 @@ def test_bad_arguments_are_refused(x_shape, w_shape, dtype, err):
         rowdot(jnp.ones(x_shape, dtype), jnp.ones(w_shape, dtype))
 
 
-def test_missing_compiler_is_a_reason_not_a_crash(monkeypatch):
-    from specjax.kernels import cpu_rowdot
-
-    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
-    monkeypatch.setattr(cpu_rowdot, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    path, why = cpu_rowdot._build.__wrapped__()
-    assert path is None and "no C++ compiler" in why
-
-
 @needs_kernel
 def test_gradient_matches_reference():
     x, w = _xw(3, 50, 32)
@@ -118,31 +110,3 @@ def test_head_product_dispatch(monkeypatch):
     monkeypatch.setenv("SPECJAX_CPU_ROWDOT", "off")
     assert not use_rowdot(x, w)
     _close(head_product(x, w), rowdot_reference(x, w))
-
-
-def test_the_instruction_set_follows_the_cpus_flags():
-    from specjax.kernels.cpu_rowdot import _cpu_isa
-
-    assert _cpu_isa(frozenset({"sse2", "avx2", "fma", "avx512f"})) == "avx512f"
-    assert _cpu_isa(frozenset({"sse2", "avx2", "fma"})) == "avx2"  # e.g. AMD Zen 3
-    assert _cpu_isa(frozenset({"sse2", "avx2"})) is None  # AVX2 without FMA
-    assert _cpu_isa(frozenset()) is None
-
-
-@pytest.mark.parametrize("march,ok", [("skylake-avx512", True), ("haswell", True),
-                                      ("x86-64", False)])
-def test_both_vector_paths_compile_and_older_cpus_get_a_clear_error(march, ok):
-    """Whatever this host has, the AVX-512 and the AVX2 paths must compile (a syntax check
-    for the other CPU), and a CPU with neither stops at the source's #error."""
-    from specjax.kernels import cpu_rowdot
-
-    cxx = cpu_rowdot._compiler()
-    if cxx is None:
-        pytest.skip("no C++ compiler (g++, or $CXX): the kernel is not built here either")
-    flags = [f for f in cpu_rowdot._FLAGS if f not in ("-march=native", "-shared", "-fPIC")]
-    proc = subprocess.run([cxx, *cpu_rowdot._compile_args([*flags, f"-march={march}",
-                                                           "-fsyntax-only"])],
-                          capture_output=True, text=True, timeout=300)
-    assert (proc.returncode == 0) == ok, proc.stderr[-2000:]
-    if not ok:
-        assert "needs AVX-512F, or AVX2 with FMA" in proc.stderr

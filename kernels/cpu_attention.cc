@@ -1,0 +1,216 @@
+// Attention of a few new tokens over a KV cache, for XLA:CPU, as an XLA FFI custom call.
+//
+//   y[b, t, h] = sum_s p[b, t, h, s] v[b, s, h / G],
+//   p[b, t, h, :] = softmax over the visible s of  scale * q[b, t, h] . k[b, s, h / G]
+//
+// visible(b, t, s): s < L[b] (the committed prefix), or s = L[b] + j with j < R, s < S and
+// mask[b, t, j] (the block's own rows: causal for a sequence, the ancestors for a tree). That
+// is specjax.model.cache_mask's mask. A query that sees no row gets the mean of v over all S
+// rows, which is what the model's dense softmax over a finite fill gives it.
+//
+// Why: a decode or verify step has T = 1..16 new tokens. XLA:CPU's einsums over the cache
+// read all S rows (the capacity, not the L + R in use), transpose K and V to head-major
+// first, and run a masked select over [B, Hkv, G, T, S]: at an 800-row prefix that was about
+// 20 ms of a 36 ms SmolLM2 token. This kernel reads each visible K row and V row once per
+// chunk of queries, in the cache's own [B, S, Hkv, Dh] layout.
+//
+// Layout: q, y [B, T, H, Dh] float32; k, v [B, S, Hkv, Dh] float32; L [B] int32; mask
+// [B, T, R] bool; H = Hkv * G; Dh % kLanes == 0 (checked). Each query's result depends
+// only on its own row and the rows it sees, never on which other queries share its chunk.
+//
+// Work: one chunk per (b, KV head, group of up to kChunkQueries of that head's T * G
+// queries), claimed as cpu_pool.h says. A chunk computes its queries' scores row by row (the
+// K row stays in L1 for all of them), their softmax in a scratch row per query, then P V in
+// tiles of kQueryTile queries times kSlab vectors of Dh, so every accumulator is a register.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "cpu_pool.h"
+#include "cpu_simd.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kSlab = 4, kQueryTile = 6;  // 24 accumulators + 4 V vectors of 32 registers
+#else
+constexpr int kSlab = 2, kQueryTile = 4;  // AVX2: 8 accumulators + 2 + a broadcast of 16
+#endif
+constexpr int64_t kChunkQueries = 12;
+
+struct Attention : PoolWork {
+  const float *q, *k, *v;
+  const int32_t* lengths;
+  const bool* mask;
+  float* y;
+  float scale;
+  int64_t B, T, H, Hkv, G, S, R, Dh, groups_per_head;
+
+  // Queries of a chunk are numbered i = t * G + g within their KV head.
+  const float* Query(int64_t b, int64_t kvh, int64_t i) const {
+    return q + ((b * T + i / G) * H + kvh * G + i % G) * Dh;
+  }
+  float* Out(int64_t b, int64_t kvh, int64_t i) const {
+    return y + ((b * T + i / G) * H + kvh * G + i % G) * Dh;
+  }
+
+  void RunChunk(int64_t c) {
+    const int64_t b = c / (Hkv * groups_per_head);
+    const int64_t kvh = (c / groups_per_head) % Hkv;
+    const int64_t i0 = (c % groups_per_head) * kChunkQueries;
+    const int64_t nq = std::min<int64_t>(kChunkQueries, T * G - i0);
+    const int64_t L = std::clamp<int64_t>(lengths[b], 0, S);
+    const int64_t n = L + std::clamp<int64_t>(S - L, 0, R);  // rows anyone may see
+    const int64_t stride = Hkv * Dh;                          // between cache rows
+    const float* kb = k + (b * S * Hkv + kvh) * Dh;
+    const float* vb = v + (b * S * Hkv + kvh) * Dh;
+    // One scratch row of scores, then probabilities, per query, padded to whole vectors.
+    const int64_t width = (n + kLanes - 1) / kLanes * kLanes;
+    thread_local std::vector<float> scratch;
+    scratch.resize(std::max<int64_t>(1, nq * width));
+    float* p = scratch.data();
+
+    for (int64_t s = 0; s < n; ++s) {
+      const float* kr = kb + s * stride;
+      for (int64_t i = 0; i < nq; ++i) {
+        const float* qi = Query(b, kvh, i0 + i);
+        Vec acc = Zero();
+        for (int64_t d = 0; d < Dh; d += kLanes) acc = Fma(Load(qi + d), Load(kr + d), acc);
+        p[i * width + s] = Sum(acc) * scale;
+      }
+    }
+    bool sees[kChunkQueries];  // false: the query sees no row, and Mean answers it
+    for (int64_t i = 0; i < nq; ++i) {
+      const bool* seen = mask + (b * T + (i0 + i) / G) * R;  // seen[j]: tree row L + j
+      sees[i] = Softmax(p + i * width, n, width, L, seen);
+      if (!sees[i]) Mean(vb, stride, Out(b, kvh, i0 + i));
+    }
+    for (int64_t d0 = 0; d0 < Dh; d0 += kSlab * kLanes) {
+      const int64_t nv = std::min<int64_t>(kSlab, (Dh - d0) / kLanes);
+      for (int64_t i = 0; i < nq; i += kQueryTile) {
+        float* out[kQueryTile];
+        const int64_t m = std::min<int64_t>(kQueryTile, nq - i);
+        for (int64_t r = 0; r < m; ++r) out[r] = sees[i + r] ? Out(b, kvh, i0 + i + r) + d0 : nullptr;
+        PV(p + i * width, width, vb + d0, stride, n, m, nv, out);
+      }
+    }
+  }
+
+  // Scores row[0, n) -> probabilities over the visible rows (row[L + j] is visible where
+  // seen[j]); hidden rows and the pad [n, width) become exactly 0. False, with row left
+  // unused, when the query sees no row at all.
+  static bool Softmax(float* row, int64_t n, int64_t width, int64_t L, const bool* seen) {
+    constexpr float kHidden = -3.0e38f;  // below any score, and finite: no inf - inf
+    int64_t visible = L;
+    for (int64_t s = L; s < width; ++s) {
+      const bool ok = s < n && seen[s - L];
+      visible += ok;
+      if (!ok) row[s] = kHidden;
+    }
+    if (visible == 0) return false;
+    Vec mx = Set1(kHidden);
+    for (int64_t s = 0; s < width; s += kLanes) mx = Max(mx, Load(row + s));
+    const Vec neg_max = Set1(-MaxOf(mx));
+    for (int64_t s = 0; s < width; s += kLanes)
+      Store(row + s, ExpNonPositive(Add(Load(row + s), neg_max)));
+    // Hidden rows came out as exp(-87) ~ 1e-38, not 0: make them exactly 0 before the sum.
+    for (int64_t s = L; s < width; ++s)
+      if (s >= n || !seen[s - L]) row[s] = 0.0f;
+    Vec sum = Zero();
+    for (int64_t s = 0; s < width; s += kLanes) sum = Add(sum, Load(row + s));
+    const Vec inv = Set1(1.0f / Sum(sum));
+    for (int64_t s = 0; s < width; s += kLanes) Store(row + s, Mul(Load(row + s), inv));
+    return true;
+  }
+
+  // The dense softmax's answer for a query that sees no row: all S rows weighted 1 / S.
+  void Mean(const float* vb, int64_t stride, float* out) const {
+    std::vector<float> acc(Dh, 0.0f);
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t d = 0; d < Dh; ++d) acc[d] += vb[s * stride + d];
+    for (int64_t d = 0; d < Dh; ++d) out[d] = acc[d] / static_cast<float>(S);
+  }
+
+  // out[r][0, nv * kLanes) = sum_s prob[r][s] vs[s] for m <= kQueryTile queries (rows of
+  // prob, width apart) and nv <= kSlab vectors; a null out[r] is not written.
+  static void PV(const float* prob, int64_t width, const float* vs, int64_t stride, int64_t n,
+                 int64_t m, int64_t nv, float* const* out) {
+    Vec acc[kQueryTile][kSlab];
+    for (int r = 0; r < kQueryTile; ++r)
+      for (int j = 0; j < kSlab; ++j) acc[r][j] = Zero();
+    for (int64_t s = 0; s < n; ++s) {
+      Vec vr[kSlab];
+      const float* row = vs + s * stride;
+#pragma GCC unroll 4
+      for (int j = 0; j < kSlab; ++j)
+        if (j < nv) vr[j] = Load(row + j * kLanes);
+#pragma GCC unroll 6
+      for (int r = 0; r < kQueryTile; ++r) {
+        if (r >= m) break;
+        const Vec pr = Set1(prob[r * width + s]);
+#pragma GCC unroll 4
+        for (int j = 0; j < kSlab; ++j)
+          if (j < nv) acc[r][j] = Fma(pr, vr[j], acc[r][j]);
+      }
+    }
+    for (int r = 0; r < m; ++r)
+      if (out[r] != nullptr)
+        for (int j = 0; j < nv; ++j) Store(out[r] + j * kLanes, acc[r][j]);
+  }
+};
+
+ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                              ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                              ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::PRED> mask,
+                              ffi::ResultBuffer<ffi::F32> y, float scale) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), md = mask.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || md.size() != 3)
+    return ffi::Error::InvalidArgument("q must be [B, T, H, Dh], k and v [B, S, Hkv, Dh], "
+                                       "mask [B, T, R]");
+  const auto vd = v.dimensions();
+  if (vd.size() != 4 || !std::equal(kd.begin(), kd.end(), vd.begin()) || kd[0] != qd[0] || kd[3] != qd[3] || kd[2] == 0 ||
+      qd[2] % kd[2] != 0 || md[0] != qd[0] || md[1] != qd[1] ||
+      lengths.element_count() != qd[0])
+    return ffi::Error::InvalidArgument("q, k, v, lengths and mask disagree on B, T, H or Dh");
+  if (qd[3] % kLanes != 0)
+    return ffi::Error::InvalidArgument("Dh must be a multiple of the vector width");
+  auto work = std::make_shared<Attention>();
+  work->q = q.typed_data();
+  work->k = k.typed_data();
+  work->v = v.typed_data();
+  work->lengths = lengths.typed_data();
+  work->mask = mask.typed_data();
+  work->y = y->typed_data();
+  work->scale = scale;
+  work->B = qd[0];
+  work->T = qd[1];
+  work->H = qd[2];
+  work->Dh = qd[3];
+  work->S = kd[1];
+  work->Hkv = kd[2];
+  work->G = work->H / work->Hkv;
+  work->R = md[2];
+  work->groups_per_head = (work->T * work->G + kChunkQueries - 1) / kChunkQueries;
+  work->chunks = work->B * work->Hkv * work->groups_per_head;
+  if (work->T == 0 || work->S == 0) return ffi::Error::Success();
+  RunOnPool(pool, work, /*min_chunks_to_share=*/1);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCacheAttention, CacheAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
