@@ -24,6 +24,22 @@ inline Vec Round(Vec v) {
   return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 inline Vec Pow2(Vec p, Vec n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
+// out[i] = Sum(v[i]) for all kLanes vectors at once: a transposing tree of adds, 45
+// instructions for 16 sums where 16 Sum()s take about three times that.
+inline Vec SumEach(const Vec* v) {
+  Vec t[8], u[4], w[2];
+  for (int j = 0; j < 8; ++j)  // 128-bit blocks of (v[2j], v[2j+1], v[2j], v[2j+1]) partials
+    t[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
+                         _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; ++j)  // blocks of (v[4j], .., v[4j + 3]) partials
+    u[j] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int j = 0; j < 2; ++j)  // two blocks of partials per group of four vectors
+    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 using Vec = __m256;
 constexpr int kLanes = 8, kRegisters = 16;
@@ -49,6 +65,18 @@ inline Vec Round(Vec v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | 
 inline Vec Pow2(Vec p, Vec n) {  // p * 2^n for integral n in [-126, 127]: add n to the exponent
   const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
   return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+// out[i] = Sum(v[i]) for all kLanes vectors at once (a transposing tree of adds).
+inline Vec SumEach(const Vec* v) {
+  Vec t[4], u[2];
+  for (int j = 0; j < 4; ++j)
+    t[j] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * j], v[2 * j + 1]),
+                         _mm256_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 2; ++j)
+    u[j] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20),
+                       _mm256_permute2f128_ps(u[0], u[1], 0x31));
 }
 #else
 #error "the specjax CPU kernels need AVX-512F, or AVX2 with FMA (compile with -march=native on such a CPU)"
