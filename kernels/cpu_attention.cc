@@ -87,7 +87,8 @@ struct Attention : PoolWork {
         for (int r = 0; r < kLanes; ++r) {
           const float* kr = kb + (s0 + r) * stride;
           acc[r] = Mul(Load(qi), Load(kr));
-          for (int64_t d = kLanes; d < Dh; d += kLanes) acc[r] = Fma(Load(qi + d), Load(kr + d), acc[r]);
+          for (int64_t d = kLanes; d < Dh; d += kLanes)
+            acc[r] = Fma(Load(qi + d), Load(kr + d), acc[r]);
         }
         Store(p + i * width + s0, Mul(SumEach(acc), vscale));
       }
@@ -112,7 +113,8 @@ struct Attention : PoolWork {
       for (int64_t i = 0; i < nq; i += kQueryTile) {
         float* out[kQueryTile];
         const int64_t m = std::min<int64_t>(kQueryTile, nq - i);
-        for (int64_t r = 0; r < m; ++r) out[r] = sees[i + r] ? Out(b, kvh, i0 + i + r) + d0 : nullptr;
+        for (int64_t r = 0; r < m; ++r)
+          out[r] = sees[i + r] ? Out(b, kvh, i0 + i + r) + d0 : nullptr;
         PV(p + i * width, width, vb + d0, stride, n, m, nv, out);
       }
     }
@@ -190,12 +192,12 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return ffi::Error::InvalidArgument("q must be [B, T, H, Dh], k and v [B, S, Hkv, Dh], "
                                        "mask [B, T, R]");
   const auto vd = v.dimensions();
-  if (vd.size() != 4 || !std::equal(kd.begin(), kd.end(), vd.begin()) || kd[0] != qd[0] || kd[3] != qd[3] || kd[2] == 0 ||
-      qd[2] % kd[2] != 0 || md[0] != qd[0] || md[1] != qd[1] ||
+  if (vd.size() != 4 || !std::equal(kd.begin(), kd.end(), vd.begin()) || kd[0] != qd[0] ||
+      kd[3] != qd[3] || kd[2] == 0 || qd[2] % kd[2] != 0 || md[0] != qd[0] || md[1] != qd[1] ||
       lengths.element_count() != qd[0])
     return ffi::Error::InvalidArgument("q, k, v, lengths and mask disagree on B, T, H or Dh");
-  if (qd[3] % kLanes != 0)
-    return ffi::Error::InvalidArgument("Dh must be a multiple of the vector width");
+  if (qd[3] == 0 || qd[3] % kLanes != 0)
+    return ffi::Error::InvalidArgument("Dh must be a positive multiple of the vector width");
   auto work = std::make_shared<Attention>();
   work->q = q.typed_data();
   work->k = k.typed_data();

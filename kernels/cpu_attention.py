@@ -95,14 +95,16 @@ def cache_attention(q: Array, k_cache: Array, v_cache: Array, lengths: Array,
         raise TypeError(f"cache_attention takes float32, got q {q.dtype}, k {k_cache.dtype} "
                         f"and v {v_cache.dtype}")
     if (k_cache.ndim != 4 or v_cache.shape != k_cache.shape or k_cache.shape[0] != b
-            or k_cache.shape[3] != dh or h % k_cache.shape[2] or lengths.shape != (b,)
+            or k_cache.shape[3] != dh or k_cache.shape[2] == 0 or h % k_cache.shape[2]
+            or lengths.shape != (b,)
             or block_mask.ndim != 3 or block_mask.shape[:2] != (b, t)):
         raise ValueError(f"cache_attention needs q [B, T, H, Dh], k and v [B, S, Hkv, Dh] "
                          f"with H % Hkv == 0, lengths [B] and block_mask [B, T, R]; got q "
                          f"{q.shape}, k {k_cache.shape}, v {v_cache.shape}, lengths "
                          f"{lengths.shape}, block_mask {block_mask.shape}")
-    if dh % 16:
-        raise ValueError(f"cache_attention needs Dh % 16 == 0 (whole SIMD vectors); Dh = {dh}")
+    if dh == 0 or dh % 16:
+        raise ValueError(f"cache_attention needs Dh > 0 and Dh % 16 == 0 (whole SIMD vectors); "
+                         f"Dh = {dh}")
     ok, why = available()
     if not ok:
         raise RuntimeError(f"the CPU attention kernel is not available here: {why}; use "

@@ -61,7 +61,9 @@ inline float MaxOf(Vec v) {
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
-inline Vec Round(Vec v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec Round(Vec v) {
+  return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
 inline Vec Pow2(Vec p, Vec n) {  // p * 2^n for integral n in [-126, 127]: add n to the exponent
   const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
   return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
@@ -79,7 +81,8 @@ inline Vec SumEach(const Vec* v) {
                        _mm256_permute2f128_ps(u[0], u[1], 0x31));
 }
 #else
-#error "the specjax CPU kernels need AVX-512F, or AVX2 with FMA (compile with -march=native on such a CPU)"
+// The message is checked by tests/kernels/test_cpu_build.py.
+#error "the specjax CPU kernels need AVX-512F, or AVX2 with FMA (-march=native on such a CPU)"
 #endif
 
 // exp(x) for x <= 0 (a softmax's shifted scores), within 2 ulp of expf for x >= -87; below,
