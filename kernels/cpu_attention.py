@@ -10,7 +10,7 @@ masked softmax (:func:`cache_attention_reference`), which on XLA:CPU reads every
 cache's S rows (its capacity, not the rows in use), transposes K and V to head-major first and
 selects over a [B, Hkv, G, T, S] mask; the kernel reads the visible rows once per group of
 queries in the cache's [B, S, Hkv, Dh] layout. Thirty SmolLM2 layers at an 800-row prefix
-(capacity 1,024): 24.2 -> 3.5 ms for one query, 27.9 -> 6.4 ms for four
+(capacity 1,024): 24.2 -> 2.7 ms for one query, 27.9 -> 4.8 ms for four
 (docs/benchmarks.md, fiftieth session).
 
 The source, ``cpu_attention.cc``, is built with the other CPU kernels
