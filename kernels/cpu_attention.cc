@@ -24,7 +24,6 @@
 // tiles of kQueryTile queries times kSlab vectors of Dh, so every accumulator is a register.
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -51,12 +50,9 @@ struct Attention : PoolWork {
   float scale;
   int64_t B, T, H, Hkv, G, S, R, Dh, groups_per_head;
 
-  // Queries of a chunk are numbered i = t * G + g within their KV head.
-  const float* Query(int64_t b, int64_t kvh, int64_t i) const {
-    return q + ((b * T + i / G) * H + kvh * G + i % G) * Dh;
-  }
-  float* Out(int64_t b, int64_t kvh, int64_t i) const {
-    return y + ((b * T + i / G) * H + kvh * G + i % G) * Dh;
+  // Where query i of a KV head (i = t * G + g) sits in q and y: [B, T, H, Dh], h = kvh * G + g.
+  int64_t Offset(int64_t b, int64_t kvh, int64_t i) const {
+    return ((b * T + i / G) * H + kvh * G + i % G) * Dh;
   }
 
   void RunChunk(int64_t c) {
@@ -74,6 +70,8 @@ struct Attention : PoolWork {
     thread_local std::vector<float> scratch;
     scratch.resize(std::max<int64_t>(1, nq * width));
     float* p = scratch.data();
+    const float* qs[kChunkQueries];
+    for (int64_t i = 0; i < nq; ++i) qs[i] = q + Offset(b, kvh, i0 + i);
 
     // Scores kLanes rows at a time (the rows stay in L1 for every query), summed by one
     // transposing reduction; the last n % kLanes rows one by one.
@@ -81,7 +79,7 @@ struct Attention : PoolWork {
     int64_t s0 = 0;
     for (; s0 + kLanes <= n; s0 += kLanes) {
       for (int64_t i = 0; i < nq; ++i) {
-        const float* qi = Query(b, kvh, i0 + i);
+        const float* qi = qs[i];
         Vec acc[kLanes];
 #pragma GCC unroll 16
         for (int r = 0; r < kLanes; ++r) {
@@ -96,7 +94,7 @@ struct Attention : PoolWork {
     for (int64_t s = s0; s < n; ++s) {
       const float* kr = kb + s * stride;
       for (int64_t i = 0; i < nq; ++i) {
-        const float* qi = Query(b, kvh, i0 + i);
+        const float* qi = qs[i];
         Vec acc = Mul(Load(qi), Load(kr));
         for (int64_t d = kLanes; d < Dh; d += kLanes) acc = Fma(Load(qi + d), Load(kr + d), acc);
         p[i * width + s] = Sum(acc) * scale;
@@ -106,7 +104,7 @@ struct Attention : PoolWork {
     for (int64_t i = 0; i < nq; ++i) {
       const bool* seen = mask + (b * T + (i0 + i) / G) * R;  // seen[j]: tree row L + j
       sees[i] = Softmax(p + i * width, n, width, L, seen);
-      if (!sees[i]) Mean(vb, stride, Out(b, kvh, i0 + i));
+      if (!sees[i]) Mean(vb, stride, y + Offset(b, kvh, i0 + i));
     }
     for (int64_t d0 = 0; d0 < Dh; d0 += kSlab * kLanes) {
       const int64_t nv = std::min<int64_t>(kSlab, (Dh - d0) / kLanes);
@@ -114,7 +112,7 @@ struct Attention : PoolWork {
         float* out[kQueryTile];
         const int64_t m = std::min<int64_t>(kQueryTile, nq - i);
         for (int64_t r = 0; r < m; ++r)
-          out[r] = sees[i + r] ? Out(b, kvh, i0 + i + r) + d0 : nullptr;
+          out[r] = sees[i + r] ? y + Offset(b, kvh, i0 + i + r) + d0 : nullptr;
         PV(p + i * width, width, vb + d0, stride, n, m, nv, out);
       }
     }

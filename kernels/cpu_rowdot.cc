@@ -43,12 +43,11 @@ namespace {
 // fit). Fewer rows of x take more rows of w at once: more independent FMA chains and loads
 // in flight, without which one or two rows on AVX2 cannot keep up with memory (30 against
 // XLA's 24-28 ms for one row of a SmolLM2 forward with 2 columns; 26 with 8).
+constexpr int kRowTile = 6;
 #if defined(__AVX512F__)
-constexpr int kRowTile = 6;  // at most 24 accumulators + 4 + 1 of 32 registers
-constexpr int kColTile[kRowTile + 1] = {0, 4, 4, 4, 4, 4, 4};
+constexpr int kColTile[kRowTile + 1] = {0, 4, 4, 4, 4, 4, 4};  // <= 24 accumulators + 4 + 1 of 32
 #else
-constexpr int kRowTile = 6;  // AVX2: at most 12 accumulators + 2 + 1 of 16 registers
-constexpr int kColTile[kRowTile + 1] = {0, 8, 6, 4, 3, 2, 2};
+constexpr int kColTile[kRowTile + 1] = {0, 8, 6, 4, 3, 2, 2};  // AVX2: <= 12 + 2 + 1 of 16
 #endif
 
 // A chunk of weight rows is whole tiles of every width.
