@@ -11,7 +11,9 @@ cache's S rows (its capacity, not the rows in use), transposes K and V to head-m
 selects over a [B, Hkv, G, T, S] mask; the kernel reads the visible rows once per group of
 queries in the cache's [B, S, Hkv, Dh] layout. Thirty SmolLM2 layers at an 800-row prefix
 (capacity 1,024): 24.2 -> 2.7 ms for one query, 27.9 -> 4.8 ms for four
-(docs/benchmarks.md, fiftieth session).
+(docs/benchmarks.md, fiftieth session). Where its chunks of work would leave cores idle (batch
+1, few KV heads) and the cache is long, it splits each query group's rows across cores and
+combines the parts as flash-decoding does (``splits``; docs/kernels.md).
 
 The source, ``cpu_attention.cc``, is built with the other CPU kernels
 (:mod:`specjax.kernels.cpu_build`). :func:`specjax.model.attention` takes it where
@@ -33,6 +35,7 @@ TARGET = "specjax_cpu_cache_attention"
 # Queries per call the kernel takes: its cost grows with T * S, as XLA's does, but from
 # prefill's hundreds of rows on XLA's GEMMs are the better tool.
 MAX_QUERIES = 64
+MAX_SPLITS = 16  # cpu_attention.cc's kMaxSplits
 
 
 def cache_attention_reference(q: Array, k_cache: Array, v_cache: Array, lengths: Array,
@@ -46,23 +49,24 @@ def cache_attention_reference(q: Array, k_cache: Array, v_cache: Array, lengths:
 
 
 def _call(q: Array, k_cache: Array, v_cache: Array, lengths: Array, block_mask: Array,
-          scale: float) -> Array:
+          scale: float, splits: int) -> Array:
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
-        q, k_cache, v_cache, lengths, block_mask, scale=np.float32(scale))
+        q, k_cache, v_cache, lengths, block_mask, scale=np.float32(scale),
+        splits=np.int64(splits))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _cache_attention(q, k_cache, v_cache, lengths, block_mask, scale):
-    return _call(q, k_cache, v_cache, lengths, block_mask, scale)
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _cache_attention(q, k_cache, v_cache, lengths, block_mask, scale, splits):
+    return _call(q, k_cache, v_cache, lengths, block_mask, scale, splits)
 
 
-def _fwd(q, k_cache, v_cache, lengths, block_mask, scale):
-    return (_call(q, k_cache, v_cache, lengths, block_mask, scale),
+def _fwd(q, k_cache, v_cache, lengths, block_mask, scale, splits):
+    return (_call(q, k_cache, v_cache, lengths, block_mask, scale, splits),
             (q, k_cache, v_cache, lengths, block_mask))
 
 
-def _bwd(scale, res, g):
+def _bwd(scale, splits, res, g):
     # Inference runs this attention; a gradient (an online adapter's few rows) goes through
     # the reference.
     q, k_cache, v_cache, lengths, block_mask = res
@@ -75,7 +79,7 @@ _cache_attention.defvjp(_fwd, _bwd)
 
 
 def cache_attention(q: Array, k_cache: Array, v_cache: Array, lengths: Array,
-                    block_mask: Array, scale: float) -> Array:
+                    block_mask: Array, scale: float, splits: int = 0) -> Array:
     """GQA attention of T new tokens over a KV cache, on XLA:CPU.
 
     Args:
@@ -85,6 +89,11 @@ def cache_attention(q: Array, k_cache: Array, v_cache: Array, lengths: Array,
       block_mask: [B, T, R] bool; query t sees block row ``lengths[b] + j`` (< S) where
         ``block_mask[b, t, j]``.
       scale: the score scale (1 / sqrt(Dh) for most models).
+      splits: how many ranges each query group's cache rows are cut into, each range on a
+        core of its own and the parts combined as flash-decoding does; 0 (the default) lets
+        the kernel choose from its thread pool's size, the chunks and the cache's length
+        (more than one only where the chunks alone leave cores idle and each range keeps
+        256 rows or more). At most 16.
 
     Returns:
       [B, T, H, Dh] float32, equal to :func:`cache_attention_reference` up to summation order
@@ -105,12 +114,15 @@ def cache_attention(q: Array, k_cache: Array, v_cache: Array, lengths: Array,
     if dh == 0 or dh % 16:
         raise ValueError(f"cache_attention needs Dh > 0 and Dh % 16 == 0 (whole SIMD vectors); "
                          f"Dh = {dh}")
+    if not 0 <= splits <= MAX_SPLITS:
+        raise ValueError(f"cache_attention's splits must be 0 (chosen) to {MAX_SPLITS}, "
+                         f"got {splits}")
     ok, why = available()
     if not ok:
         raise RuntimeError(f"the CPU attention kernel is not available here: {why}; use "
                            "cache_attention_reference instead")
     return _cache_attention(q, k_cache, v_cache, lengths.astype(jnp.int32),
-                            block_mask.astype(bool), float(scale))
+                            block_mask.astype(bool), float(scale), int(splits))
 
 
 def use_cpu_attention(q: Array, k_cache: Array, window: int | None = None) -> bool:

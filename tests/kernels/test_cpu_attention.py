@@ -41,7 +41,7 @@ def _close(got, want):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
 
 
-_attend = jax.jit(cache_attention, static_argnums=5)
+_attend = jax.jit(cache_attention, static_argnums=(5, 6))
 
 
 @needs_kernel
@@ -63,6 +63,32 @@ def test_matches_reference(b, t, r, h, hkv, dh, s, lengths):
 
 
 @needs_kernel
+@pytest.mark.parametrize("splits", [0, 1, 2, 3, 5, 16])  # 0: the kernel chooses
+@pytest.mark.parametrize("b,t,r,h,hkv,dh,s,lengths", [
+    (1, 1, 1, 9, 3, 64, 900, [800]),        # a decode step over a long prefix
+    (2, 4, 4, 9, 3, 64, 300, [290, 0]),     # ragged; row 1 sees only its block
+    (1, 12, 12, 9, 3, 64, 520, [500]),      # a tree past the last range's start
+    (1, 3, 9, 4, 1, 128, 70, [3]),          # more ranges than vectors of rows: some empty
+])
+def test_split_rows_match_reference(splits, b, t, r, h, hkv, dh, s, lengths):
+    """Cutting each query group's rows into ranges (on cores of their own, then combined by
+    their maxima and sums of exps) changes only summation order: every range count, ranges
+    that show a query nothing, and ranges with no rows at all."""
+    q, k, v, lens, mask = _case(b, t, r, h, hkv, dh, s, lengths, seed=splits + s)
+    want = cache_attention_reference(q, k, v, lens, mask, dh ** -0.5)
+    _close(_attend(q, k, v, lens, mask, dh ** -0.5, splits), want)
+
+
+@needs_kernel
+def test_split_rows_for_a_query_that_sees_nothing():
+    q, k, v, lens, mask = _case(2, 3, 3, 4, 2, 32, 300, [0, 280])
+    mask = mask.at[0].set(False)
+    got = _attend(q, k, v, lens, mask, 0.2, 4)
+    _close(got, cache_attention_reference(q, k, v, lens, mask, 0.2))
+    _close(got[0, 0, 0], jnp.mean(v[0, :, 0], axis=0))
+
+
+@needs_kernel
 def test_a_query_that_sees_nothing_gets_what_the_dense_softmax_gives():
     """No prefix and an empty mask row: the dense softmax's finite fill averages all S rows;
     the kernel answers the same (never NaN)."""
@@ -78,12 +104,12 @@ def test_a_query_that_sees_nothing_gets_what_the_dense_softmax_gives():
 @settings(max_examples=25, deadline=None)
 @given(b=st.integers(1, 3), t=st.integers(1, 9), extra=st.integers(0, 5),
        hkv=st.integers(1, 3), g=st.integers(1, 4), s=st.integers(1, 48),
-       seed=st.integers(0, 2**16), data=st.data())
-def test_random_shapes_and_masks(b, t, extra, hkv, g, s, seed, data):
+       splits=st.sampled_from([0, 0, 1, 2, 7]), seed=st.integers(0, 2**16), data=st.data())
+def test_random_shapes_and_masks(b, t, extra, hkv, g, s, splits, seed, data):
     lengths = data.draw(st.lists(st.integers(0, s + 2), min_size=b, max_size=b))
     q, k, v, lens, mask = _case(b, t, t + extra, hkv * g, hkv, 16, s, lengths, seed=seed,
                                 p_visible=data.draw(st.sampled_from([0.0, 0.3, 1.0])))
-    _close(cache_attention(q, k, v, lens, mask, 0.25),
+    _close(cache_attention(q, k, v, lens, mask, 0.25, splits),
            cache_attention_reference(q, k, v, lens, mask, 0.25))
 
 
@@ -139,6 +165,13 @@ def test_bad_arguments_are_refused(shapes, dtype, err):
     with pytest.raises((ValueError, TypeError), match=err):
         cache_attention(jnp.ones(qs, dtype), jnp.ones(ks, dtype), jnp.ones(ks, dtype),
                         jnp.zeros((qs[0],), jnp.int32), jnp.ones(qs[:2] + (2,), bool), 0.1)
+
+
+@pytest.mark.parametrize("splits", [-1, 17])
+def test_a_split_count_out_of_range_is_refused(splits):
+    q, k, v, lens, mask = _case(1, 2, 2, 4, 2, 16, 9, [3])
+    with pytest.raises(ValueError, match="splits must be 0"):
+        cache_attention(q, k, v, lens, mask, 0.1, splits)
 
 
 @needs_kernel
