@@ -34,3 +34,15 @@ def test_report_and_plot(tmp_path):
     text = summary(r)
     assert "| fr:8 | 2.14 |" in text and "not overlapped" in text
     assert plot_vocab(r, tmp_path / "v.png").stat().st_size > 0
+
+
+def test_router_overlap_times_the_layer_and_router_on_real_weights(tiny_target, fitted_drafter):
+    """The overlap check runs on the tiny models, with the weights and cache as arguments (a
+    closed-over embedding would let XLA fold the gather at compile time)."""
+    from specjax.bench.vocab import router_overlap
+    from tests.vocab.test_heads import example_heads
+
+    head = example_heads(tiny_target.params.head, fr_rows=8)["dynaspec-pa"]
+    got = router_overlap(tiny_target, fitted_drafter, head, k=2, context=16, runs=3)
+    assert {"layer", "router", "both", "saved_ms", "noise_ms"} <= set(got)
+    assert all(got[name] > 0 for name in ("layer", "router", "both"))
