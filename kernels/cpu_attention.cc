@@ -210,8 +210,8 @@ struct Attention : PoolWork {
                       const bool* seen, float* max, float* sum) {
     constexpr float kHidden = -3.0e38f;  // below any score, and finite: no inf - inf
     auto hidden = [&](int64_t s) { return s >= m || (r0 + s >= L && !seen[r0 + s - L]); };
-    const int64_t first = std::clamp<int64_t>(L - r0, 0, width);  // rows before are prefix
-    int64_t visible = std::min(first, m);
+    const int64_t first = std::clamp<int64_t>(L - r0, 0, m);  // [0, first): prefix rows
+    int64_t visible = first;
     for (int64_t s = first; s < width; ++s) {
       const bool ok = !hidden(s);
       visible += ok;
