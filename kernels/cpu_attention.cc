@@ -51,6 +51,7 @@ constexpr int kSlab = 4, kQueryTile = 6;  // 24 accumulators + 4 V vectors of 32
 constexpr int kSlab = 2, kQueryTile = 4;  // AVX2: 8 accumulators + 2 + a broadcast of 16
 #endif
 constexpr int64_t kChunkQueries = 12;
+constexpr float kHidden = -3.0e38f;  // below any score, and finite: no inf - inf
 // A split covers at least this many rows (below it a split's own fixed work costs more than
 // the balance wins back), and a group is cut into at most kMaxSplits.
 constexpr int64_t kMinSplitRows = 256, kMaxSplits = 16;
@@ -85,6 +86,17 @@ struct Attention : PoolWork {
   int64_t Offset(int64_t b, int64_t kvh, int64_t i) const {
     return ((b * T + i / G) * H + kvh * G + i % G) * Dh;
   }
+  // Query group chunk gc: batch row b, KV head kvh, its queries [i0, i0 + nq).
+  struct Group {
+    int64_t b, kvh, i0, nq;
+  };
+  Group GroupOf(int64_t gc) const {
+    const int64_t i0 = (gc % groups_per_head) * kChunkQueries;
+    return {gc / (Hkv * groups_per_head), (gc / groups_per_head) % Hkv, i0,
+            std::min<int64_t>(kChunkQueries, T * G - i0)};
+  }
+  // Where KV head kvh's cache row 0 of batch row b sits in k and v; rows are Hkv * Dh apart.
+  int64_t HeadRow0(int64_t b, int64_t kvh) const { return (b * S * Hkv + kvh) * Dh; }
   int64_t Part(int64_t group_chunk, int64_t split, int64_t i) const {
     return (group_chunk * splits + split) * kChunkQueries + i;
   }
@@ -95,19 +107,16 @@ struct Attention : PoolWork {
   }
 
   void RunChunk(int64_t c) {
-    const int64_t split = c % splits, gc = c / splits;  // gc: the (b, kvh, group) chunk
-    const int64_t b = gc / (Hkv * groups_per_head);
-    const int64_t kvh = (gc / groups_per_head) % Hkv;
-    const int64_t i0 = (gc % groups_per_head) * kChunkQueries;
-    const int64_t nq = std::min<int64_t>(kChunkQueries, T * G - i0);
+    const int64_t split = c % splits, gc = c / splits;
+    const auto [b, kvh, i0, nq] = GroupOf(gc);
     int64_t L;
     const int64_t n = Visible(b, &L);
     // This split's rows [r0, r1): whole vectors of rows, the last split takes the rest.
     const int64_t per = ((n + splits - 1) / splits + kLanes - 1) / kLanes * kLanes;
     const int64_t r0 = std::min(n, split * per), r1 = std::min(n, r0 + per);
     const int64_t stride = Hkv * Dh;  // between cache rows
-    const float* kb = k + (b * S * Hkv + kvh) * Dh + r0 * stride;
-    const float* vb = v + (b * S * Hkv + kvh) * Dh + r0 * stride;
+    const float* kb = k + HeadRow0(b, kvh) + r0 * stride;
+    const float* vb = v + HeadRow0(b, kvh) + r0 * stride;
     const int64_t m = r1 - r0;
     // One scratch row of scores, then probabilities, per query, padded to whole vectors.
     const int64_t width = (m + kLanes - 1) / kLanes * kLanes;
@@ -152,7 +161,7 @@ struct Attention : PoolWork {
       sees[i] = Softmax(p + i * width, r0, m, width, L, seen, &max, &sum);
       if (splits == 1) {
         out[i] = y + Offset(b, kvh, i0 + i);
-        if (!sees[i]) Mean(v + (b * S * Hkv + kvh) * Dh, stride, out[i]);
+        if (!sees[i]) Mean(v + HeadRow0(b, kvh), stride, out[i]);
       } else {
         const int64_t at = Part(gc, split, i);
         out[i] = part_y.data() + at * Dh;
@@ -175,13 +184,10 @@ struct Attention : PoolWork {
   void Combine() {
     std::vector<float> acc(Dh);
     for (int64_t gc = 0; gc < B * Hkv * groups_per_head; ++gc) {
-      const int64_t b = gc / (Hkv * groups_per_head);
-      const int64_t kvh = (gc / groups_per_head) % Hkv;
-      const int64_t i0 = (gc % groups_per_head) * kChunkQueries;
-      const int64_t nq = std::min<int64_t>(kChunkQueries, T * G - i0);
+      const auto [b, kvh, i0, nq] = GroupOf(gc);
       for (int64_t i = 0; i < nq; ++i) {
         float* out = y + Offset(b, kvh, i0 + i);
-        float top = -3.0e38f, total = 0.0f;
+        float top = kHidden, total = 0.0f;
         for (int64_t s = 0; s < splits; ++s)
           if (part_sum[Part(gc, s, i)] > 0.0f) top = std::max(top, part_max[Part(gc, s, i)]);
         std::fill(acc.begin(), acc.end(), 0.0f);
@@ -194,7 +200,7 @@ struct Attention : PoolWork {
           for (int64_t d = 0; d < Dh; ++d) acc[d] += w * ys[d];
         }
         if (total == 0.0f) {
-          Mean(v + (b * S * Hkv + kvh) * Dh, Hkv * Dh, out);
+          Mean(v + HeadRow0(b, kvh), Hkv * Dh, out);
           continue;
         }
         for (int64_t d = 0; d < Dh; ++d) out[d] = acc[d] / total;
@@ -208,7 +214,6 @@ struct Attention : PoolWork {
   // row left unused, when the range shows the query no row.
   static bool Softmax(float* row, int64_t r0, int64_t m, int64_t width, int64_t L,
                       const bool* seen, float* max, float* sum) {
-    constexpr float kHidden = -3.0e38f;  // below any score, and finite: no inf - inf
     auto hidden = [&](int64_t s) { return s >= m || (r0 + s >= L && !seen[r0 + s - L]); };
     const int64_t first = std::clamp<int64_t>(L - r0, 0, m);  // [0, first): prefix rows
     int64_t visible = first;
