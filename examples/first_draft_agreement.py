@@ -26,6 +26,14 @@ The lookup chain's figure is then the expected acceptance of its (deterministic)
 token, ``p_T(c)``; "either" is left out (two siblings, one sampled, accept by recursive
 rejection, not by either event).
 
+``--children 2,3,4`` (with ``--temperature``) also estimates, per drafter, the chance that
+a root with K children drawn from q without replacement has one of them accepted: the tree
+``dyspec-threshold`` depth 1 with ``total_tokens`` K drafts at the root. It runs the loop's
+own code on each position's (p, q) pair, :func:`specjax.tree.base.draft_children` (Gumbel
+top-K) then :func:`specjax.verify.verify_sampling` (multi-draft rejection sampling), over
+``--children-trials`` draws (Monte Carlo; K = 1 is ``sum_x min(p, q)`` exactly), so a
+root's width can be chosen in minutes, on calibration prompts, before a loop run times it.
+
 ``--calibration N`` scores about N calibration prompts instead (as in
 ``examples/sampled_speedup.py``): what a drafter is chosen on before Spec-Bench evaluates it.
 
@@ -48,8 +56,10 @@ token as children. Each drafter's acceptance is also split by where the lookup i
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -60,7 +70,9 @@ from specjax.defaults import resolve_model, shipped_drafter_for
 from specjax.loop import bucket
 from specjax.model import forward_hidden, init_cache
 from specjax.sampling import SamplingConfig, target_probs
+from specjax.tree.base import DraftMode, dense_dist, draft_children
 from specjax.tree.lookup import lookup_continuation
+from specjax.verify import verify_sampling
 from specjax.vocab import resolve_head
 from specjax.vocab.fr_head import FrequencyHead
 from specjax.vocab.head import FullHead
@@ -75,20 +87,10 @@ def agreement(target, drafter, seqs: list[tuple[list[int], list[int]]],
     float, ``sum_x min(p, q)`` with p the target's softmax(logits / T) over the whole
     vocabulary and q the drafter's over ``head_ids`` ([N] ids; None: all).
     ``window`` > 0: each row attends to the last ``window`` rows only (itself included)."""
-    dm = drafter.cfg
     out = []
     for prompt, answer in seqs:
         ids = prompt + answer
-        toks, pos, hidden, taps = target_forward(target, ids, dm.tap_layers(target.cfg))
-        n = toks.shape[1]
-        feats = dm.target_features(drafter.params, hidden, taps)
-        shifted = jnp.concatenate([jnp.zeros_like(feats[:, :1]), feats[:, :-1]], axis=1)
-        i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
-        mask = (j <= i) & ((i - j < window) if window > 0 else True)
-        h, _ = dm.forward(drafter.params, target.params.embed, toks, shifted, pos,
-                          dm.init_cache(1, n, target.params.embed.dtype), block_mask=mask[None])
-        # Position t predicts token t + 1; score the answer's tokens after the first (the
-        # first answer token is the prefill's, never drafted).
+        hidden, h = features(target, drafter, ids, window)
         lo, hi = len(prompt), len(ids) - 1
         if temperature > 0:
             out.append(np.asarray(sampled_acceptance(
@@ -96,6 +98,91 @@ def agreement(target, drafter, seqs: list[tuple[list[int], list[int]]],
             continue
         pred = np.asarray(jnp.argmax(h @ target.params.head.T, -1))[0]
         out.append(pred[lo:hi] == np.asarray(ids[lo + 1:hi + 1]))
+    return out
+
+
+def features(target, drafter, ids: list[int], window: int = 0):
+    """The target's and the drafter's final features over ``ids``, teacher-forced:
+    ([1, n, d], [1, n, d]), n the loop's bucket. Row t predicts token t + 1; the scored
+    rows are the answer's after its first token (the prefill's, never drafted)."""
+    dm = drafter.cfg
+    toks, pos, hidden, taps = target_forward(target, ids, dm.tap_layers(target.cfg))
+    n = toks.shape[1]
+    feats = dm.target_features(drafter.params, hidden, taps)
+    shifted = jnp.concatenate([jnp.zeros_like(feats[:, :1]), feats[:, :-1]], axis=1)
+    i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+    mask = (j <= i) & ((i - j < window) if window > 0 else True)
+    h, _ = dm.forward(drafter.params, target.params.embed, toks, shifted, pos,
+                      dm.init_cache(1, n, target.params.embed.dtype), block_mask=mask[None])
+    return hidden, h
+
+
+@partial(jax.jit, static_argnames=("k",))
+def _root_hits(key, p, logits, cand_ids, temperature, *, k: int):
+    """[b] float 1.0 where one of ``k`` children drawn from q at the root is accepted, for
+    one draw: p [b, V], logits [b, C] over ``cand_ids`` [C], temperature a scalar array."""
+    b, v = p.shape
+    ids = jnp.broadcast_to(cand_ids, (b, 1, cand_ids.shape[0]))
+    k_draft, k_verify = jax.random.split(key)
+    ch = draft_children(ids, logits[:, None, :], k,
+                        DraftMode(sampled=True, temperature=temperature, key=k_draft), k_draft)
+    tokens = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), ch.ids[:, 0]], axis=1)
+    valid = jnp.concatenate([jnp.ones((b, 1), bool), jnp.isfinite(ch.logq[:, 0])], axis=1)
+    parent = jnp.broadcast_to(jnp.asarray([-1] + [0] * k, jnp.int32), (b, k + 1))
+    # Only the root's rows matter: a child's own p and q are read after it is accepted.
+    probs_t = jnp.broadcast_to(p[:, None, :], (b, k + 1, v))
+    dist = jnp.concatenate([dense_dist(ids, ch.cand_q, v),  # the root's q, [b, 1, V]
+                            jnp.zeros((b, k, v), jnp.float32)], axis=1)
+    acc = verify_sampling(k_verify, tokens, parent, valid, probs_t, dist, sampled=True)
+    return (acc.num_accepted >= 1).astype(jnp.float32)
+
+
+def children_acceptance(p, cand_logits, cand_ids, k: int, temperature: float, key,
+                        trials: int, chunk: int = 64) -> np.ndarray:
+    """[n] the probability that a root with ``k`` children drawn without replacement from
+    q has one accepted, estimated over ``trials`` draws with the loop's own drafting and
+    verification (:func:`draft_children`, :func:`verify_sampling`).
+
+    p: [n, V] the target's distribution at each position (``probs``); cand_logits: [n, C]
+    the drafter's logits over its head's ids ``cand_ids`` [C] (q = softmax(cand_logits /
+    temperature), zero off the head). Rows are simulated ``chunk`` at a time ([chunk, k +
+    1, V] arrays), the last chunk padded so that every call has one shape.
+    """
+    n = p.shape[0]
+    p, cand_logits = jnp.asarray(p, jnp.float32), jnp.asarray(cand_logits, jnp.float32)
+    ids, t = jnp.asarray(cand_ids, jnp.int32), jnp.float32(temperature)
+    out = np.zeros(n)
+    for lo in range(0, n, chunk):
+        rows = jnp.asarray(np.arange(lo, lo + chunk).clip(max=n - 1))
+        pc, lc = p[rows], cand_logits[rows]
+        tot = sum(_root_hits(jax.random.fold_in(key, lo * trials + i), pc, lc, ids, t, k=k)
+                  for i in range(trials))
+        m = min(chunk, n - lo)
+        out[lo:lo + m] = np.asarray(tot)[:m] / trials
+    return out
+
+
+def children_by_answer(target, drafter, seqs: list[tuple[list[int], list[int]]],
+                       ks: tuple[int, ...], temperature: float, head_ids: np.ndarray | None,
+                       trials: int, seed: int = 0) -> dict[int, list[np.ndarray]]:
+    """{K: per (prompt, answer) pair, [n - 1] float}: :func:`children_acceptance` at each
+    drafted position for a root with K sampled children, q over ``head_ids`` (None: all)."""
+    ids_c = np.arange(target.cfg.vocab_size) if head_ids is None else np.asarray(head_ids)
+    w = target.params.head[jnp.asarray(ids_c)]
+    out: dict[int, list[np.ndarray]] = {k: [] for k in ks}
+    for a, (prompt, answer) in enumerate(seqs):
+        ids = prompt + answer
+        hidden, h = features(target, drafter, ids)
+        lo, hi = len(prompt), len(ids) - 1
+        if hi <= lo:
+            for k in ks:
+                out[k].append(np.zeros(0))
+            continue
+        p = probs(hidden[0, lo:hi] @ target.params.head.T, temperature)
+        logits = h[0, lo:hi] @ w.T
+        for k in ks:
+            key = jax.random.fold_in(jax.random.key(seed), a * 1000 + k)
+            out[k].append(children_acceptance(p, logits, ids_c, k, temperature, key, trials))
     return out
 
 
@@ -229,6 +316,12 @@ def main() -> None:
     ap.add_argument("--vocab", default=None, metavar="full|fr:N",
                     help="with --temperature: the head q is drafted over, the same for every "
                          "drafter (default: the first drafter's shipped one)")
+    ap.add_argument("--children", default="", metavar="K,K,...",
+                    help="with --temperature: also estimate the acceptance of a root with K "
+                         "children sampled without replacement, for each K (Monte Carlo "
+                         "through the loop's drafting and verifier)")
+    ap.add_argument("--children-trials", type=int, default=16,
+                    help="draws per position for --children (default 16)")
     ap.add_argument("--calibration", type=int, default=0, metavar="N",
                     help="about N calibration prompts (ShareGPT's calibration range, never "
                          "Spec-Bench) instead of Spec-Bench's, to choose on (default 0)")
@@ -248,6 +341,12 @@ def main() -> None:
     if args.temperature < 0:
         raise SystemExit(f"--temperature must be >= 0, got {args.temperature}")
     sampled = args.temperature > 0
+    ks = tuple(int(k) for k in args.children.split(",") if k)
+    if ks and not sampled:
+        raise SystemExit("--children scores sampled children: give --temperature > 0")
+    if any(k < 1 for k in ks) or args.children_trials < 1:
+        raise SystemExit(f"--children needs K >= 1 and --children-trials >= 1, got "
+                         f"{args.children!r} and {args.children_trials}")
     # Drafters load before the answers are generated, so a bad path fails at once.
     shipped = shipped_drafter_for(target.cfg)
     if not args.drafter and shipped is None:
@@ -266,7 +365,8 @@ def main() -> None:
               "tasks": list(tasks),
               "drafter_window": args.drafter_window, "temperature": args.temperature,
               "seed": args.seed if sampled else None,
-              "max_new_tokens": args.max_new_tokens, "drafters": {}}
+              "max_new_tokens": args.max_new_tokens,
+              "children_trials": args.children_trials if ks else None, "drafters": {}}
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     task_of = [e["task"] for e in evals]
     by_task = lambda hits: pooled_per_task(hits, task_of, tasks)  # noqa: E731
@@ -305,6 +405,14 @@ def main() -> None:
               f"{fmt(hit['pooled'])}, where it is not {fmt(miss['pooled'])}: "
               + " ".join(f"{t} {fmt(hit['per_task'][t])}/{fmt(miss['per_task'][t])}"
                          for t in tasks), flush=True)
+        if ks:
+            kids = children_by_answer(target, drafter, seqs, ks, args.temperature, ids,
+                                      args.children_trials, args.seed)
+            result["drafters"][path]["children"] = {
+                str(k): {"pooled": pooled(v), "per_task": by_task(v)} for k, v in kids.items()}
+            print("  a root with K sampled children accepts one: " + ", ".join(
+                f"K={k} {fmt(pooled(v))}" for k, v in kids.items())
+                + f" ({args.children_trials} draws a position)", flush=True)
         if first is None:
             first = per
         else:  # 24 prompts resolve a few points at best: say how many

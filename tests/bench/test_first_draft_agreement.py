@@ -57,3 +57,54 @@ def test_sampled_acceptance_is_the_rejection_tests_acceptance_probability():
 def test_pooled_weighs_expected_hits_by_position():
     assert fda.pooled([np.array([0.5, 0.25]), np.array([1.0])]) == pytest.approx(1.75 / 3)
     assert fda.pooled([np.zeros(0)]) is None
+
+
+def _exact_two_children(p: np.ndarray, q: np.ndarray) -> float:
+    """A root with two children drawn without replacement from q, verified by multi-draft
+    rejection sampling: the first is accepted with sum min(p, q); after rejecting x the
+    residual is norm(max(p - q, 0)) and the second child's law is q without x."""
+    first = np.minimum(p, q).sum()
+    resid = np.maximum(p - q, 0)
+    resid = resid / resid.sum()
+    second = 0.0
+    for x in range(len(p)):
+        rejected_x = max(q[x] - p[x], 0.0)  # q(x) (1 - min(1, p(x) / q(x)))
+        if rejected_x == 0:
+            continue
+        q2 = np.where(np.arange(len(q)) == x, 0.0, q) / (1 - q[x])
+        second += rejected_x * np.minimum(resid, q2).sum()
+    return first + second
+
+
+def test_children_acceptance_matches_the_exact_multi_draft_rates():
+    import jax
+
+    rng = np.random.default_rng(1)
+    v, n = 12, 3
+    p = rng.dirichlet(np.full(v, 0.7), size=n).astype(np.float32)
+    logits = rng.normal(size=(n, v)).astype(np.float32) * 1.5
+    q = np.exp(logits - logits.max(-1, keepdims=True))
+    q /= q.sum(-1, keepdims=True)
+    ids = np.arange(v)
+    trials = 1500
+    one = fda.children_acceptance(p, logits, ids, 1, 1.0, jax.random.key(0), trials)
+    two = fda.children_acceptance(p, logits, ids, 2, 1.0, jax.random.key(1), trials)
+    se = 0.5 / np.sqrt(trials)  # a Bernoulli mean's standard error is at most this
+    np.testing.assert_allclose(one, np.minimum(p, q).sum(-1), atol=4 * se)
+    np.testing.assert_allclose(two, [_exact_two_children(p[i], q[i]) for i in range(n)],
+                               atol=4 * se)
+    assert np.all(two > np.minimum(p, q).sum(-1))  # a second child always adds here
+
+
+def test_children_acceptance_of_a_drafter_equal_to_the_target_is_one():
+    import jax
+
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(2, 9)).astype(np.float32)
+    p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    got = fda.children_acceptance(p, logits, np.arange(9), 1, 1.0, jax.random.key(3), 50)
+    np.testing.assert_allclose(got, 1.0)
+    # Over a shortlist S (drafts never leave it), one child is accepted with p(S).
+    ids = np.array([0, 2, 5, 7])
+    got = fda.children_acceptance(p, logits[:, ids], ids, 1, 1.0, jax.random.key(4), 2000)
+    np.testing.assert_allclose(got, p[:, ids].sum(-1), atol=4 * 0.5 / np.sqrt(2000))
