@@ -33,6 +33,8 @@ own code on each position's (p, q) pair, :func:`specjax.tree.base.draft_children
 top-K) then :func:`specjax.verify.verify_sampling` (multi-draft rejection sampling), over
 ``--children-trials`` draws (Monte Carlo; K = 1 is ``sum_x min(p, q)`` exactly), so a
 root's width can be chosen in minutes, on calibration prompts, before a loop run times it.
+Every drafter is simulated with the same random draws, so the differences between drafters
+are paired twice over (the same positions, the same noise).
 
 ``--calibration N`` scores about N calibration prompts instead (as in
 ``examples/sampled_speedup.py``): what a drafter is chosen on before Spec-Bench evaluates it.
@@ -381,6 +383,7 @@ def main() -> None:
     print(f"lookup chain: first-token acceptance {fmt(pooled(look_acc))} "
           + " ".join(f"{t} {fmt(v)}" for t, v in by_task(look_acc).items()), flush=True)
     first: list[np.ndarray] | None = None  # the first drafter's hits: the others' baseline
+    first_kids: dict[int, list[np.ndarray]] | None = None  # its --children figures
     for path, drafter in drafters:
         per = agreement(target, drafter, seqs, args.drafter_window, args.temperature, ids)
         either = None if sampled else [a | b for a, b in zip(per, look, strict=True)]
@@ -413,6 +416,14 @@ def main() -> None:
             print("  a root with K sampled children accepts one: " + ", ".join(
                 f"K={k} {fmt(pooled(v))}" for k, v in kids.items())
                 + f" ({args.children_trials} draws a position)", flush=True)
+            if first_kids is None:
+                first_kids = kids
+            else:  # the same draws' noise for every drafter: a paired difference
+                for k, v in kids.items():
+                    g = pooled_difference(v, first_kids[k])
+                    result["drafters"][path]["children"][str(k)]["vs_first"] = g
+                    print(f"  K={k} minus the first drafter: {g['diff']:+.3f}, 95% interval "
+                          f"[{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}]", flush=True)
         if first is None:
             first = per
         else:  # 24 prompts resolve a few points at best: say how many
