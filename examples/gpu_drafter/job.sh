@@ -20,7 +20,7 @@
 # job reads is prepared by prepare.py on the CPU. `train` caches the states itself if
 # `generate` did not get that far.
 # At toy size on a CPU: STAGE=/tmp/stage KERNEL_TESTS=0 LIMIT=8 GEN_BATCH=4 MAX_RECORDS=240
-# BATCH=4096 STEPS=6 EVAL_EVERY=3 CALIB=0 (examples/gpu_drafter/README.md).
+# BATCH=4096 STEPS=6 EVAL_EVERY=3 CALIB=0 CACHE_TOKENS=4096 (examples/gpu_drafter/README.md).
 set -uo pipefail
 STAGE=${STAGE:-/root/stage}
 OUT=${OUT:-$STAGE/out}
