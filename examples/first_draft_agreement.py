@@ -82,17 +82,19 @@ from specjax.vocab.head import FullHead
 
 def agreement(target, drafter, seqs: list[tuple[list[int], list[int]]],
               window: int = 0, temperature: float = 0.0,
-              head_ids: np.ndarray | None = None) -> list[np.ndarray]:
+              head_ids: np.ndarray | None = None,
+              feats: list[tuple] | None = None) -> list[np.ndarray]:
     """Per (prompt, answer) pair, [n - 1] scores at each drafted position (an answer of n
     tokens has n - 1; its first is the prefill's). Greedy (``temperature`` 0): bool, the
     drafter's top-1 over the whole vocabulary is the next token. ``temperature`` > 0:
     float, ``sum_x min(p, q)`` with p the target's softmax(logits / T) over the whole
     vocabulary and q the drafter's over ``head_ids`` ([N] ids; None: all).
-    ``window`` > 0: each row attends to the last ``window`` rows only (itself included)."""
+    ``window`` > 0: each row attends to the last ``window`` rows only (itself included).
+    ``feats``: each pair's :func:`features`, when the caller has them already."""
     out = []
-    for prompt, answer in seqs:
+    for i, (prompt, answer) in enumerate(seqs):
         ids = prompt + answer
-        hidden, h = features(target, drafter, ids, window)
+        hidden, h = feats[i] if feats is not None else features(target, drafter, ids, window)
         lo, hi = len(prompt), len(ids) - 1
         if temperature > 0:
             out.append(np.asarray(sampled_acceptance(
@@ -164,18 +166,17 @@ def children_acceptance(p, cand_logits, cand_ids, k: int, temperature: float, ke
     return out
 
 
-def children_by_answer(target, drafter, seqs: list[tuple[list[int], list[int]]],
+def children_by_answer(target, seqs: list[tuple[list[int], list[int]]], feats: list[tuple],
                        ks: tuple[int, ...], temperature: float, head_ids: np.ndarray | None,
                        trials: int, seed: int = 0) -> dict[int, list[np.ndarray]]:
     """{K: per (prompt, answer) pair, [n - 1] float}: :func:`children_acceptance` at each
-    drafted position for a root with K sampled children, q over ``head_ids`` (None: all)."""
+    drafted position for a root with K sampled children, q over ``head_ids`` (None: all);
+    ``feats`` holds each pair's :func:`features` (the same ones :func:`agreement` scores)."""
     ids_c = np.arange(target.cfg.vocab_size) if head_ids is None else np.asarray(head_ids)
     w = target.params.head[jnp.asarray(ids_c)]
     out: dict[int, list[np.ndarray]] = {k: [] for k in ks}
-    for a, (prompt, answer) in enumerate(seqs):
-        ids = prompt + answer
-        hidden, h = features(target, drafter, ids)
-        lo, hi = len(prompt), len(ids) - 1
+    for a, ((prompt, answer), (hidden, h)) in enumerate(zip(seqs, feats, strict=True)):
+        lo, hi = len(prompt), len(prompt) + len(answer) - 1
         if hi <= lo:
             for k in ks:
                 out[k].append(np.zeros(0))
@@ -385,7 +386,11 @@ def main() -> None:
     first: list[np.ndarray] | None = None  # the first drafter's hits: the others' baseline
     first_kids: dict[int, list[np.ndarray]] | None = None  # its --children figures
     for path, drafter in drafters:
-        per = agreement(target, drafter, seqs, args.drafter_window, args.temperature, ids)
+        # With --children both scores read one forward of each answer.
+        feats = ([features(target, drafter, p + a, args.drafter_window) for p, a in seqs]
+                 if ks else None)
+        per = agreement(target, drafter, seqs, args.drafter_window, args.temperature, ids,
+                        feats)
         either = None if sampled else [a | b for a, b in zip(per, look, strict=True)]
         overall, empty = pooled(per), sum(len(h) == 0 for h in per)
         result["drafters"][path] = {"pooled": overall, "per_task": by_task(per),
@@ -409,7 +414,7 @@ def main() -> None:
               + " ".join(f"{t} {fmt(hit['per_task'][t])}/{fmt(miss['per_task'][t])}"
                          for t in tasks), flush=True)
         if ks:
-            kids = children_by_answer(target, drafter, seqs, ks, args.temperature, ids,
+            kids = children_by_answer(target, seqs, feats, ks, args.temperature, ids,
                                       args.children_trials, args.seed)
             result["drafters"][path]["children"] = {
                 str(k): {"pooled": pooled(v), "per_task": by_task(v)} for k, v in kids.items()}
