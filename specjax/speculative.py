@@ -361,7 +361,7 @@ def _verify_tree(params: Params, dparams: Any, head: VocabHead, state: SpecState
             probs = target_probs(logits, spec.sampling, limits.temperature, limits.top_p)
             acc = verify_sampling(sub, tree.tokens, tree.parent, tree.valid, probs,
                                   tree.draft_dist, sampled=tree.sampled,
-                                  assume_q_one=spec.assume_q_one, fixed_from=tree.fixed_from)
+                                  assume_q_one=spec.assume_q_one, fixed=tree.fixed)
         k = acc.num_accepted
         last = _row_gather(acc.path, k[:, None])[:, 0]
     with jax.named_scope("compact"):

@@ -121,7 +121,7 @@ def _zero_at(x: Array, tok: Array) -> Array:
 
 def verify_sampling(key: Array, tree_tokens: Array, parent: Array, valid: Array,
                     target_probs: Array, draft_dist: Array | None, *, sampled: bool,
-                    assume_q_one: bool = False, fixed_from: int | None = None) -> Acceptance:
+                    assume_q_one: bool = False, fixed: Array | None = None) -> Acceptance:
     """Multi-draft rejection sampling over a tree (SpecInfer / Sequoia); lossless.
 
     At the current node u with target distribution p = target_probs[u], the valid children
@@ -146,10 +146,13 @@ def verify_sampling(key: Array, tree_tokens: Array, parent: Array, valid: Array,
     When no child of u is accepted (or u is a leaf), the bonus is drawn from the current p,
     the residual after u's rejected children (p itself at a leaf).
 
-    Nodes from ``fixed_from`` on are deterministic drafts (a grafted lookup chain) and take
-    the point-mass rule in either mode. They must come after all their siblings that take
-    the q-aware rule: by then p is the law of the next token given the rejections so far,
-    and a point-mass step on it is exact for any token fixed before the coins are drawn.
+    Nodes marked ``fixed`` are deterministic drafts (a grafted lookup chain, q's top
+    children of a greedy multi-draft) and take the point-mass rule in either mode; they do
+    not change q. They come after all their siblings that take the q-aware rule: by then p
+    is the law of the next token given the rejections so far, and a point-mass step on it
+    is exact for any token fixed before the coins are drawn. After rejections of sampled
+    x ~ q, p = norm(max(p - q, 0)) keeps all of p's mass on tokens q never draws (q's top
+    children under a greedy multi-draft), which is why trying them last accepts more.
 
     Args:
       key: PRNG key (one for the whole batch).
@@ -161,7 +164,7 @@ def verify_sampling(key: Array, tree_tokens: Array, parent: Array, valid: Array,
         outside a shortlist is fine). Required iff ``sampled and not assume_q_one``.
       sampled: static; whether children were sampled without replacement from draft_dist.
       assume_q_one: static; use the point-mass rule even for sampled children (see above).
-      fixed_from: static; the first node index of the deterministic drafts (None: none).
+      fixed: [B, T] bool or None: the deterministic drafts (``DraftTree.fixed``).
     Returns:
       The accepted path, its length, and the bonus token.
     """
@@ -175,11 +178,13 @@ def verify_sampling(key: Array, tree_tokens: Array, parent: Array, valid: Array,
     probs = target_probs.astype(jnp.float32)
     dists = draft_dist.astype(jnp.float32) if use_q else None
 
+    fixed_nodes = fixed
+
     def step(i, carry):
         cur, path, n, p, q = carry
         tok = tree_tokens[:, i]
         tried = valid[:, i] & (parent[:, i] == cur)
-        fixed = None if fixed_from is None else i >= fixed_from
+        fixed = None if fixed_nodes is None else fixed_nodes[:, i]
         px = _pick(p, tok)
         if use_q:
             # DySpec's algorithm 3: once the draft residual is all zeros, no sibling is left
@@ -194,10 +199,10 @@ def verify_sampling(key: Array, tree_tokens: Array, parent: Array, valid: Array,
             # probability 0; keep p rather than dividing by zero.
             p_rej = _normalize(jnp.maximum(p - q, 0.0), p)
             q_rej = _normalize(_zero_at(q, tok), jnp.zeros_like(q))
-            if fixed is not None:  # grafted nodes: the point-mass rule below
+            if fixed is not None:  # deterministic drafts: the point-mass rule below
                 accept_prob = jnp.where(fixed, px, accept_prob)
-                p_rej = jnp.where(fixed, _normalize(_zero_at(p, tok), p), p_rej)
-                q_rej = jnp.where(fixed, q, q_rej)
+                p_rej = jnp.where(fixed[:, None], _normalize(_zero_at(p, tok), p), p_rej)
+                q_rej = jnp.where(fixed[:, None], q, q_rej)
         else:
             accept_prob = px
             p_rej = _normalize(_zero_at(p, tok), p)  # zero mass iff p was a point mass on x

@@ -90,6 +90,10 @@ def _add_tree(p: argparse.ArgumentParser) -> None:
                    help="dyspec trees, when sampling: draft children top-k and verify with "
                         "the point-mass rule (EAGLE-2's) instead of sampled children and "
                         "multi-draft rejection sampling; both are exact")
+    p.add_argument("--tree-greedy-children", type=int, default=0, metavar="G",
+                   help="dyspec trees, when sampling: each node's last G children are q's "
+                        "top ones, verified after the others, which are sampled from q "
+                        "without them (greedy multi-draft; exact; default 0)")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -188,9 +192,9 @@ def _tree(args: argparse.Namespace, drafter: Any) -> Any:
     given = {"kind": args.tree, "depth": args.tree_depth, "top_k": args.tree_top_k,
              "total_tokens": args.tree_tokens}
     if all(v is None for v in given.values()):
-        if args.tree_topk_children:
-            raise ValueError("--tree-topk-children applies to --tree dyspec or "
-                             "dyspec-threshold; name the tree")
+        if args.tree_topk_children or args.tree_greedy_children:
+            raise ValueError("--tree-topk-children and --tree-greedy-children apply to "
+                             "--tree dyspec or dyspec-threshold; name the tree")
         if args.tree_lookup:  # the default tree, with the chain
             return dataclasses.replace(drafter.tree_for(args.temperature == 0),
                                        lookup=args.tree_lookup, lookup_min=args.tree_lookup_min)
@@ -201,6 +205,8 @@ def _tree(args: argparse.Namespace, drafter: Any) -> Any:
         fields |= {"threshold": args.tree_threshold, "frontier": args.tree_frontier}
     if args.tree_topk_children:
         fields["topk_children"] = True
+    if args.tree_greedy_children:
+        fields["greedy_children"] = args.tree_greedy_children
     return TreeSpec(**fields)
 
 

@@ -65,9 +65,10 @@ class DraftTree:
         children were drawn from (zeros for nodes that were never expanded); else None.
       sampled: static; children were drawn by sampling without replacement from q
         (stochastic drafting) rather than taken in deterministic top-k order.
-      fixed_from: static; nodes from this index on are deterministic drafts whatever
-        ``sampled`` says (a grafted lookup chain, :mod:`specjax.tree.lookup`), each after
-        all its drafted siblings; None: no such nodes.
+      fixed: [B, T] bool or None: nodes drafted deterministically whatever ``sampled``
+        says (a grafted lookup chain, :mod:`specjax.tree.lookup`; q's top children of a
+        tree with ``greedy_children``), each after all its sampled siblings, so
+        verification takes the point-mass rule for them; None: no such nodes.
     """
 
     tokens: Array
@@ -79,7 +80,7 @@ class DraftTree:
     score: Array
     draft_dist: Array | None = None
     sampled: bool = pytree.static_field(default=False)
-    fixed_from: int | None = pytree.static_field(default=None)
+    fixed: Array | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -226,38 +227,59 @@ def log_softmax(logits: Array) -> Array:
 
 
 def draft_children(cand_ids: Array, cand_logits: Array, n: int, mode: DraftMode,
-                    key: Array | None) -> Children:
+                    key: Array | None, greedy: int = 0) -> Children:
     """The first ``n`` children of each frontier node, in drafted order.
 
     Deterministic: the top-n candidates by logit, q = softmax(logits).
     Sampled: Gumbel-top-n over log q, q = softmax(logits / temperature); the order of the
     perturbed values is exactly the order of sampling n times without replacement from q.
+    With ``greedy`` = g > 0 (sampled only), the last g children are q's top g, drafted
+    deterministically, and the first n - g are sampled without replacement from q' = q
+    without them (Hu et al., 2025's greedy multi-draft): ``cand_q`` is then q', the law
+    the sampled children were drawn from, and the verifier must take the point-mass rule
+    for the last g (:attr:`DraftTree.fixed`), after their sampled siblings.
     """
     c = cand_ids.shape[-1]
     if n > c:
         raise ValueError(f"cannot draft {n} children per node from C={c} candidates; "
                          f"top_k / child ranks must be <= C")
+    if not 0 <= greedy < n:
+        raise ValueError(f"greedy children must be in [0, {n}) of {n} children, got {greedy}")
     logits = cand_logits.astype(jnp.float32)
     if mode.sampled:
         t = mode.temperature
         t = t[:, None, None] if t.ndim == 1 else t
         logits = logits / t
     logq = log_softmax(logits)
+    cand_q = None
     if mode.sampled:
+        sample_logq = logq  # the law the sampled children are drawn from
+        if greedy:
+            _, top = jax.lax.top_k(logq, greedy)
+            is_top = jnp.any(jnp.arange(c) == top[..., None], axis=-2)
+            sample_logq = log_softmax(jnp.where(is_top, NEG_INF, logq))
         g = jax.random.gumbel(key, logits.shape, jnp.float32)
-        order_by = jnp.where(jnp.isfinite(logq), logq + g, NEG_INF)
+        order_by = jnp.where(jnp.isfinite(sample_logq), sample_logq + g, NEG_INF)
+        # lax.top_k puts the lower index first on ties, so the drafted order is deterministic.
+        _, pos = jax.lax.top_k(order_by, n - greedy)
+        # Each child's log-probability under the law it was drafted from: q' for the
+        # sampled ones, q itself for q's top ones.
+        child_logq = jnp.take_along_axis(sample_logq, pos, axis=-1)
+        if greedy:
+            pos = jnp.concatenate([pos, top], axis=-1)
+            child_logq = jnp.concatenate(
+                [child_logq, jnp.take_along_axis(logq, top, axis=-1)], axis=-1)
+        cand_q = jnp.exp(sample_logq)
     else:
-        order_by = logits
-    # lax.top_k puts the lower index first on ties, so the drafted order is deterministic.
-    _, pos = jax.lax.top_k(order_by, n)
+        _, pos = jax.lax.top_k(logits, n)
+        child_logq = jnp.take_along_axis(logq, pos, axis=-1)
     ids = jnp.take_along_axis(cand_ids.astype(jnp.int32), pos, axis=-1)
-    child_logq = jnp.take_along_axis(logq, pos, axis=-1)
     # A running minimum along the drafted order: the identity for top-k order; for sampled
     # order it keeps a selection by cumulative value from taking a later-sampled sibling
     # without an earlier one (kept siblings stay a prefix of the sampling order), and it
     # only looks at siblings drafted so far.
     rank_value = jax.lax.cummin(child_logq, axis=child_logq.ndim - 1)
-    return Children(ids, child_logq, rank_value, jnp.exp(logq) if mode.sampled else None)
+    return Children(ids, child_logq, rank_value, cand_q)
 
 
 def dense_dist(ids: Array, q: Array, vocab: int) -> Array:
@@ -277,8 +299,8 @@ def padding_rows(t: int) -> np.ndarray:
 
 def finish_tree(tokens: Array, parent: Array, depth: Array, valid: Array, ancestors: Array,
             draft_logp: Array, score: Array, draft_dist: Array | None,
-            sampled: bool) -> DraftTree:
-    """Canonicalise padding nodes (token 0, parent 0, depth 1, -inf log-probs)."""
+            sampled: bool, fixed: Array | None = None) -> DraftTree:
+    """Canonicalise padding nodes (token 0, parent 0, depth 1, -inf log-probs, not fixed)."""
     t = tokens.shape[1]
     valid = valid.at[:, 0].set(True)
     is_root = jnp.arange(t) == 0
@@ -292,6 +314,7 @@ def finish_tree(tokens: Array, parent: Array, depth: Array, valid: Array, ancest
         score=jnp.where(is_root, 0.0, jnp.where(valid, score, NEG_INF)),
         draft_dist=None if draft_dist is None else jnp.where(valid[:, :, None], draft_dist, 0.0),
         sampled=sampled,
+        fixed=None if fixed is None else fixed & valid & ~is_root,
     )
     return tree
 

@@ -40,6 +40,14 @@ verification then uses the point-mass rule (as for EAGLE-2): exact for any tree 
 before the target's coins. Against the sampled tree it trades the multi-draft rule's use
 of q for drafts that are the drafter's best guesses; with a weak drafter and a peaked
 target those are accepted more often (docs/benchmarks.md).
+
+``TreeSpec(greedy_children=g)`` keeps the sampled tree but drafts each node's last g
+children as q's top g tokens and samples the others without replacement from q without
+them (Hu et al., 2025, "Towards Optimal Multi-draft Speculative Decoding"). Verification
+tries the sampled ones first (against q') and then q's top ones by the point-mass rule
+(``DraftTree.fixed``): a rejected sampled child leaves all of the target's mass on them,
+so the root accepts p(top) + sum_{y != top} min(p(y), q'(y)) with one such child, more
+than three children all sampled from q on the SmolLM2 drafter (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
 from specjax.tree.base import (
@@ -73,13 +82,20 @@ def _log_rest(logq: Array) -> Array:
     return jnp.log(jnp.maximum(1.0 - before, 0.0))
 
 
-def _slot_values(logv: Array, kids_logq: Array, value: str) -> Array:
+def _slot_values(logv: Array, kids_logq: Array, value: str,
+                 fixed_slot: np.ndarray | None = None) -> Array:
     """log value of each child slot [..., m] of nodes with log path value ``logv`` [...].
 
     ``"accept"``: the path product of the child the slot would draft; ``"reach"``: the
-    chance that verification gets to the slot (every earlier sibling rejected).
+    chance that verification gets to the slot (every earlier sibling rejected). Slots in
+    ``fixed_slot`` [m] (q's top children of a greedy multi-draft) are keyed by "accept"
+    either way: their token is fixed before any draw, so keying by it biases no draw, and
+    their chance of acceptance is q(top) whatever the sampled siblings before them took
+    of q' (a sampled sibling's rejection leaves all of the target's mass on them).
     """
     rest = kids_logq if value == "accept" else _log_rest(kids_logq)
+    if fixed_slot is not None:
+        rest = jnp.where(jnp.asarray(fixed_slot), kids_logq, rest)
     return logv[..., None] + rest
 
 
@@ -96,14 +112,21 @@ def _value_kind(value: str | None, sampled: bool) -> str:
     return value
 
 
-def _child_table(ids: Array, logits: Array, m: int, mode, key: Array | None):
-    """The first ``m`` children of each expanded node in drafted order, and q (sampled)."""
-    ch = draft_children(ids, logits, m, mode, key)
+def _child_table(ids: Array, logits: Array, m: int, mode, key: Array | None, greedy: int):
+    """The first ``m`` children of each expanded node in drafted order, and q (sampled):
+    the law of the sampled ones; with ``greedy`` the last that many are q's top ones."""
+    ch = draft_children(ids, logits, m, mode, key, greedy if mode.sampled else 0)
     return ch.ids, ch.logq, ch.cand_q
 
 
+def _fixed_slots(m: int, mode, greedy: int) -> np.ndarray | None:
+    """[m] bool, which of a node's ``m`` drafted children are deterministic (the last
+    ``greedy`` when sampling); None when none are."""
+    return np.arange(m) >= m - greedy if mode.sampled and greedy else None
+
+
 def _expand_root(expand: ExpandFn, carry: Carry, root: Array, total_tokens: int, mode,
-                 vocab_size: int | None):
+                 vocab_size: int | None, greedy: int):
     """Expand the root (workspace slot 0 of ``total_tokens + 1``).
 
     Returns (carry, candidate ids [B, 1, C], m = children kept per node, V of draft_dist,
@@ -114,15 +137,18 @@ def _expand_root(expand: ExpandFn, carry: Carry, root: Array, total_tokens: int,
     rows = jnp.zeros((b, 1, total_tokens + 1), bool).at[:, :, 0].set(True)
     carry, ids, logits = expand(carry, root[:, None], zeros, zeros, rows, 0)
     m = min(total_tokens, ids.shape[-1])
+    if mode.sampled and greedy >= m:
+        raise ValueError(f"greedy_children ({greedy}) must be fewer than the {m} children a "
+                         f"node drafts, so that at least one is sampled")
     key = jax.random.fold_in(mode.key, 0) if mode.sampled else None
     return (carry, ids, m, candidate_vocab(vocab_size, ids.shape[-1]),
-            *_child_table(ids, logits, m, mode, key))
+            *_child_table(ids, logits, m, mode, key, greedy))
 
 
 def build_dyspec(expand: ExpandFn, carry: Carry, root: Array, total_tokens: int, *,
                  key: Array | None = None, temperature: float | Array = 0.0,
-                 vocab_size: int | None = None,
-                 value: str | None = None) -> tuple[DraftTree, Carry]:
+                 vocab_size: int | None = None, value: str | None = None,
+                 greedy: int = 0) -> tuple[DraftTree, Carry]:
     """DySpec's greedy tree (algorithm 1) with ``total_tokens`` drafted nodes.
 
     Node i (1..T-1) is drafted at iteration i from the open slot of the highest value; node
@@ -149,7 +175,10 @@ def build_dyspec(expand: ExpandFn, carry: Carry, root: Array, total_tokens: int,
     bi = jnp.arange(b)
     eye = jnp.eye(t, dtype=bool)
     carry, ids, m, vocab, k_ids, k_logq, cand_q = _expand_root(expand, carry, root,
-                                                              total_tokens, mode, vocab_size)
+                                                              total_tokens, mode, vocab_size,
+                                                              greedy)
+    fixed_slot = _fixed_slots(m, mode, greedy)
+    fixed = None if fixed_slot is None else jnp.zeros((b, t), bool)
     kids = jnp.zeros((b, t, m), jnp.int32).at[:, 0].set(k_ids[:, 0])
     kids_logq = jnp.full((b, t, m), -jnp.inf, jnp.float32).at[:, 0].set(k_logq[:, 0])
     dist = (jnp.zeros((b, t, vocab), jnp.float32).at[:, 0].set(
@@ -167,7 +196,8 @@ def build_dyspec(expand: ExpandFn, carry: Carry, root: Array, total_tokens: int,
     for i in range(1, t):  # unrolled: one drafter call per node
         nxt = jnp.minimum(used, m - 1)[..., None]
         lq_next = jnp.take_along_axis(kids_logq, nxt, axis=2)[..., 0]
-        slot_v = jnp.take_along_axis(_slot_values(logv, kids_logq, value), nxt, axis=2)[..., 0]
+        slot_v = jnp.take_along_axis(_slot_values(logv, kids_logq, value, fixed_slot), nxt,
+                                     axis=2)[..., 0]
         open_ = valid & (used < m) & jnp.isfinite(lq_next)
         slot = jnp.where(open_, slot_v, -jnp.inf)
         u = jnp.argmax(slot, axis=1)  # the lowest index on ties
@@ -181,27 +211,30 @@ def build_dyspec(expand: ExpandFn, carry: Carry, root: Array, total_tokens: int,
         anc = anc.at[:, i].set(anc[bi, u] | eye[i])
         logv = logv.at[:, i].set(jnp.where(has, logv[bi, u] + lq, -jnp.inf))
         logp = logp.at[:, i].set(lq)
+        if fixed is not None:
+            fixed = fixed.at[:, i].set(jnp.asarray(fixed_slot)[k])
         used = used.at[bi, u].add(has.astype(jnp.int32))
         if i == t - 1:
             break
         carry, ids, logits = expand(carry, tokens[:, i:i + 1], depth[:, i:i + 1],
                                     jnp.full((b, 1), i, jnp.int32), anc[:, i:i + 1], 0)
         k_ids, k_logq, cand_q = _child_table(
-            ids, logits, m, mode, jax.random.fold_in(mode.key, i) if mode.sampled else None)
+            ids, logits, m, mode, jax.random.fold_in(mode.key, i) if mode.sampled else None,
+            greedy)
         kids = kids.at[:, i].set(k_ids[:, 0])
         kids_logq = kids_logq.at[:, i].set(jnp.where(has[:, None], k_logq[:, 0], -jnp.inf))
         if mode.sampled:
             dist = dist.at[:, i].set(dense_dist(ids, cand_q, vocab)[:, 0] * has[:, None])
 
-    tree = finish_tree(tokens, parent, depth, valid, anc, logp, logv, dist, mode.sampled)
+    tree = finish_tree(tokens, parent, depth, valid, anc, logp, logv, dist, mode.sampled, fixed)
     return permute_nodes(tree, bfs_order(tree)), carry
 
 
 def build_dyspec_threshold(expand: ExpandFn, carry: Carry, root: Array, total_tokens: int,
                            depth: int, threshold: float, *, frontier: int | None = None,
                            key: Array | None = None, temperature: float | Array = 0.0,
-                           vocab_size: int | None = None,
-                           value: str | None = None) -> tuple[DraftTree, Carry]:
+                           vocab_size: int | None = None, value: str | None = None,
+                           greedy: int = 0) -> tuple[DraftTree, Carry]:
     """DySpec's layer-by-layer tree (algorithm 2): every slot worth at least ``threshold``.
 
     Layer d (1..``depth``) drafts, for every expanded node of layer d-1, the children whose
@@ -238,7 +271,10 @@ def build_dyspec_threshold(expand: ExpandFn, carry: Carry, root: Array, total_to
     eye = jnp.eye(t, dtype=bool)
     log_thr = math.log(threshold)
     carry, ids, m, vocab, k_ids, k_logq, cand_q = _expand_root(expand, carry, root,
-                                                              total_tokens, mode, vocab_size)
+                                                              total_tokens, mode, vocab_size,
+                                                              greedy)
+    fixed_slot = _fixed_slots(m, mode, greedy)
+    fixed = None if fixed_slot is None else jnp.zeros((b, t), bool)
     # The frontier: kf slots; only slot 0 (the root) is real at first.
     f_node = jnp.zeros((b, kf), jnp.int32)
     f_valid = jnp.zeros((b, kf), bool).at[:, 0].set(True)
@@ -260,7 +296,7 @@ def build_dyspec_threshold(expand: ExpandFn, carry: Carry, root: Array, total_to
     count = jnp.ones((b,), jnp.int32)  # nodes so far
 
     for d in range(1, depth + 1):  # unrolled: at most one drafter call per layer
-        slot_v = _slot_values(f_logv, f_kids_logq, value_kind)  # [B, kf, m]
+        slot_v = _slot_values(f_logv, f_kids_logq, value_kind, fixed_slot)  # [B, kf, m]
         ok = f_valid[..., None] & jnp.isfinite(f_kids_logq) & (slot_v >= log_thr)
         flat_val = jnp.where(ok, slot_v, -jnp.inf).reshape(b, kf * m)
         # Rank among this layer's candidates by value (lower flat index first on ties);
@@ -277,6 +313,9 @@ def build_dyspec_threshold(expand: ExpandFn, carry: Carry, root: Array, total_to
         valid = valid.at[bi, dest].set(True, mode="drop")
         logv = logv.at[bi, dest].set(new_logv, mode="drop")
         logp = logp.at[bi, dest].set(lq, mode="drop")
+        if fixed is not None:  # slot k of every frontier node, in flat (parent, k) order
+            fixed = fixed.at[bi, dest].set(jnp.asarray(np.tile(fixed_slot, kf))[None],
+                                           mode="drop")
         anc = anc.at[bi, dest].set(anc[bi, par] | eye[jnp.clip(dest, 0, t - 1)], mode="drop")
         n_new = jnp.sum(keep, axis=1)
         count = count + n_new
@@ -299,7 +338,8 @@ def build_dyspec_threshold(expand: ExpandFn, carry: Carry, root: Array, total_to
         def draft_layer(c, tok, dep, node, rows, d=d):
             c, ids, logits = expand(c, tok, dep, node, rows, d)
             kids, kids_logq, cand_q = _child_table(
-                ids, logits, m, mode, jax.random.fold_in(mode.key, d) if mode.sampled else None)
+                ids, logits, m, mode, jax.random.fold_in(mode.key, d) if mode.sampled else None,
+                greedy)
             return c, kids, kids_logq, (dense_dist(ids, cand_q, vocab) if mode.sampled
                                         else None)
 
@@ -316,7 +356,8 @@ def build_dyspec_threshold(expand: ExpandFn, carry: Carry, root: Array, total_to
             q = q * f_valid[..., None]
             dist = dist.at[bi, jnp.where(f_valid, f_node, t)].set(q, mode="drop")
 
-    tree = finish_tree(tokens, parent, node_depth, valid, anc, logp, logv, dist, mode.sampled)
+    tree = finish_tree(tokens, parent, node_depth, valid, anc, logp, logv, dist, mode.sampled,
+                       fixed)
     return tree, carry
 
 
@@ -364,7 +405,8 @@ class DySpecBuilder:
               vocab_size: int) -> tuple[DraftTree, Carry]:
         key, temperature = _drafting(spec, key, temperature)
         return build_dyspec(expand, carry, root, spec.total_tokens, key=key,
-                            temperature=temperature, vocab_size=vocab_size)
+                            temperature=temperature, vocab_size=vocab_size,
+                            greedy=spec.greedy_children)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,7 +439,8 @@ class DySpecThresholdBuilder:
         key, temperature = _drafting(spec, key, temperature)
         return build_dyspec_threshold(expand, carry, root, spec.total_tokens, spec.depth,
                                       spec.threshold, frontier=spec.frontier or None, key=key,
-                                      temperature=temperature, vocab_size=vocab_size)
+                                      temperature=temperature, vocab_size=vocab_size,
+                                      greedy=spec.greedy_children)
 
 
 register("dyspec", DySpecBuilder())

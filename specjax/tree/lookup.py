@@ -17,7 +17,7 @@ lookup decoding (Saxena, 2023) and SAM-Decoding (Hu et al., 2024) do beside a dr
   nodes while their tokens agree, and hangs the rest below the last one as new nodes, so
   no node gains a child that repeats a sibling's token.
 
-Grafted nodes are deterministic drafts, marked by ``DraftTree.fixed_from`` (they come after
+Grafted nodes are deterministic drafts, marked in ``DraftTree.fixed`` (they come after
 every drafted node, so each is tried after all its drafted siblings). Greedy verification
 accepts them by the target's argmax; sampling verification by the point-mass rule, even in
 a tree whose drafted children were sampled from q and are verified against q: once those
@@ -26,8 +26,6 @@ step on it is exact for any fixed token (:func:`specjax.verify.verify_sampling`)
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -135,9 +133,10 @@ def graft_chain(tree: DraftTree, tokens: Array, found: Array) -> DraftTree:
     dist = tree.draft_dist
     if dist is not None:
         dist = jnp.pad(dist, ((0, 0), (0, k), (0, 0)))
-    grafted = finish_tree(
+    fixed = jnp.zeros((b, t), bool) if tree.fixed is None else tree.fixed
+    return finish_tree(
         cat(tree.tokens, new_tokens), cat(tree.parent, new_parent), cat(tree.depth, new_depth),
         cat(tree.valid, new_valid), cat(upper, lower),
         cat(tree.draft_logp, jnp.zeros((b, k), tree.draft_logp.dtype)),
-        cat(tree.score, jnp.broadcast_to(at_cur(tree.score), (b, k))), dist, tree.sampled)
-    return dataclasses.replace(grafted, fixed_from=t)
+        cat(tree.score, jnp.broadcast_to(at_cur(tree.score), (b, k))), dist, tree.sampled,
+        cat(fixed, jnp.ones((b, k), bool)))

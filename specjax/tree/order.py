@@ -90,7 +90,7 @@ def permute_nodes(tree: DraftTree, new_index: Array) -> DraftTree:
                      depth=take(tree.depth), valid=take(tree.valid), ancestors=anc,
                      draft_logp=take(tree.draft_logp), score=take(tree.score),
                      draft_dist=None if tree.draft_dist is None else take(tree.draft_dist),
-                     sampled=tree.sampled)
+                     sampled=tree.sampled, fixed=None if tree.fixed is None else take(tree.fixed))
 
 
 def mask_blocks(ancestors: Array, block: int) -> Array:

@@ -78,6 +78,12 @@ class TreeSpec:
       verify with the point-mass rule (EAGLE-2's), instead of drawing children without
       replacement and verifying by multi-draft rejection sampling. Both are exact; with a
       weak drafter and a peaked target the top-k children are accepted more often.
+    greedy_children: DySpec trees only, when sampling: the last this many children of each
+      expanded node are q's top ones, drafted deterministically and verified after their
+      sampled siblings by the point-mass rule; the others are sampled without replacement
+      from q without them (Hu et al., 2025's greedy multi-draft). Exact; 0 samples them
+      all. A rejected sampled child leaves the target's mass on q's top tokens untouched,
+      so they are accepted more often tried last than drawn among the samples.
     lookup: any kind; tokens of a chain copied from the committed text
       (:mod:`specjax.tree.lookup`) grafted onto the drafter's tree every step, 0 = none.
       They add ``lookup`` nodes to T and may reach depth ``lookup``.
@@ -95,6 +101,7 @@ class TreeSpec:
     threshold: float = 0.0
     frontier: int = 0
     topk_children: bool = False
+    greedy_children: int = 0
     lookup: int = 0
     lookup_ngram: int = 3
     lookup_min: int = 1
@@ -103,6 +110,17 @@ class TreeSpec:
         if self.kind not in BUILDERS:
             raise ValueError(f"tree kind must be one of {', '.join(sorted(BUILDERS))}, got "
                              f"{self.kind!r}")
+        g = self.greedy_children
+        if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+            raise ValueError(f"tree greedy_children must be an int >= 0, got {g!r}")
+        if g and (not self.kind.startswith("dyspec") or self.topk_children):
+            raise ValueError(f"only dyspec trees that sample their children take "
+                             f"greedy_children; a {self.kind} tree"
+                             f"{' with topk_children' if self.topk_children else ''} got "
+                             f"greedy_children={g}")
+        if g and g >= self.total_tokens:
+            raise ValueError(f"tree greedy_children ({g}) must be below total_tokens "
+                             f"({self.total_tokens}): at least one child is sampled")
         for name in ("depth", "top_k", "total_tokens"):  # before any size is derived from them
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -178,6 +196,8 @@ class TreeSpec:
             d.pop("frontier")
         if not self.kind.startswith("dyspec"):
             d.pop("topk_children")
+        if not self.greedy_children:  # trees saved before greedy children read unchanged
+            d.pop("greedy_children")
         if not self.lookup:  # trees saved before lookup chains read and write unchanged
             for name in ("lookup", "lookup_ngram", "lookup_min"):
                 d.pop(name)

@@ -103,6 +103,12 @@ TREES = {
     "dyspec-topk": specjax.TreeSpec("dyspec", total_tokens=5, topk_children=True),
     "dyspec-threshold-topk": specjax.TreeSpec("dyspec-threshold", total_tokens=6, depth=3,
                                               threshold=0.05, frontier=2, topk_children=True),
+    # Greedy multi-draft: each node's last child is q's top token, verified by the
+    # point-mass rule after its siblings sampled from q without it.
+    "dyspec-greedy": specjax.TreeSpec("dyspec", total_tokens=5, greedy_children=1),
+    "dyspec-threshold-greedy": specjax.TreeSpec("dyspec-threshold", total_tokens=6, depth=3,
+                                                threshold=0.05, frontier=2,
+                                                greedy_children=1),
 }
 # A chain copied from the prompt grafted on (specjax.tree.lookup): deterministic drafts,
 # verified by the point-mass rule beside top-k children, and beside sampled children that
@@ -118,6 +124,10 @@ LOOKUP_TREES = {
     "dyspec-threshold-wide-lookup": specjax.TreeSpec("dyspec-threshold", depth=1,
                                                      total_tokens=3, threshold=0.001,
                                                      lookup=3),
+    # The same with q's top token as the third child (two deterministic kinds of node).
+    "dyspec-threshold-wide-greedy-lookup": specjax.TreeSpec(
+        "dyspec-threshold", depth=1, total_tokens=3, threshold=0.001, greedy_children=1,
+        lookup=3),
 }
 
 
@@ -246,7 +256,7 @@ def test_a_verifier_that_treats_grafted_nodes_as_sampled_fails(small_vocab, exac
     target, drafter = small_vocab
     right = spec_mod.verify_sampling
 
-    def no_fixed(*args, fixed_from=None, **kw):
+    def no_fixed(*args, fixed=None, **kw):
         return right(*args, **kw)
 
     monkeypatch.setattr(spec_mod, "verify_sampling", no_fixed)
@@ -257,3 +267,4 @@ def test_a_verifier_that_treats_grafted_nodes_as_sampled_fails(small_vocab, exac
     finally:
         jax.clear_caches()
     assert pvalue(counts, exact_lookup) < 1e-6
+

@@ -134,6 +134,8 @@ def test_generate_uses_the_drafters_default_tree(tiny_target, tmp_path):
                                                          frontier=3)
     assert _cli_tree("--tree", "dyspec", "--tree-topk-children") == TreeSpec(
         "dyspec", topk_children=True)
+    assert _cli_tree("--tree", "dyspec", "--tree-tokens", "3", "--tree-greedy-children",
+                     "1") == TreeSpec("dyspec", total_tokens=3, greedy_children=1)
     # --tree-lookup alone adds the chain to the drafter's default tree.
     assert _cli_tree("--tree-lookup", "4", drafter=d) == TreeSpec("chain", depth=2, lookup=4)
     # Sampling drafts the tree measured for it, where the folder has one.
@@ -152,6 +154,8 @@ def test_generate_uses_the_drafters_default_tree(tiny_target, tmp_path):
         TreeSpec("chain", lookup=3, lookup_min=2))
     with pytest.raises(ValueError, match="name the tree"):
         _cli_tree("--tree-topk-children")
+    with pytest.raises(ValueError, match="name the tree"):
+        _cli_tree("--tree-greedy-children", "1")
     with pytest.raises(ValueError, match="only dyspec trees"):
         _cli_tree("--tree", "chain", "--tree-topk-children")
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.stats
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -241,6 +242,59 @@ def test_sampled_first_child_follows_q():
         # after it (the decision to draw it never looked at it).
         assert (np.asarray(tree.parent[:, 1]) == 0).all()
         assert chi2_pvalue(np.asarray(tree.tokens[:, 1]), q) > 1e-3
+
+
+@pytest.mark.parametrize("kind, static", [
+    ("dyspec", dict(total_tokens=3)),
+    ("dyspec-threshold", dict(total_tokens=3, depth=1, threshold=0.001))])
+def test_greedy_children_are_q_top_tried_last(kind, static):
+    """``greedy=1`` on a root with three children: the last is q's top token, marked fixed;
+    the first is drawn from q without it (the law the tree's draft_dist then holds), and
+    the second is the next draw without replacement from that law."""
+    table = (1.5 * np.random.default_rng(7).normal(size=(23, C))).astype(np.float32)
+    ids = np.arange(C, dtype=np.int32)
+    q, _ = first_two_draw_dists(table, 3)
+    top = int(np.argmax(q))
+    rest = np.where(np.arange(C) == top, 0.0, q) / (1 - q[top])
+    second = np.array([sum(rest[x] * rest[y] / (1 - rest[x]) for x in range(C) if x != y)
+                       for y in range(C)])
+    tree, _ = run(kind, table, ids, np.full(N_SAMPLES, 3), seed=12, temperature=TEMP,
+                  greedy=1, **static)
+    check_invariants(tree)
+    fixed, tokens = np.asarray(tree.fixed), np.asarray(tree.tokens)
+    valid = np.asarray(tree.valid)
+    assert valid.all() and (np.asarray(tree.parent)[:, 1:] == 0).all()
+    assert (tokens[:, 3] == top).all() and (fixed == [False, False, False, True]).all()
+    np.testing.assert_allclose(np.asarray(tree.draft_dist[0, 0, :C]), rest, rtol=1e-4,
+                               atol=1e-7)
+    def pvalue_on_support(samples, probs):  # the top token has probability 0: never drawn
+        counts = np.bincount(samples, minlength=C)
+        assert counts[probs == 0].sum() == 0
+        return scipy.stats.chisquare(counts[probs > 0], probs[probs > 0] * len(samples)).pvalue
+
+    assert pvalue_on_support(tokens[:, 1], rest) > 1e-3
+    assert pvalue_on_support(tokens[:, 2], second) > 1e-3
+    # Greedy drafting ignores it: the same tree as without, and nothing marked fixed.
+    plain, _ = run(kind, table, ids, np.full(B, 3), **static)
+    again, _ = run(kind, table, ids, np.full(B, 3), greedy=1, **static)
+    assert again.fixed is None
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(again), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_greedy_children_specs():
+    spec = TreeSpec("dyspec-threshold", total_tokens=3, depth=1, threshold=0.001,
+                    greedy_children=1)
+    assert spec.to_json()["greedy_children"] == 1 and TreeSpec.from_json(spec.to_json()) == spec
+    assert "greedy_children" not in TreeSpec("dyspec", total_tokens=3).to_json()
+    with pytest.raises(ValueError, match="only dyspec trees that sample"):
+        TreeSpec("chain", greedy_children=1)
+    with pytest.raises(ValueError, match="only dyspec trees that sample.*topk_children"):
+        TreeSpec("dyspec", total_tokens=3, topk_children=True, greedy_children=1)
+    with pytest.raises(ValueError, match="at least one child is sampled"):
+        TreeSpec("dyspec", total_tokens=2, greedy_children=2)
+    with pytest.raises(ValueError, match="greedy_children must be an int"):
+        TreeSpec("dyspec", total_tokens=3, greedy_children=True)
 
 
 @pytest.mark.parametrize("spec", [

@@ -210,10 +210,14 @@ def check_invariants(tree: DraftTree) -> None:
     dist = np.asarray(tree.draft_dist)
     sums = dist.sum(-1)
     assert np.all((np.abs(sums - 1) < 1e-5) | (sums == 0))
+    fixed = np.zeros_like(val) if tree.fixed is None else np.asarray(tree.fixed)
     for r in range(b):
         for i in np.flatnonzero(val[r])[1:]:
             p = par[r, i]
             assert abs(sums[r, p] - 1) < 1e-5, "an expanded node's q sums to 1"
+            if fixed[r, i]:  # q's top child (greedy multi-draft): never in the sampled law
+                assert dist[r, p, tok[r, i]] == 0
+                continue
             np.testing.assert_allclose(np.log(dist[r, p, tok[r, i]]), logp[r, i], rtol=1e-5,
                                        atol=1e-5)
 

@@ -248,3 +248,36 @@ def test_assume_q_one_is_lossless_but_accepts_less():
     _, _, mean_q = _fit(3, draft_sampled=True, sampled=True, assume_q_one=False)
     # num_accepted is in {0, 1, 2}: its standard error over N rows is below 1 / sqrt(N).
     assert mean_q - mean_one > 6 / np.sqrt(N), (mean_q, mean_one)
+
+
+def test_greedy_multidraft_is_exact_and_needs_the_point_mass_rule():
+    """A root with one child sampled from q' (q without its top token) and q's top token as
+    a fixed child tried after it (Hu et al., 2025): the first token follows p, a child is
+    accepted with probability p(top) + sum_{y != top} min(p(y), q'(y)), and verifying the
+    top child as if it were sampled (no ``fixed``) accepts it whenever it has mass: biased."""
+    v, n = 6, N
+    p = np.array([0.30, 0.25, 0.20, 0.10, 0.10, 0.05], np.float32)
+    q = np.array([0.50, 0.05, 0.05, 0.20, 0.15, 0.05], np.float32)
+    top = int(np.argmax(q))
+    q_rest = np.where(np.arange(v) == top, 0.0, q) / (1 - q[top])
+    x = jax.random.categorical(jax.random.key(5), jnp.log(jnp.asarray(q_rest)), shape=(n,))
+    tokens = jnp.stack([jnp.zeros(n, jnp.int32), x.astype(jnp.int32),
+                        jnp.full(n, top, jnp.int32)], axis=1)
+    parent = jnp.broadcast_to(jnp.asarray([-1, 0, 0], jnp.int32), (n, 3))
+    valid = jnp.ones((n, 3), bool)
+    probs = jnp.broadcast_to(jnp.asarray(p), (n, 3, v))
+    dist = jnp.zeros((n, 3, v), jnp.float32).at[:, 0].set(jnp.asarray(q_rest, jnp.float32))
+    fixed = jnp.broadcast_to(jnp.asarray([False, False, True]), (n, 3))
+
+    def first(fixed):
+        acc = verify_sampling(jax.random.key(6), tokens, parent, valid, probs, dist,
+                              sampled=True, fixed=fixed)
+        out, _ = committed_tokens(tokens, acc)
+        return np.asarray(out[:, 0]), np.asarray(acc.num_accepted)
+
+    tok, accepted = first(fixed)
+    assert _pvalue(tok, p) > 1e-3
+    want = p[top] + np.minimum(np.delete(p, top), np.delete(q_rest, top)).sum()
+    assert abs(accepted.mean() - want) < 4 * np.sqrt(want * (1 - want) / n)
+    wrong, _ = first(None)
+    assert _pvalue(wrong, p) < 1e-6
