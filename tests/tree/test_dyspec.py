@@ -282,6 +282,24 @@ def test_greedy_children_are_q_top_tried_last(kind, static):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_greedy_child_is_kept_when_the_sampled_ones_exhaust_q_rest():
+    """q = (0.6, 0.399, 1e-3 spread): the two sampled children take nearly all of q', so
+    the chance of *reaching* the third slot is under the threshold, but q's top token is
+    accepted with probability about q(top) whatever they took: it is keyed by that and
+    kept in every row."""
+    q = np.full(C, 1e-3 / (C - 2))
+    q[:2] = [0.6, 0.399]
+    table = np.broadcast_to(np.log(q).astype(np.float32), (23, C))
+    tree, _ = run("dyspec-threshold", table, np.arange(C, dtype=np.int32), np.full(B, 3),
+                  seed=13, temperature=1.0, total_tokens=3, depth=1, threshold=0.01, greedy=1)
+    check_invariants(tree)
+    fixed, tokens = np.asarray(tree.fixed), np.asarray(tree.tokens)
+    assert (fixed.sum(1) == 1).all() and (tokens[fixed] == 0).all()
+    # The sampled second child (reached with chance about 0.0025 < 0.01) was not kept: the
+    # top child follows the first sampled one directly, so it is node 2.
+    assert fixed[:, 2].all() and not np.asarray(tree.valid)[:, 3].any()
+
+
 def test_greedy_children_specs():
     spec = TreeSpec("dyspec-threshold", total_tokens=3, depth=1, threshold=0.001,
                     greedy_children=1)
