@@ -46,8 +46,9 @@ children as q's top g tokens and samples the others without replacement from q w
 them (Hu et al., 2025, "Towards Optimal Multi-draft Speculative Decoding"). Verification
 tries the sampled ones first (against q') and then q's top ones by the point-mass rule
 (``DraftTree.fixed``): a rejected sampled child leaves all of the target's mass on them,
-so the root accepts p(top) + sum_{y != top} min(p(y), q'(y)) with one such child, more
-than three children all sampled from q on the SmolLM2 drafter (docs/benchmarks.md).
+so the root accepts p(top) + sum_{y != top} min(p(y), q'(y)) with one such child: offline,
+more often than three children all sampled from q on the SmolLM2 drafter, a gain the loop's
+MAL has not resolved (docs/benchmarks.md).
 """
 
 from __future__ import annotations
