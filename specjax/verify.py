@@ -178,19 +178,17 @@ def verify_sampling(key: Array, tree_tokens: Array, parent: Array, valid: Array,
     probs = target_probs.astype(jnp.float32)
     dists = draft_dist.astype(jnp.float32) if use_q else None
 
-    fixed_nodes = fixed
-
     def step(i, carry):
         cur, path, n, p, q = carry
         tok = tree_tokens[:, i]
         tried = valid[:, i] & (parent[:, i] == cur)
-        fixed = None if fixed_nodes is None else fixed_nodes[:, i]
+        is_fixed = None if fixed is None else fixed[:, i]  # [B]
         px = _pick(p, tok)
         if use_q:
             # DySpec's algorithm 3: once the draft residual is all zeros, no sibling is left
             # that q could have drawn; stop trying the sampled children of this node.
             has_q = jnp.sum(q, axis=-1) > 0
-            tried = tried & (has_q if fixed is None else has_q | fixed)
+            tried = tried & (has_q if is_fixed is None else has_q | is_fixed)
             qx = _pick(q, tok)
             # q(x) = 0 only if the caller's q is not the law x was drawn from; keep it finite.
             ratio = jnp.where(qx > 0, px / jnp.where(qx > 0, qx, 1.0), (px > 0).astype(p.dtype))
@@ -199,10 +197,10 @@ def verify_sampling(key: Array, tree_tokens: Array, parent: Array, valid: Array,
             # probability 0; keep p rather than dividing by zero.
             p_rej = _normalize(jnp.maximum(p - q, 0.0), p)
             q_rej = _normalize(_zero_at(q, tok), jnp.zeros_like(q))
-            if fixed is not None:  # deterministic drafts: the point-mass rule below
-                accept_prob = jnp.where(fixed, px, accept_prob)
-                p_rej = jnp.where(fixed[:, None], _normalize(_zero_at(p, tok), p), p_rej)
-                q_rej = jnp.where(fixed[:, None], q, q_rej)
+            if is_fixed is not None:  # deterministic drafts: the point-mass rule below
+                accept_prob = jnp.where(is_fixed, px, accept_prob)
+                p_rej = jnp.where(is_fixed[:, None], _normalize(_zero_at(p, tok), p), p_rej)
+                q_rej = jnp.where(is_fixed[:, None], q, q_rej)
         else:
             accept_prob = px
             p_rej = _normalize(_zero_at(p, tok), p)  # zero mass iff p was a point mass on x
