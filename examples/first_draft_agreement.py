@@ -121,15 +121,18 @@ def features(target, drafter, ids: list[int], window: int = 0):
     return hidden, h
 
 
-@partial(jax.jit, static_argnames=("k",))
-def _root_hits(key, p, logits, cand_ids, temperature, *, k: int):
+@partial(jax.jit, static_argnames=("k", "greedy"))
+def _root_hits(key, p, logits, cand_ids, temperature, *, k: int, greedy: int = 0):
     """[b] float 1.0 where one of ``k`` children drawn from q at the root is accepted, for
-    one draw: p [b, V], logits [b, C] over ``cand_ids`` [C], temperature a scalar array."""
+    one draw: p [b, V], logits [b, C] over ``cand_ids`` [C], temperature a scalar array.
+    With ``greedy`` = g, the last g children are q's top g (point-mass rule) and the rest
+    are sampled from q without them, as ``TreeSpec(greedy_children=g)`` drafts them."""
     b, v = p.shape
     ids = jnp.broadcast_to(cand_ids, (b, 1, cand_ids.shape[0]))
     k_draft, k_verify = jax.random.split(key)
     ch = draft_children(ids, logits[:, None, :], k,
-                        DraftMode(sampled=True, temperature=temperature, key=k_draft), k_draft)
+                        DraftMode(sampled=True, temperature=temperature, key=k_draft), k_draft,
+                        greedy=greedy)
     tokens = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), ch.ids[:, 0]], axis=1)
     valid = jnp.concatenate([jnp.ones((b, 1), bool), jnp.isfinite(ch.logq[:, 0])], axis=1)
     parent = jnp.broadcast_to(jnp.asarray([-1] + [0] * k, jnp.int32), (b, k + 1))
@@ -137,15 +140,18 @@ def _root_hits(key, p, logits, cand_ids, temperature, *, k: int):
     probs_t = jnp.broadcast_to(p[:, None, :], (b, k + 1, v))
     dist = jnp.concatenate([dense_dist(ids, ch.cand_q, v),  # the root's q, [b, 1, V]
                             jnp.zeros((b, k, v), jnp.float32)], axis=1)
-    acc = verify_sampling(k_verify, tokens, parent, valid, probs_t, dist, sampled=True)
+    fixed = jnp.broadcast_to(jnp.arange(k + 1) > k - greedy, (b, k + 1))
+    acc = verify_sampling(k_verify, tokens, parent, valid, probs_t, dist, sampled=True,
+                          fixed=fixed)
     return (acc.num_accepted >= 1).astype(jnp.float32)
 
 
 def children_acceptance(p, cand_logits, cand_ids, k: int, temperature: float, key,
-                        trials: int, chunk: int = 64) -> np.ndarray:
+                        trials: int, chunk: int = 64, greedy: int = 0) -> np.ndarray:
     """[n] the probability that a root with ``k`` children drawn without replacement from
     q has one accepted, estimated over ``trials`` draws with the loop's own drafting and
-    verification (:func:`draft_children`, :func:`verify_sampling`).
+    verification (:func:`draft_children`, :func:`verify_sampling`); with ``greedy`` = g,
+    q's top g are the last g children (:func:`_root_hits`).
 
     p: [n, V] the target's distribution at each position (``probs``); cand_logits: [n, C]
     the drafter's logits over its head's ids ``cand_ids`` [C] (q = softmax(cand_logits /
@@ -159,8 +165,8 @@ def children_acceptance(p, cand_logits, cand_ids, k: int, temperature: float, ke
     for lo in range(0, n, chunk):
         rows = jnp.asarray(np.arange(lo, lo + chunk).clip(max=n - 1))
         pc, lc = p[rows], cand_logits[rows]
-        tot = sum(_root_hits(jax.random.fold_in(key, lo * trials + i), pc, lc, ids, t, k=k)
-                  for i in range(trials))
+        tot = sum(_root_hits(jax.random.fold_in(key, lo * trials + i), pc, lc, ids, t, k=k,
+                             greedy=greedy) for i in range(trials))
         m = min(chunk, n - lo)
         out[lo:lo + m] = np.asarray(tot)[:m] / trials
     return out
@@ -168,10 +174,12 @@ def children_acceptance(p, cand_logits, cand_ids, k: int, temperature: float, ke
 
 def children_by_answer(target, seqs: list[tuple[list[int], list[int]]], feats: list[tuple],
                        ks: tuple[int, ...], temperature: float, head_ids: np.ndarray | None,
-                       trials: int, seed: int = 0) -> dict[int, list[np.ndarray]]:
+                       trials: int, seed: int = 0, greedy: int = 0
+                       ) -> dict[int, list[np.ndarray]]:
     """{K: per (prompt, answer) pair, [n - 1] float}: :func:`children_acceptance` at each
-    drafted position for a root with K sampled children, q over ``head_ids`` (None: all);
-    ``feats`` holds each pair's :func:`features` (the same ones :func:`agreement` scores)."""
+    drafted position for a root with K children (the last ``greedy`` of them q's top), q
+    over ``head_ids`` (None: all); ``feats`` holds each pair's :func:`features` (the same
+    ones :func:`agreement` scores)."""
     ids_c = np.arange(target.cfg.vocab_size) if head_ids is None else np.asarray(head_ids)
     w = target.params.head[jnp.asarray(ids_c)]
     out: dict[int, list[np.ndarray]] = {k: [] for k in ks}
@@ -185,7 +193,8 @@ def children_by_answer(target, seqs: list[tuple[list[int], list[int]]], feats: l
         logits = h[0, lo:hi] @ w.T
         for k in ks:
             key = jax.random.fold_in(jax.random.key(seed), a * 1000 + k)
-            out[k].append(children_acceptance(p, logits, ids_c, k, temperature, key, trials))
+            out[k].append(children_acceptance(p, logits, ids_c, k, temperature, key, trials,
+                                              greedy=greedy))
     return out
 
 
@@ -323,6 +332,9 @@ def main() -> None:
                     help="with --temperature: also estimate the acceptance of a root with K "
                          "children sampled without replacement, for each K (Monte Carlo "
                          "through the loop's drafting and verifier)")
+    ap.add_argument("--greedy-children", type=int, default=0, metavar="G",
+                    help="with --children: the last G children are q's top G, the rest "
+                         "sampled from q without them (--tree-greedy-children; default 0)")
     ap.add_argument("--children-trials", type=int, default=16,
                     help="draws per position for --children (default 16)")
     ap.add_argument("--calibration", type=int, default=0, metavar="N",
@@ -347,6 +359,9 @@ def main() -> None:
     ks = tuple(int(k) for k in args.children.split(",") if k)
     if ks and not sampled:
         raise SystemExit("--children scores sampled children: give --temperature > 0")
+    if ks and not 0 <= args.greedy_children < min(ks):
+        raise SystemExit(f"--greedy-children must be in [0, K) for every K of --children, "
+                         f"got {args.greedy_children} with K = {args.children}")
     if any(k < 1 for k in ks) or args.children_trials < 1:
         raise SystemExit(f"--children needs K >= 1 and --children-trials >= 1, got "
                          f"{args.children!r} and {args.children_trials}")
@@ -369,7 +384,8 @@ def main() -> None:
               "drafter_window": args.drafter_window, "temperature": args.temperature,
               "seed": args.seed if sampled else None,
               "max_new_tokens": args.max_new_tokens,
-              "children_trials": args.children_trials if ks else None, "drafters": {}}
+              "children_trials": args.children_trials if ks else None,
+              "greedy_children": args.greedy_children if ks else None, "drafters": {}}
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     task_of = [e["task"] for e in evals]
     by_task = lambda hits: pooled_per_task(hits, task_of, tasks)  # noqa: E731
@@ -415,7 +431,8 @@ def main() -> None:
                          for t in tasks), flush=True)
         if ks:
             kids = children_by_answer(target, seqs, feats, ks, args.temperature, ids,
-                                      args.children_trials, args.seed)
+                                      args.children_trials, args.seed,
+                                      args.greedy_children)
             result["drafters"][path]["children"] = {
                 str(k): {"pooled": pooled(v), "per_task": by_task(v)} for k, v in kids.items()}
             print("  a root with K sampled children accepts one: " + ", ".join(

@@ -96,6 +96,36 @@ def test_children_acceptance_matches_the_exact_multi_draft_rates():
     assert np.all(two > np.minimum(p, q).sum(-1))  # a second child always adds here
 
 
+def test_children_acceptance_with_q_top_tried_last_matches_its_closed_form():
+    """Two children, q's top last (``greedy=1``): the sampled one is drawn from q' = q
+    without the top and accepted with sum min(p, q'); the residual then holds all of p's
+    mass on the top token (q' is zero there), which the point-mass rule accepts with it:
+    p(top) + sum_{y != top} min(p(y), q'(y)) in all."""
+    import jax
+
+    rng = np.random.default_rng(5)
+    v, n = 12, 4
+    p = rng.dirichlet(np.full(v, 0.7), size=n).astype(np.float32)
+    logits = rng.normal(size=(n, v)).astype(np.float32) * 1.5
+    # The last row is one where the two rules part: p has 0.8 on q's top (0.4 there), 0.2
+    # on one other token, and q spreads the rest evenly.
+    p[-1] = np.eye(v)[0] * 0.8 + np.eye(v)[1] * 0.2
+    logits[-1] = np.log(np.where(np.arange(v) == 0, 0.4, 0.6 / (v - 1)))
+    q = np.exp(logits - logits.max(-1, keepdims=True))
+    q /= q.sum(-1, keepdims=True)
+    top = q.argmax(-1)
+    q1 = np.where(np.arange(v) == top[:, None], 0.0, q)
+    q1 /= q1.sum(-1, keepdims=True)
+    exact = p[np.arange(n), top] + np.minimum(p, q1).sum(-1)
+    trials = 1500
+    got = fda.children_acceptance(p, logits, np.arange(v), 2, 1.0, jax.random.key(6), trials,
+                                  greedy=1)
+    np.testing.assert_allclose(got, exact, atol=4 * 0.5 / np.sqrt(trials))
+    # There two sampled children accept 0.717 and q's top last 0.891: the estimator above
+    # would fail had it sampled both.
+    assert exact[-1] - _exact_two_children(p[-1], q[-1]) > 0.15
+
+
 def test_children_acceptance_of_a_drafter_equal_to_the_target_is_one():
     import jax
 
