@@ -136,7 +136,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--timing-prompts", type=int, default=8,
                     help="prompts under 400 tokens timed at batch 1 (default 8)")
-    ap.add_argument("--timing-reps", type=int, default=2)
+    ap.add_argument("--timing-reps", type=int, default=2,
+                    help="passes over the timing prompts, the first (compiling) dropped; >= 2")
     ap.add_argument("--save-default-tree", action="store_true",
                     help="store the winner as the shipped drafter's tree for sampling (at "
                          "--temperature 0: as its greedy tree)")
@@ -144,6 +145,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.temperature < 0:
         ap.error("--temperature must be >= 0 (0: greedy)")
+    if args.timing_prompts < 1 or args.timing_reps < 2:
+        # The first pass compiles and is dropped: one pass would time nothing, and the
+        # estimates would be 0 ms a step and nan x vanilla.
+        ap.error(f"--timing-prompts must be >= 1 and --timing-reps >= 2 (the first pass, "
+                 f"which compiles, is dropped), got {args.timing_prompts} and "
+                 f"{args.timing_reps}")
     greedy = args.temperature == 0
     if greedy:
         args.seeds = 1  # greedy runs are the same for every seed

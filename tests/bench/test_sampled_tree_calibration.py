@@ -2,6 +2,7 @@
 times, and the paired interval on the MAL difference."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -66,3 +67,15 @@ def test_save_choice_greedy_keeps_head_and_sampled_tree(tmp_path):
     assert read_defaults(tmp_path) == (two, "fr:8192", n2)
     calib.save_choice(tmp_path, chain, {"how": "t=1 again"}, temperature=1.0)
     assert read_defaults(tmp_path) == (two, "fr:8192", chain)
+
+
+@pytest.mark.parametrize("flags", [["--timing-reps", "1"], ["--timing-prompts", "0"]])
+def test_a_timing_that_would_time_nothing_is_refused(monkeypatch, capsys, flags):
+    """One pass is the compiling one, which is dropped: it once printed 0 ms a step and
+    nan x vanilla after the whole MAL run. Refused before anything loads."""
+    monkeypatch.setattr(sys, "argv", ["sampled_tree_calibration.py", "--tree-json",
+                                      '{"kind": "chain", "depth": 1}', *flags])
+    with pytest.raises(SystemExit) as e:
+        calib.main()
+    assert e.value.code == 2
+    assert "the first pass, which compiles, is dropped" in capsys.readouterr().err
