@@ -122,11 +122,16 @@ def features(target, drafter, ids: list[int], window: int = 0):
 
 
 @partial(jax.jit, static_argnames=("k", "greedy"))
-def _root_hits(key, p, logits, cand_ids, temperature, *, k: int, greedy: int = 0):
+def _root_hits(key, p, logits, cand_ids, temperature, chain_first=None, *, k: int,
+               greedy: int = 0):
     """[b] float 1.0 where one of ``k`` children drawn from q at the root is accepted, for
     one draw: p [b, V], logits [b, C] over ``cand_ids`` [C], temperature a scalar array.
     With ``greedy`` = g, the last g children are q's top g (point-mass rule) and the rest
-    are sampled from q without them, as ``TreeSpec(greedy_children=g)`` drafts them."""
+    are sampled from q without them, as ``TreeSpec(greedy_children=g)`` drafts them.
+    ``chain_first`` [b] (-1: none) is a lookup chain's first token: as ``graft_chain``
+    grafts it, a root child of its own after the others (point-mass rule) unless a
+    drafted child has its token already (the chain then hangs below that child, which
+    leaves the root's acceptance as it was)."""
     b, v = p.shape
     ids = jnp.broadcast_to(cand_ids, (b, 1, cand_ids.shape[0]))
     k_draft, k_verify = jax.random.split(key)
@@ -141,17 +146,28 @@ def _root_hits(key, p, logits, cand_ids, temperature, *, k: int, greedy: int = 0
     dist = jnp.concatenate([dense_dist(ids, ch.cand_q, v),  # the root's q, [b, 1, V]
                             jnp.zeros((b, k, v), jnp.float32)], axis=1)
     fixed = jnp.broadcast_to(jnp.arange(k + 1) > k - greedy, (b, k + 1))
+    if chain_first is not None:
+        own = (chain_first >= 0) & ~jnp.any(valid[:, 1:] & (tokens[:, 1:] ==
+                                                              chain_first[:, None]), axis=1)
+        tokens = jnp.concatenate([tokens, jnp.maximum(chain_first, 0)[:, None]], axis=1)
+        valid = jnp.concatenate([valid, own[:, None]], axis=1)
+        parent = jnp.concatenate([parent, jnp.zeros((b, 1), jnp.int32)], axis=1)
+        fixed = jnp.concatenate([fixed, jnp.ones((b, 1), bool)], axis=1)
+        probs_t = jnp.concatenate([probs_t, p[:, None, :]], axis=1)
+        dist = jnp.concatenate([dist, jnp.zeros((b, 1, v), jnp.float32)], axis=1)
     acc = verify_sampling(k_verify, tokens, parent, valid, probs_t, dist, sampled=True,
                           fixed=fixed)
     return (acc.num_accepted >= 1).astype(jnp.float32)
 
 
 def children_acceptance(p, cand_logits, cand_ids, k: int, temperature: float, key,
-                        trials: int, chunk: int = 64, greedy: int = 0) -> np.ndarray:
+                        trials: int, chunk: int = 64, greedy: int = 0,
+                        chain_first: np.ndarray | None = None) -> np.ndarray:
     """[n] the probability that a root with ``k`` children drawn without replacement from
     q has one accepted, estimated over ``trials`` draws with the loop's own drafting and
     verification (:func:`draft_children`, :func:`verify_sampling`); with ``greedy`` = g,
-    q's top g are the last g children (:func:`_root_hits`).
+    q's top g are the last g children, and ``chain_first`` [n] (-1: none) adds a lookup
+    chain's first token as the loop grafts it (:func:`_root_hits`).
 
     p: [n, V] the target's distribution at each position (``probs``); cand_logits: [n, C]
     the drafter's logits over its head's ids ``cand_ids`` [C] (q = softmax(cand_logits /
@@ -165,8 +181,9 @@ def children_acceptance(p, cand_logits, cand_ids, k: int, temperature: float, ke
     for lo in range(0, n, chunk):
         rows = jnp.asarray(np.arange(lo, lo + chunk).clip(max=n - 1))
         pc, lc = p[rows], cand_logits[rows]
-        tot = sum(_root_hits(jax.random.fold_in(key, lo * trials + i), pc, lc, ids, t, k=k,
-                             greedy=greedy) for i in range(trials))
+        cf = None if chain_first is None else jnp.asarray(chain_first, jnp.int32)[rows]
+        tot = sum(_root_hits(jax.random.fold_in(key, lo * trials + i), pc, lc, ids, t, cf,
+                             k=k, greedy=greedy) for i in range(trials))
         m = min(chunk, n - lo)
         out[lo:lo + m] = np.asarray(tot)[:m] / trials
     return out
@@ -174,12 +191,14 @@ def children_acceptance(p, cand_logits, cand_ids, k: int, temperature: float, ke
 
 def children_by_answer(target, seqs: list[tuple[list[int], list[int]]], feats: list[tuple],
                        ks: tuple[int, ...], temperature: float, head_ids: np.ndarray | None,
-                       trials: int, seed: int = 0, greedy: int = 0
+                       trials: int, seed: int = 0, greedy: int = 0,
+                       chain_first: list[np.ndarray] | None = None
                        ) -> dict[int, list[np.ndarray]]:
     """{K: per (prompt, answer) pair, [n - 1] float}: :func:`children_acceptance` at each
     drafted position for a root with K children (the last ``greedy`` of them q's top), q
     over ``head_ids`` (None: all); ``feats`` holds each pair's :func:`features` (the same
-    ones :func:`agreement` scores)."""
+    ones :func:`agreement` scores); ``chain_first``, per pair, the [n - 1] lookup chain's
+    first tokens (-1 where it does not fire), or None for no chain."""
     ids_c = np.arange(target.cfg.vocab_size) if head_ids is None else np.asarray(head_ids)
     w = target.params.head[jnp.asarray(ids_c)]
     out: dict[int, list[np.ndarray]] = {k: [] for k in ks}
@@ -193,8 +212,9 @@ def children_by_answer(target, seqs: list[tuple[list[int], list[int]]], feats: l
         logits = h[0, lo:hi] @ w.T
         for k in ks:
             key = jax.random.fold_in(jax.random.key(seed), a * 1000 + k)
-            out[k].append(children_acceptance(p, logits, ids_c, k, temperature, key, trials,
-                                              greedy=greedy))
+            out[k].append(children_acceptance(
+                p, logits, ids_c, k, temperature, key, trials, greedy=greedy,
+                chain_first=None if chain_first is None else chain_first[a]))
     return out
 
 
@@ -335,6 +355,9 @@ def main() -> None:
     ap.add_argument("--greedy-children", type=int, default=0, metavar="G",
                     help="with --children: the last G children are q's top G, the rest "
                          "sampled from q without them (--tree-greedy-children; default 0)")
+    ap.add_argument("--children-lookup", action="store_true",
+                    help="with --children: add the lookup chain's first token (--lookup-ngram, "
+                         "--lookup-min) as a root child, where the loop's graft_chain puts it")
     ap.add_argument("--children-trials", type=int, default=16,
                     help="draws per position for --children (default 16)")
     ap.add_argument("--calibration", type=int, default=0, metavar="N",
@@ -385,7 +408,8 @@ def main() -> None:
               "seed": args.seed if sampled else None,
               "max_new_tokens": args.max_new_tokens,
               "children_trials": args.children_trials if ks else None,
-              "greedy_children": args.greedy_children if ks else None, "drafters": {}}
+              "greedy_children": args.greedy_children if ks else None,
+              "children_lookup": args.children_lookup if ks else None, "drafters": {}}
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     task_of = [e["task"] for e in evals]
     by_task = lambda hits: pooled_per_task(hits, task_of, tasks)  # noqa: E731
@@ -432,7 +456,10 @@ def main() -> None:
         if ks:
             kids = children_by_answer(target, seqs, feats, ks, args.temperature, ids,
                                       args.children_trials, args.seed,
-                                      args.greedy_children)
+                                      args.greedy_children,
+                                      [np.where(ok, tok, -1) for tok, ok
+                                       in zip(look_tok, look_ok, strict=True)]
+                                      if args.children_lookup else None)
             result["drafters"][path]["children"] = {
                 str(k): {"pooled": pooled(v), "per_task": by_task(v)} for k, v in kids.items()}
             print("  a root with K sampled children accepts one: " + ", ".join(

@@ -126,6 +126,35 @@ def test_children_acceptance_with_q_top_tried_last_matches_its_closed_form():
     assert exact[-1] - _exact_two_children(p[-1], q[-1]) > 0.15
 
 
+def test_children_acceptance_with_a_lookup_chain_child_matches_its_closed_form():
+    """One sampled child x and a lookup chain whose first token is c: where x != c the
+    chain is a root child of its own, tried after x with the residual r = norm(max(p - q,
+    0)); where x == c it hangs below x and adds nothing at the root. In all: sum min(p, q)
+    + r(c) sum_{x != c} max(q(x) - p(x), 0). No chain (-1) is one child alone."""
+    import jax
+
+    rng = np.random.default_rng(7)
+    v, n = 10, 4
+    p = rng.dirichlet(np.full(v, 0.7), size=n).astype(np.float32)
+    logits = rng.normal(size=(n, v)).astype(np.float32) * 1.5
+    q = np.exp(logits - logits.max(-1, keepdims=True))
+    q /= q.sum(-1, keepdims=True)
+    c = np.array([int(p[0].argmax()), 3, int(q[2].argmax()), -1])
+    base = np.minimum(p, q).sum(-1)
+    over = np.maximum(q - p, 0)
+    resid = np.maximum(p - q, 0) / np.maximum(p - q, 0).sum(-1, keepdims=True)
+    exact = base.copy()
+    for i in range(3):
+        exact[i] += resid[i, c[i]] * (over[i].sum() - over[i, c[i]])
+    trials = 1500
+    got = fda.children_acceptance(p, logits, np.arange(v), 1, 1.0, jax.random.key(8), trials,
+                                  chain_first=c)
+    np.testing.assert_allclose(got, exact, atol=4 * 0.5 / np.sqrt(trials))
+    # Rows 0 and 1 gain visibly from the chain; row 2's c is q's top, where q > p leaves the
+    # residual nothing on it: a chain child there adds nothing.
+    assert np.all(exact[:2] - base[:2] > 0.3) and exact[2] == base[2]
+
+
 def test_children_acceptance_of_a_drafter_equal_to_the_target_is_one():
     import jax
 
