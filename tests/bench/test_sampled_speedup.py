@@ -51,3 +51,10 @@ def test_relative_speed_is_paired_over_prompts():
 def test_relative_speed_refuses_rows_of_other_prompts():
     with pytest.raises(ValueError, match="same prompts"):
         sampled_speedup.relative_speed(_rows([1.0]), _rows([1.0, 2.0]))
+
+
+def test_run_order_puts_each_tree_first_equally_often():
+    orders = [sampled_speedup.run_order(3, i) for i in range(6)]
+    assert all(sorted(o) == [0, 1, 2] for o in orders)
+    assert [o[0] for o in orders] == [0, 1, 2, 0, 1, 2]
+    assert sampled_speedup.run_order(1, 5) == [0]
