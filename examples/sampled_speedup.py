@@ -67,10 +67,10 @@ def relative_speed(rows: list[dict], base: list[dict]) -> dict:
 
 def run_order(n_trees: int, prompt: int) -> list[int]:
     """The order the trees run in on prompt number ``prompt``: rotated by one each prompt, so
-    each runs first (right after vanilla) equally often. In the one run that always ran the
-    same tree first, it read 1.5% slower than the other (1.015 [0.976, 1.056]), most of
-    that on the first two prompts, whose steps cost it 12-25% more (fifty-fourth
-    session): a position in the order should not read as a tree's cost."""
+    each runs first (right after vanilla) equally often, and a cost of running first, if
+    there is one, falls on every tree alike. (Fifty-fourth session: with a fixed order the
+    first of two trees read 1.5% slower, 1.015 [0.976, 1.056]; rotated, the same two trees
+    read 0.995 [0.965, 1.027]: neither resolved.)"""
     return [(prompt + j) % n_trees for j in range(n_trees)]
 
 
