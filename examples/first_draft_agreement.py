@@ -382,6 +382,9 @@ def main() -> None:
     ks = tuple(int(k) for k in args.children.split(",") if k)
     if ks and not sampled:
         raise SystemExit("--children scores sampled children: give --temperature > 0")
+    if not ks and (args.greedy_children or args.children_lookup):
+        raise SystemExit("--greedy-children and --children-lookup shape the roots that "
+                         "--children scores: give --children K,...")
     if ks and not 0 <= args.greedy_children < min(ks):
         raise SystemExit(f"--greedy-children must be in [0, K) for every K of --children, "
                          f"got {args.greedy_children} with K = {args.children}")
@@ -462,7 +465,10 @@ def main() -> None:
                                       if args.children_lookup else None)
             result["drafters"][path]["children"] = {
                 str(k): {"pooled": pooled(v), "per_task": by_task(v)} for k, v in kids.items()}
-            print("  a root with K sampled children accepts one: " + ", ".join(
+            shape = (f"children (q's top {args.greedy_children} last)"
+                     if args.greedy_children else "sampled children")
+            shape += " and the lookup chain's first token" if args.children_lookup else ""
+            print(f"  a root with K {shape} accepts one: " + ", ".join(
                 f"K={k} {fmt(pooled(v))}" for k, v in kids.items())
                 + f" ({args.children_trials} draws a position)", flush=True)
             if first_kids is None:
