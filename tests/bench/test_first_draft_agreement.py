@@ -76,15 +76,25 @@ def _exact_two_children(p: np.ndarray, q: np.ndarray) -> float:
     return first + second
 
 
+def _random_rows(seed: int, v: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """n rows of a target distribution p [n, v] and drafter logits [n, v]."""
+    rng = np.random.default_rng(seed)
+    p = rng.dirichlet(np.full(v, 0.7), size=n).astype(np.float32)
+    logits = rng.normal(size=(n, v)).astype(np.float32) * 1.5
+    return p, logits
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    q = np.exp(logits - logits.max(-1, keepdims=True))
+    return q / q.sum(-1, keepdims=True)
+
+
 def test_children_acceptance_matches_the_exact_multi_draft_rates():
     import jax
 
-    rng = np.random.default_rng(1)
     v, n = 12, 3
-    p = rng.dirichlet(np.full(v, 0.7), size=n).astype(np.float32)
-    logits = rng.normal(size=(n, v)).astype(np.float32) * 1.5
-    q = np.exp(logits - logits.max(-1, keepdims=True))
-    q /= q.sum(-1, keepdims=True)
+    p, logits = _random_rows(1, v, n)
+    q = _softmax(logits)
     ids = np.arange(v)
     trials = 1500
     one = fda.children_acceptance(p, logits, ids, 1, 1.0, jax.random.key(0), trials)
@@ -103,16 +113,13 @@ def test_children_acceptance_with_q_top_tried_last_matches_its_closed_form():
     p(top) + sum_{y != top} min(p(y), q'(y)) in all."""
     import jax
 
-    rng = np.random.default_rng(5)
     v, n = 12, 4
-    p = rng.dirichlet(np.full(v, 0.7), size=n).astype(np.float32)
-    logits = rng.normal(size=(n, v)).astype(np.float32) * 1.5
+    p, logits = _random_rows(5, v, n)
     # The last row is one where the two rules part: p has 0.8 on q's top (0.4 there), 0.2
     # on one other token, and q spreads the rest evenly.
     p[-1] = np.eye(v)[0] * 0.8 + np.eye(v)[1] * 0.2
     logits[-1] = np.log(np.where(np.arange(v) == 0, 0.4, 0.6 / (v - 1)))
-    q = np.exp(logits - logits.max(-1, keepdims=True))
-    q /= q.sum(-1, keepdims=True)
+    q = _softmax(logits)
     top = q.argmax(-1)
     q1 = np.where(np.arange(v) == top[:, None], 0.0, q)
     q1 /= q1.sum(-1, keepdims=True)
@@ -133,12 +140,9 @@ def test_children_acceptance_with_a_lookup_chain_child_matches_its_closed_form()
     + r(c) sum_{x != c} max(q(x) - p(x), 0). No chain (-1) is one child alone."""
     import jax
 
-    rng = np.random.default_rng(7)
     v, n = 10, 4
-    p = rng.dirichlet(np.full(v, 0.7), size=n).astype(np.float32)
-    logits = rng.normal(size=(n, v)).astype(np.float32) * 1.5
-    q = np.exp(logits - logits.max(-1, keepdims=True))
-    q /= q.sum(-1, keepdims=True)
+    p, logits = _random_rows(7, v, n)
+    q = _softmax(logits)
     c = np.array([int(p[0].argmax()), 3, int(q[2].argmax()), -1])
     base = np.minimum(p, q).sum(-1)
     over = np.maximum(q - p, 0)
