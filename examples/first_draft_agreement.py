@@ -177,11 +177,12 @@ def children_acceptance(p, cand_logits, cand_ids, k: int, temperature: float, ke
     n = p.shape[0]
     p, cand_logits = jnp.asarray(p, jnp.float32), jnp.asarray(cand_logits, jnp.float32)
     ids, t = jnp.asarray(cand_ids, jnp.int32), jnp.float32(temperature)
+    chain = None if chain_first is None else jnp.asarray(chain_first, jnp.int32)
     out = np.zeros(n)
     for lo in range(0, n, chunk):
         rows = jnp.asarray(np.arange(lo, lo + chunk).clip(max=n - 1))
         pc, lc = p[rows], cand_logits[rows]
-        cf = None if chain_first is None else jnp.asarray(chain_first, jnp.int32)[rows]
+        cf = None if chain is None else chain[rows]
         tot = sum(_root_hits(jax.random.fold_in(key, lo * trials + i), pc, lc, ids, t, cf,
                              k=k, greedy=greedy) for i in range(trials))
         m = min(chunk, n - lo)
