@@ -2,10 +2,8 @@
 
 For each head (full, FR-Spec at several sizes, PA-FR, DynaSpec fixed top-k and
 position-aware), on the same prompts as ``specjax bench spec`` (greedy, batch 1, chat
-template where the target has one, the same draft tree for every head):
-
-EvoSpec's head (``evospec:8192+256``) is stateful: each prompt starts from an empty
-buffer, which then evolves within the request.
+template where the target has one, the same draft tree for every head: EAGLE-2's by
+default, or any tree ``--tree-json`` names, such as the drafter's measured default):
 
 * mean accepted length per task and overall (the bonus token counted);
 * mean shortlist size (valid candidates per expanded node) and coverage (the fraction of
@@ -14,6 +12,9 @@ buffer, which then evolves within the request.
 * decode tokens/s against vanilla decoding in the same run;
 * greedy equality with vanilla decoding for every prompt (it must hold for every head:
   verification is always over the full vocabulary).
+
+EvoSpec's head (``evospec:8192+256``) is stateful: each prompt starts from an empty
+buffer, which then evolves within the request.
 
 DynaSpec's router reads only the drafter fc's input, so XLA may overlap it with the
 drafter layer; :func:`router_overlap` times the layer, the router and both in one jitted
@@ -56,6 +57,7 @@ from specjax.bench.questions import (
     uses_chat,
 )
 from specjax.bench.timing import count_compiles, warmup_tokens
+from specjax.bench.trees import add_tree_args, tree_dict, tree_from_args
 from specjax.defaults import resolve_model
 from specjax.drafter import drafter_hidden, in_target_layout, init_drafter_cache
 from specjax.loaded import Drafter, Target
@@ -153,7 +155,7 @@ def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
     built = {spec: resolve_head(spec, target, drafter) for spec in heads}
     qs = select_questions(load_questions(resolve_questions(questions)), tasks, per_task)
     config = {"heads": list(heads), "tasks": list(tasks), "per_task": per_task,
-              "max_new_tokens": max_new_tokens, "tree": dataclasses.asdict(tree),
+              "max_new_tokens": max_new_tokens, "tree": tree_dict(tree),
               "drafter": drafter_label, "chat_template": uses_chat(target)}
     config = json.loads(json.dumps(config))  # as the partial file holds it (tuples -> lists)
     part = partial_path(out)
@@ -194,8 +196,10 @@ def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
                                       out_len=bucket(max_new_tokens), runs=runs,
                                       head=built[spec])
     routed = [h for h in built.values() if isinstance(h, RoutedHead)]
+    # The rows one drafter call expands: the root's one, and EAGLE-2's beam below it.
+    ks = (1, tree.top_k) if tree.kind == "eagle2" else (1,)
     overlap = [router_overlap(target, drafter, routed[0], k=k, context=ctx, runs=50)
-               for k in (1, tree.top_k)] if routed else []
+               for k in ks] if routed else []
     result = {"config": config, "machine": machine_info(),
               "heads": {spec: summarize(records, spec, latency[spec], latency["full"]
                                         if "full" in latency else None, tasks)
@@ -305,9 +309,7 @@ def add_vocab_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-task", type=int, default=4)
     p.add_argument("--tasks", default=",".join(TASKS))
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--tree-depth", type=int, default=TreeSpec().depth)
-    p.add_argument("--tree-top-k", type=int, default=TreeSpec().top_k)
-    p.add_argument("--tree-tokens", type=int, default=TreeSpec().total_tokens)
+    add_tree_args(p, auto=False)
     p.add_argument("--runs", type=int, default=5, help="timed calls per latency (best kept)")
     p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl")
     p.add_argument("--out", default="results/bench_vocab.json")
@@ -319,8 +321,7 @@ def run_vocab_from_args(args: argparse.Namespace) -> dict[str, Any]:
     r = run_vocab_bench(
         resolve_model(args.model), args.drafter, heads=args.heads.split(","),
         per_task=args.per_task, tasks=args.tasks.split(","), max_new_tokens=args.max_new_tokens,
-        tree=TreeSpec(kind="eagle2", depth=args.tree_depth, top_k=args.tree_top_k,
-                      total_tokens=args.tree_tokens),
+        tree=tree_from_args(args),
         runs=args.runs, questions=args.questions, out=args.out)
     print(f"bench vocab: {time.perf_counter() - t0:.0f} s")
     return r

@@ -1,8 +1,23 @@
-"""bench vocab's pooling, report and plot on synthetic per-prompt records (no model)."""
+"""bench vocab's pooling, report and plot on synthetic per-prompt records, and the whole
+run on the tiny models through any draft tree the flags name."""
 
 from __future__ import annotations
 
-from specjax.bench.vocab import plot_vocab, summarize, summary
+import argparse
+import json
+
+import numpy as np
+
+import specjax.bench.vocab as vocab_bench
+from specjax.bench.trees import tree_from_args
+from specjax.bench.vocab import (
+    add_vocab_args,
+    plot_vocab,
+    run_vocab_bench,
+    summarize,
+    summary,
+)
+from specjax.speculative import TreeSpec
 
 TASKS = ["qa", "rag"]
 
@@ -46,3 +61,36 @@ def test_router_overlap_times_the_layer_and_router_on_real_weights(tiny_target, 
     got = router_overlap(tiny_target, fitted_drafter, head, k=2, context=16, runs=3)
     assert {"layer", "router", "both", "saved_ms", "noise_ms"} <= set(got)
     assert all(got[name] > 0 for name in ("layer", "router", "both"))
+
+
+def test_heads_compared_on_the_tree_json_names(tiny_target, tmp_path, monkeypatch):
+    """``--tree-json`` puts every head on one tree (here a static root of three children
+    plus a lookup chain, the shipped greedy tree's shape): the run drafts with it, each head
+    stays greedy-equal to vanilla, and the tree is recorded; the EAGLE-2 flags still work."""
+    tree = TreeSpec("static", paths=((0,), (1,), (2,)), lookup=4, lookup_min=2)
+    p = argparse.ArgumentParser()
+    add_vocab_args(p)
+    assert tree_from_args(p.parse_args(["--tree-json", json.dumps(tree.to_json())])) == tree
+    assert tree_from_args(p.parse_args(["--tree-depth", "2"])) == TreeSpec(depth=2)
+
+    v = tiny_target.cfg.vocab_size
+    ranked = tmp_path / "ranked.npy"
+    np.save(ranked, np.arange(v)[::-1].copy())
+    # The tiny target has no tokenizer: each question's text is its ids.
+    monkeypatch.setattr(vocab_bench, "question_ids", lambda _, text: json.loads(text))
+    lines = [{"question_id": i, "category": c, "turns": [json.dumps(ids)]}
+             for i, (c, ids) in enumerate([("qa", [1, 17, 42, 99, 5]),
+                                           ("rag", [1, 60, 61, 62, 60, 61, 62, 60])], 1)]
+    questions = tmp_path / "question.jsonl"
+    questions.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    heads = ["full", f"fr:64:{ranked}"]
+    r = run_vocab_bench(tiny_target.path, "random", heads=heads, per_task=1,
+                        tasks=["qa", "rag"], max_new_tokens=8, tree=tree, runs=1,
+                        questions=questions, out=tmp_path / "v.json")
+    assert r["config"]["tree"]["kind"] == "static" and r["config"]["tree"]["lookup"] == 4
+    assert r["router_overlap"] == [] and r["prompts"] == 2
+    for h in heads:
+        assert r["heads"][h]["greedy_matches"] == 2, h
+        assert r["heads"][h]["mal"] >= 1.0 and r["heads"][h]["draft_ms"] > 0
+    assert r["heads"][heads[1]]["mean_shortlist_size"] <= 64 < r["heads"]["full"][
+        "mean_shortlist_size"]
