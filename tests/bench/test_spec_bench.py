@@ -13,10 +13,14 @@ import pytest
 import specjax
 from specjax.bench import spec as spec_bench
 from specjax.bench.breakdown import (
+    Expansion,
     add_breakdown_args,
-    expansion_counts,
+    expansion_plan,
     run_breakdown,
     tree_from_spec_json,
+)
+from specjax.bench.breakdown import (
+    summary as breakdown_summary,
 )
 from specjax.bench.common import first_mismatch, pooled_difference
 from specjax.bench.partial import partial_path
@@ -64,8 +68,16 @@ def test_helpers(tmp_path, monkeypatch):
     assert monotone_fit([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
     assert monotone_fit([2.0, 5.0]) == [2.0, 5.0]
     assert partial_path(tmp_path / "r" / "b.json") == tmp_path / "r" / "b.partial.jsonl"
-    assert expansion_counts(TreeSpec("eagle2", depth=4, top_k=3, total_tokens=8)) == {1: 1, 3: 3}
-    assert expansion_counts(TreeSpec("chain", depth=3)) == {1: 3}
+    assert expansion_plan(TreeSpec("eagle2", depth=4, top_k=3, total_tokens=8)) == [
+        Expansion(0, 1, 3), Expansion(1, 3, 3), Expansion(2, 3, 3), Expansion(3, 3, 3)]
+    assert expansion_plan(TreeSpec("chain", depth=3)) == [Expansion(t, 1, 1) for t in range(3)]
+    # A static tree: one call a level, as wide as its widest level of nodes with children
+    # (here the root's two children both have one), drafting as many children as the
+    # level's highest rank asks.
+    static = TreeSpec("static", paths=((0,), (1,), (2,), (0, 0), (1, 0)), lookup=8)
+    assert expansion_plan(static) == [Expansion(0, 2, 3), Expansion(1, 2, 1)]
+    with pytest.raises(ValueError, match="data-dependent"):
+        expansion_plan(TreeSpec("dyspec", total_tokens=4))
 
     # Questions: explicit path, then the environment variable; a clear error when missing.
     lines = [{"question_id": i, "category": c, "turns": [f"q{i}", "second"]}
@@ -261,20 +273,46 @@ def test_breakdown_on_a_tiny_model(tiny_model, tmp_path):
                         max_new_tokens=8, runs=2)
     assert out.exists() and out.with_suffix(".png").stat().st_size > 0
     assert json.loads(out.read_text())["benchmark"] == "breakdown"
-    assert res["expansions"] == {"1": 1, "2": 1}
-    assert list(res["per_expansion"]) == ["K=1", "K=2"]
-    for parts in res["per_expansion"].values():
-        for k in ("embed_fc_ms", "layer_ms", "head_topk_ms"):
-            assert _finite_positive(parts[k])
+    rows = res["per_expansion"]
+    assert [x["label"] for x in rows] == ["t=0 K=1 (root)", "t=1 K=2"]
+    # The root's drafter layers ran in the previous step's catch-up: its expansion in the
+    # draft phase is the head alone.
+    assert rows[0]["in_draft_phase"] == ["head_topk"]
+    assert rows[0]["embed_fc_ms"] == rows[0]["layer_ms"] == 0.0
+    assert _finite_positive(rows[0]["head_topk_ms"])
+    for k in ("embed_fc_ms", "layer_ms", "head_topk_ms"):
+        assert _finite_positive(rows[1][k])
     step = res["draft_step"]
+    assert step["layer_ms"] == rows[1]["layer_ms"]
     assert sum(step["fractions"].values()) == pytest.approx(1.0)
     assert _finite_positive(step["tree_ops_ms"]) and _finite_positive(step["measured_ms"])
     assert res["verify_tokens"] == 4 and _finite_positive(res["verify_ms"])
     assert res["capacity"] >= res["context"] + tree.workspace
+    assert res["vocab"] == "full"
 
     spec_json = tmp_path / "spec.json"
-    spec_json.write_text(json.dumps({"tree": tree_dict(tree)}))
-    assert tree_from_spec_json(spec_json) == tree
+    looked_up = TreeSpec("chain", depth=2, lookup=4, lookup_min=2)
+    spec_json.write_text(json.dumps({"tree": tree_dict(looked_up)}))
+    assert tree_from_spec_json(spec_json) == looked_up
+
+
+def test_breakdown_of_a_static_tree_with_a_lookup_chain_and_a_shortlist(tiny_model, tmp_path):
+    """The shipped tree's shape (a static root of three + a lookup chain) on an FR head:
+    one expansion, the root's head over the shortlist's rows."""
+    target = specjax.load(tiny_model)
+    ranked = tmp_path / "ranked.npy"
+    np.save(ranked, np.arange(target.cfg.vocab_size)[::-1].copy())
+    tree = TreeSpec("static", paths=((0,), (1,), (2,)), lookup=4, lookup_min=2)
+    res = run_breakdown(tiny_model, "random", tree=tree, vocab=f"fr:32:{ranked}",
+                        out=tmp_path / "bd.json", context=12, max_new_tokens=8, runs=2)
+    (root,) = res["per_expansion"]
+    assert root["children"] == 3 and root["capacity"] == 32
+    assert res["vocab"].startswith("fr") and res["tree"]["lookup"] == 4
+    assert res["verify_tokens"] == 8 and res["verify_unchained_tokens"] == 4
+    assert _finite_positive(res["verify_unchained_ms"])
+    assert res["draft_step"]["layer_ms"] == 0.0 and _finite_positive(res["draft_step"][
+        "measured_ms"])
+    assert "head fr" in breakdown_summary(res)
 
 
 @pytest.mark.bench
