@@ -52,7 +52,14 @@ import specjax
 from specjax.bench.common import as_command, machine_info, save_figure, write_json
 from specjax.bench.phases import draft_latency, random_features, resolve_drafter
 from specjax.bench.timing import time_calls, verify_latency
-from specjax.bench.trees import add_tree_args, tree_dict, tree_from_args, tree_label
+from specjax.bench.trees import (
+    DRAFTER_DEFAULT,
+    add_tree_args,
+    resolve_tree,
+    tree_dict,
+    tree_from_args,
+    tree_label,
+)
 from specjax.defaults import resolve_model
 from specjax.drafter import (
     DrafterConfig,
@@ -227,7 +234,7 @@ def head_part(target: Target, drafter: Drafter, head: VocabHead, e: Expansion, *
 
 
 def run_breakdown(model_dir: str | Path, drafter_dir: str | Path | None, *,
-                  tree: TreeSpec | None = None, vocab: str | VocabHead = "full",
+                  tree: TreeSpec | str | None = None, vocab: str | VocabHead = "full",
                   out: str | Path = "results/bench_breakdown.json", context: int = 256,
                   max_new_tokens: int = 128, runs: int = 10, dtype: str | None = None,
                   drafter: Drafter | None = None) -> dict[str, Any]:
@@ -238,7 +245,8 @@ def run_breakdown(model_dir: str | Path, drafter_dir: str | Path | None, *,
       drafter_dir: a drafter folder; None for the shipped one; "random" for an untrained
         one (the timings do not depend on the weights).
       tree: a chain, EAGLE-2 or static tree, with or without a lookup chain (default
-        ``TreeSpec()``); e.g. the one ``specjax bench spec`` chose, or a drafter's default.
+        ``TreeSpec()``); e.g. the one ``specjax bench spec`` chose; ``"default"``: the
+        drafter's measured greedy tree (:func:`resolve_tree`).
       vocab: the drafter's vocabulary head, as ``--vocab`` names it (default: full).
       context: committed cache rows; the cache is allocated as decoding a ``context``-token
         prompt with ``max_new_tokens`` would allocate it.
@@ -248,14 +256,16 @@ def run_breakdown(model_dir: str | Path, drafter_dir: str | Path | None, *,
       The dict written to ``out``: ``per_expansion`` lists the plan's expansions in order,
       each with its pieces in ms and ``in_draft_phase`` (the root's: its head only).
     """
-    tree = tree or TreeSpec()
-    plan = expansion_plan(tree)
+    if tree is not None and tree != DRAFTER_DEFAULT:
+        expansion_plan(tree)  # refuse a DySpec tree before loading anything
     out = Path(out)
     target = specjax.load(model_dir, dtype)
     if drafter is not None:
         drafter_name = str(drafter.path) if drafter.path is not None else "in-memory"
     else:
         drafter, drafter_name = resolve_drafter(drafter_dir, target)
+    tree = resolve_tree(tree, drafter)
+    plan = expansion_plan(tree)
     head = resolve_head(vocab, target, drafter)
     # Rows allocated as generate() would for a `context`-token prompt: attention runs over
     # all of them (masked), so the capacity, not the committed length, sets its cost.
@@ -448,7 +458,7 @@ def add_breakdown_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=None,
                    help="drafter folder (default: the shipped drafter); 'random' = untrained "
                         "weights (timings do not depend on them)")
-    add_tree_args(p, auto=False)
+    add_tree_args(p, auto=False, drafter_default=True)
     p.add_argument("--vocab", default="full",
                    help="the drafter's vocabulary head: full, fr:N, pafr:N, dynaspec, "
                         "evospec, ... (default: full)")

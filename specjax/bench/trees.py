@@ -9,14 +9,22 @@ from typing import Any
 
 from specjax.speculative import TreeSpec
 
+# ``--tree default``: the drafter's measured greedy tree, known once it is loaded.
+DRAFTER_DEFAULT = "default"
 
-def add_tree_args(p: argparse.ArgumentParser, *, auto: bool) -> None:
-    """``--tree`` (+ depth / top-k / tokens); ``auto`` adds the measured choice."""
+
+def add_tree_args(p: argparse.ArgumentParser, *, auto: bool,
+                  drafter_default: bool = False) -> None:
+    """``--tree`` (+ depth / top-k / tokens); ``auto`` adds the measured choice,
+    ``drafter_default`` the drafter's stored one (see :func:`resolve_tree`)."""
     choices = ["auto", "eagle2", "chain"] if auto else ["eagle2", "chain"]
+    choices += [DRAFTER_DEFAULT] if drafter_default else []
+    help_default = (f"; {DRAFTER_DEFAULT} = the drafter's measured greedy tree (its "
+                    "default_tree.json)" if drafter_default else "")
     p.add_argument("--tree", default=choices[0], choices=choices,
                    help="draft tree" + (": auto = chosen from the measured latency curve and "
                                         "a calibration run (default)" if auto else
-                                        f" (default {choices[0]})"))
+                                        f" (default {choices[0]})") + help_default)
     d = TreeSpec()
     p.add_argument("--tree-depth", type=int, default=None,
                    help=f"draft levels (default {d.depth})")
@@ -50,12 +58,13 @@ def lookup_sizes(text: str, what: str = "chain lengths") -> tuple[int, ...]:
     return sizes
 
 
-def tree_from_args(args: argparse.Namespace) -> TreeSpec | None:
-    """The TreeSpec the flags name; None for ``--tree auto``.
+def tree_from_args(args: argparse.Namespace) -> TreeSpec | str | None:
+    """The TreeSpec the flags name; None for ``--tree auto``; :data:`DRAFTER_DEFAULT` for
+    ``--tree default`` (:func:`resolve_tree` reads it from the loaded drafter).
 
     Raises:
-      ValueError: sizes with ``--tree auto``, lists with a fixed tree, ``--tree-json`` with
-        other tree flags, or JSON that is not a valid tree.
+      ValueError: sizes with ``--tree auto``, lists with a fixed tree, ``--tree-json`` or
+        ``--tree default`` with other tree flags, or JSON that is not a valid tree.
     """
     given = [f for f in ("tree_depth", "tree_top_k", "tree_tokens")
              if getattr(args, f) is not None]
@@ -67,6 +76,12 @@ def tree_from_args(args: argparse.Namespace) -> TreeSpec | None:
             return TreeSpec.from_json(json.loads(args.tree_json))
         except json.JSONDecodeError as e:
             raise ValueError(f"--tree-json is not JSON ({e}): {args.tree_json!r}") from None
+    if args.tree == DRAFTER_DEFAULT:
+        if given or args.tree_lookup or args.tree_lookup_min != (1,):
+            raise ValueError(f"--tree {DRAFTER_DEFAULT} names the whole tree (its lookup "
+                             "included); drop --tree-depth/--tree-top-k/--tree-tokens/"
+                             "--tree-lookup*")
+        return DRAFTER_DEFAULT
     if args.tree == "auto":
         if given:
             raise ValueError("--tree-depth/--tree-top-k/--tree-tokens need --tree eagle2|chain")
@@ -81,6 +96,25 @@ def tree_from_args(args: argparse.Namespace) -> TreeSpec | None:
                     top_k=d.top_k if args.tree_top_k is None else args.tree_top_k,
                     total_tokens=d.total_tokens if args.tree_tokens is None
                     else args.tree_tokens)
+
+
+def resolve_tree(tree: TreeSpec | str | None, drafter: Any) -> TreeSpec:
+    """``tree`` itself; :class:`TreeSpec`'s defaults for None; for
+    :data:`DRAFTER_DEFAULT` the loaded ``drafter``'s measured greedy tree.
+
+    Raises:
+      ValueError: the drafter has no measured tree (no default_tree.json in its folder).
+    """
+    if tree is None:
+        return TreeSpec()
+    if tree != DRAFTER_DEFAULT:
+        return tree
+    if drafter.default_tree is None:
+        raise ValueError(f"--tree {DRAFTER_DEFAULT}: the drafter "
+                         f"{drafter.path or '(in memory)'} has no measured tree (no "
+                         "default_tree.json); measure one with `specjax bench spec "
+                         "--save-default-tree`, or name a tree with --tree-json")
+    return drafter.default_tree
 
 
 def tree_dict(tree: TreeSpec) -> dict[str, Any]:

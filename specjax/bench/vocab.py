@@ -57,7 +57,7 @@ from specjax.bench.questions import (
     uses_chat,
 )
 from specjax.bench.timing import count_compiles, warmup_tokens
-from specjax.bench.trees import add_tree_args, tree_dict, tree_from_args
+from specjax.bench.trees import add_tree_args, resolve_tree, tree_dict, tree_from_args
 from specjax.defaults import resolve_model
 from specjax.drafter import drafter_hidden, in_target_layout, init_drafter_cache
 from specjax.loaded import Drafter, Target
@@ -144,14 +144,18 @@ def _timed(fn, *args) -> float:
 def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
                     heads: Sequence[str] = DEFAULT_HEADS, per_task: int = 4,
                     tasks: Sequence[str] = TASKS, max_new_tokens: int = 128,
-                    tree: TreeSpec | None = None, runs: int = 5,
+                    tree: TreeSpec | str | None = None, runs: int = 5,
                     questions: str | Path | None = None,
                     out: str | Path = "results/bench_vocab.json") -> dict[str, Any]:
-    """Run the comparison; writes ``out`` (JSON), a PNG beside it, and returns the result."""
+    """Run the comparison; writes ``out`` (JSON), a PNG beside it, and returns the result.
+
+    ``tree``: every head's draft tree (default: :class:`TreeSpec`'s EAGLE-2 tree;
+    ``"default"``: the drafter's measured greedy tree, see :func:`resolve_tree`).
+    """
     out = Path(out)
-    tree = tree or TreeSpec()
     target = specjax.load(model_dir)
     drafter, drafter_label = resolve_drafter(drafter_dir, target)
+    tree = resolve_tree(tree, drafter)
     built = {spec: resolve_head(spec, target, drafter) for spec in heads}
     qs = select_questions(load_questions(resolve_questions(questions)), tasks, per_task)
     config = {"heads": list(heads), "tasks": list(tasks), "per_task": per_task,
@@ -309,7 +313,7 @@ def add_vocab_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-task", type=int, default=4)
     p.add_argument("--tasks", default=",".join(TASKS))
     p.add_argument("--max-new-tokens", type=int, default=128)
-    add_tree_args(p, auto=False)
+    add_tree_args(p, auto=False, drafter_default=True)
     p.add_argument("--runs", type=int, default=5, help="timed calls per latency (best kept)")
     p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl")
     p.add_argument("--out", default="results/bench_vocab.json")

@@ -4,12 +4,15 @@ run on the tiny models through any draft tree the flags name."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import numpy as np
+import pytest
 
 import specjax.bench.vocab as vocab_bench
-from specjax.bench.trees import tree_from_args
+from specjax.bench.phases import random_drafter
+from specjax.bench.trees import DRAFTER_DEFAULT, resolve_tree, tree_from_args
 from specjax.bench.vocab import (
     add_vocab_args,
     plot_vocab,
@@ -72,6 +75,15 @@ def test_heads_compared_on_the_tree_json_names(tiny_target, tmp_path, monkeypatc
     add_vocab_args(p)
     assert tree_from_args(p.parse_args(["--tree-json", json.dumps(tree.to_json())])) == tree
     assert tree_from_args(p.parse_args(["--tree-depth", "2"])) == TreeSpec(depth=2)
+    # --tree default: the drafter's measured greedy tree, read once the drafter is loaded.
+    assert tree_from_args(p.parse_args(["--tree", "default"])) == DRAFTER_DEFAULT
+    with pytest.raises(ValueError, match="names the whole tree"):
+        tree_from_args(p.parse_args(["--tree", "default", "--tree-lookup", "8"]))
+    measured = dataclasses.replace(random_drafter(tiny_target), default_tree=tree)
+    assert resolve_tree(DRAFTER_DEFAULT, measured) == tree
+    assert resolve_tree(None, measured) == TreeSpec() and resolve_tree(tree, None) == tree
+    with pytest.raises(ValueError, match="has no measured tree.*--save-default-tree"):
+        resolve_tree(DRAFTER_DEFAULT, random_drafter(tiny_target))
 
     v = tiny_target.cfg.vocab_size
     ranked = tmp_path / "ranked.npy"
