@@ -3,7 +3,8 @@
 For each head (full, FR-Spec at several sizes, PA-FR, DynaSpec fixed top-k and
 position-aware), on the same prompts as ``specjax bench spec`` (greedy, batch 1, chat
 template where the target has one, the same draft tree for every head: EAGLE-2's by
-default, or any tree ``--tree-json`` names, such as the drafter's measured default):
+default, the drafter's measured one with ``--tree default``, or any tree ``--tree-json``
+names):
 
 * mean accepted length per task and overall (the bonus token counted);
 * mean shortlist size (valid candidates per expanded node) and coverage (the fraction of
