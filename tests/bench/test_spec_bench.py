@@ -310,8 +310,8 @@ def test_breakdown_of_a_static_tree_with_a_lookup_chain_and_a_shortlist(tiny_mod
     assert res["vocab"].startswith("fr") and res["tree"]["lookup"] == 4
     assert res["verify_tokens"] == 8 and res["verify_unchained_tokens"] == 4
     assert _finite_positive(res["verify_unchained_ms"])
-    assert res["draft_step"]["layer_ms"] == 0.0 and _finite_positive(res["draft_step"][
-        "measured_ms"])
+    step = res["draft_step"]
+    assert step["layer_ms"] == 0.0 and _finite_positive(step["measured_ms"])
     assert "head fr" in breakdown_summary(res)
 
 
