@@ -79,7 +79,6 @@ from specjax.model import (
 )
 from specjax.speculative import TreeSpec, cache_capacity
 from specjax.tree.lookup import committed_history, graft_chain, lookup_continuation
-from specjax.tree.static import normalize_paths
 from specjax.vocab import VocabHead, resolve_head
 
 PARTS = ("embed_fc", "layer", "head_topk")
@@ -171,7 +170,7 @@ def expansion_plan(tree: TreeSpec) -> list[Expansion]:
         return [Expansion(0, 1, tree.top_k),
                 *(Expansion(t, tree.top_k, tree.top_k) for t in range(1, tree.depth))]
     if tree.kind == "static":  # one call a level, each as wide as the widest (build_static)
-        paths = normalize_paths(tree.paths)
+        paths = tree.paths  # normalized (breadth first, validated) when the spec was made
         levels = range(max(map(len, paths)))
         width = max(len({q[:-1] for q in paths if len(q) == d + 1}) for d in levels)
         return [Expansion(d, width, 1 + max(q[-1] for q in paths if len(q) == d + 1))
@@ -329,7 +328,7 @@ def run_breakdown(model_dir: str | Path, drafter_dir: str | Path | None, *,
              "head_topk": timed["head_topk"][head_keys[e]]}
         per_expansion.append({
             "label": e.label + (" (root)" if i == 0 else ""), "step": e.step, "k": e.k,
-            "children": e.children, "capacity": head.capacity(e.step),
+            "children": e.children, "capacity": head_keys[e][0],
             "in_draft_phase": list(PARTS) if i else ["head_topk"],
             **{f"{p}_ms": net(t[p]) for p in PARTS},
             "raw_best_ms": {p: t[p]["best_ms"] for p in PARTS if t[p] is not None},
