@@ -55,7 +55,7 @@ from specjax.model import KVCache, Params, forward_hidden, lm_head
 from specjax.sampling import StaticSampling, target_probs
 from specjax.sharding import constrain_state
 from specjax.tree import DraftTree, TreeSpec
-from specjax.tree.lookup import committed_history, graft_chain, lookup_continuation
+from specjax.tree.lookup import graft_lookup
 from specjax.verify import committed_tokens, verify_greedy, verify_sampling
 from specjax.vocab.head import Feedback, VocabHead
 
@@ -299,13 +299,9 @@ def draft_phase(params: Params, dparams: Any, head: VocabHead, state: SpecState,
             state.limits.temperature if sampled else 0.0, spec.cfg.vocab_size)
         unchained = chained = None
         if spec.tree.lookup:
-            hist, hist_len = committed_history(state.prompt, state.output.tokens,
-                                               state.output.num_new)
-            chain, match = lookup_continuation(hist, hist_len, spec.tree.lookup,
-                                               spec.tree.lookup_ngram)
-            chained = (match >= spec.tree.lookup_min) & ~state.output.done
             unchained = tree
-            tree = graft_chain(tree, chain, chained)
+            tree, chained = graft_lookup(tree, spec.tree, state.prompt, state.output.tokens,
+                                         state.output.num_new, live=~state.output.done)
         shortlists = Shortlists(root_offer[0].ids[:, 0], root_offer[0].valid[:, 0],
                                 size_sum / calls.astype(jnp.float32), calls,
                                 tuple(records) if spec.record_top_l else None)

@@ -78,7 +78,7 @@ from specjax.model import (
     rope_inv_freq,
 )
 from specjax.speculative import TreeSpec, cache_capacity
-from specjax.tree.lookup import committed_history, graft_chain, lookup_continuation
+from specjax.tree.lookup import graft_lookup
 from specjax.vocab import VocabHead, resolve_head
 
 PARTS = ("embed_fc", "layer", "head_topk")
@@ -138,10 +138,7 @@ def _tree_ops(root: Array, prompt: Array, out_tokens: Array, tree: TreeSpec,
 
     built, carry = tree.build(expand, jnp.int32(0), root, None, 0.0, vocab_size)
     if tree.lookup:
-        hist, hist_len = committed_history(prompt, out_tokens,
-                                           jnp.zeros(root.shape, jnp.int32))
-        chain, match = lookup_continuation(hist, hist_len, tree.lookup, tree.lookup_ngram)
-        built = graft_chain(built, chain, match >= tree.lookup_min)
+        built, _ = graft_lookup(built, tree, prompt, out_tokens, jnp.zeros(root.shape, jnp.int32))
     return built, carry
 
 

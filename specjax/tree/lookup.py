@@ -16,6 +16,8 @@ lookup decoding (Saxena, 2023) and SAM-Decoding (Hu et al., 2024) do beside a dr
 * :func:`graft_chain` merges that chain into the drafter's tree: it walks down existing
   nodes while their tokens agree, and hangs the rest below the last one as new nodes, so
   no node gains a child that repeats a sibling's token.
+* :func:`graft_lookup` is the draft step's use of the two: search each row's committed
+  text, graft where the match is long enough.
 
 Grafted nodes are deterministic drafts, marked in ``DraftTree.fixed`` (they come after
 every drafted node, so each is tried after all its drafted siblings). Greedy verification
@@ -27,12 +29,17 @@ step on it is exact for any fixed token (:func:`specjax.verify.verify_sampling`)
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
 from specjax.loop import PAD  # the Output's empty slot; never a token id
 from specjax.tree.base import DraftTree, finish_tree
+
+if TYPE_CHECKING:
+    from specjax.tree.spec import TreeSpec
 
 
 def committed_history(prompt: Array, out_tokens: Array, num_new: Array) -> tuple[Array, Array]:
@@ -140,3 +147,22 @@ def graft_chain(tree: DraftTree, tokens: Array, found: Array) -> DraftTree:
         cat(tree.draft_logp, jnp.zeros((b, k), tree.draft_logp.dtype)),
         cat(tree.score, jnp.broadcast_to(at_cur(tree.score), (b, k))), dist, tree.sampled,
         cat(fixed, jnp.ones((b, k), bool)))
+
+
+def graft_lookup(tree: DraftTree, spec: TreeSpec, prompt: Array, out_tokens: Array,
+                 num_new: Array, live: Array | None = None) -> tuple[DraftTree, Array]:
+    """The draft step's lookup chain: ``spec.lookup`` tokens found in each row's committed
+    text (prompt [B, P], PAD past its length, then ``out_tokens`` [B, N] of which
+    ``num_new`` [B] are committed), grafted into ``tree`` ([B, T] nodes) where the suffix
+    matched at least ``spec.lookup_min`` tokens and the row is ``live`` ([B] bool, default
+    all).
+
+    Returns (the grafted tree, [B, T + spec.lookup] nodes; [B] bool, the rows that took a
+    chain). The other rows keep the tree as it was, padding nodes after it.
+    """
+    hist, hist_len = committed_history(prompt, out_tokens, num_new)
+    chain, match = lookup_continuation(hist, hist_len, spec.lookup, spec.lookup_ngram)
+    chained = match >= spec.lookup_min
+    if live is not None:
+        chained = chained & live
+    return graft_chain(tree, chain, chained), chained

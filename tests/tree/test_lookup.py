@@ -14,7 +14,12 @@ import specjax
 from specjax.loop import PAD
 from specjax.tree import TreeSpec, ancestors_from_parent
 from specjax.tree.base import DraftTree, finish_tree
-from specjax.tree.lookup import committed_history, graft_chain, lookup_continuation
+from specjax.tree.lookup import (
+    committed_history,
+    graft_chain,
+    graft_lookup,
+    lookup_continuation,
+)
 from tests.speculative.conftest import PROMPTS
 
 
@@ -117,6 +122,26 @@ def test_a_row_without_a_chain_gets_padding():
     tree = graft_chain(small_tree(), jnp.asarray([[20, 21, 22]]), jnp.asarray([False]))
     assert not np.asarray(tree.valid[0, 5:]).any()
     check_invariants(tree)
+
+
+def test_graft_lookup_takes_a_chain_where_the_match_is_long_enough_and_the_row_live():
+    """Three rows of one tree: a two-token match, a one-token match (under lookup_min = 2),
+    and a two-token match on a finished row. Only the first takes the chain, which is what
+    ``graft_chain`` makes of the text that followed its match."""
+    tree = small_tree()
+    tree = dataclasses.replace(tree, **{f.name: jnp.concatenate([getattr(tree, f.name)] * 3)
+                                       for f in dataclasses.fields(tree)
+                                       if isinstance(getattr(tree, f.name), jnp.ndarray)})
+    prompt = jnp.asarray([[1, 2, 20, 21, 1], [3, 2, 20, 21, 1], [1, 2, 20, 21, 1]])
+    out = jnp.asarray([[2, PAD], [2, PAD], [2, PAD]])  # each history ends "1 2" or "... 2"
+    spec = TreeSpec("chain", depth=2, lookup=3, lookup_ngram=2, lookup_min=2)
+    grafted, chained = graft_lookup(tree, spec, prompt, out, jnp.asarray([1, 1, 1]),
+                                    live=jnp.asarray([True, True, False]))
+    assert np.asarray(chained).tolist() == [True, False, False]
+    want = graft_chain(small_tree(), jnp.asarray([[20, 21, 1]]), jnp.asarray([True]))
+    for name in ("tokens", "parent", "valid"):
+        assert (np.asarray(getattr(grafted, name)[0]) == np.asarray(getattr(want, name)[0])).all()
+    assert not np.asarray(grafted.valid[1:, 5:]).any()
 
 
 def test_spec_json_keeps_old_trees_and_checks_sizes():
