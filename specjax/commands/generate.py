@@ -54,6 +54,9 @@ def start_mesh(args: argparse.Namespace) -> Any:
     return sh.as_mesh(args.mesh)
 
 
+THRESHOLD = 0.05  # --tree-threshold's default
+
+
 def _add_tree(p: argparse.ArgumentParser) -> None:
     from specjax.speculative import TreeSpec
 
@@ -73,7 +76,7 @@ def _add_tree(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-tokens", type=int, default=None,
                    help="EAGLE-2 / DySpec draft tokens per step (the tree budget; root "
                         f"excluded; default {d.total_tokens})")
-    p.add_argument("--tree-threshold", type=float, default=0.05,
+    p.add_argument("--tree-threshold", type=float, default=THRESHOLD,
                    help="dyspec-threshold: the least slot value worth drafting (greedy: the "
                         "product of q along the new node's path; sampled: the chance "
                         "verification reaches the slot)")
@@ -94,6 +97,11 @@ def _add_tree(p: argparse.ArgumentParser) -> None:
                    help="dyspec trees, when sampling: each node's last G children are q's "
                         "top ones, verified after the others, which are sampled from q "
                         "without them (greedy multi-draft; exact; default 0)")
+    p.add_argument("--tree-json", default=None, metavar="JSON",
+                   help="any draft tree as TreeSpec JSON, e.g. a static tree '{\"kind\": "
+                        "\"static\", \"paths\": [[0], [1], [2], [0, 0]], \"lookup\": 8, "
+                        "\"lookup_min\": 2}' or the \"tree\" of a drafter's "
+                        "default_tree.json (replaces --tree and its flags)")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -146,6 +154,7 @@ def check_generate_flags(args: argparse.Namespace) -> None:
     for name in ("tree_depth", "tree_top_k", "tree_tokens"):
         if getattr(args, name) is not None:
             check_int(f"--{name.replace('_', '-')}", getattr(args, name), minimum=1)
+    _tree_from_json(args)
     for i, p in enumerate(args.prompt):
         check_text(f"--prompt {i + 1}" if len(args.prompt) > 1 else "--prompt", p)
     if args.system is not None:
@@ -184,11 +193,48 @@ def _resolve_drafter(args: argparse.Namespace, target: Any) -> Any:
     return specjax.load_drafter(path, target)
 
 
+def _tree_from_json(args: argparse.Namespace) -> Any:
+    """The TreeSpec ``--tree-json`` names, or None without it.
+
+    Raises:
+      ValueError: other tree flags beside it (the JSON names the whole tree, its lookup
+        chain included), text that is not JSON, or JSON that is not a valid tree.
+    """
+    import json
+
+    from specjax.speculative import TreeSpec
+
+    if args.tree_json is None:
+        return None
+    others = [flag for flag, given in (
+        ("--tree", args.tree is not None), ("--tree-depth", args.tree_depth is not None),
+        ("--tree-top-k", args.tree_top_k is not None),
+        ("--tree-tokens", args.tree_tokens is not None),
+        ("--tree-threshold", args.tree_threshold != THRESHOLD),
+        ("--tree-frontier", args.tree_frontier != 0), ("--tree-lookup", args.tree_lookup != 0),
+        ("--tree-lookup-min", args.tree_lookup_min != 1),
+        ("--tree-topk-children", args.tree_topk_children),
+        ("--tree-greedy-children", args.tree_greedy_children != 0)) if given]
+    if others:
+        raise ValueError(f"--tree-json names the whole tree (its lookup chain included); drop "
+                         f"{', '.join(others)} or write them into the JSON")
+    try:
+        fields = json.loads(args.tree_json)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--tree-json is not JSON ({e}): {args.tree_json!r}") from None
+    try:
+        return TreeSpec.from_json(fields)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--tree-json: {e}") from None
+
+
 def _tree(args: argparse.Namespace, drafter: Any) -> Any:
     import dataclasses
 
     from specjax.speculative import TreeSpec
 
+    if args.tree_json is not None:
+        return _tree_from_json(args)
     given = {"kind": args.tree, "depth": args.tree_depth, "top_k": args.tree_top_k,
              "total_tokens": args.tree_tokens}
     if all(v is None for v in given.values()):

@@ -160,6 +160,26 @@ def test_generate_uses_the_drafters_default_tree(tiny_target, tmp_path):
         _cli_tree("--tree", "chain", "--tree-topk-children")
 
 
+def test_generate_cli_takes_any_tree_as_json():
+    """``--tree-json`` names trees the other flags cannot (a static tree) and the "tree" of
+    a default_tree.json; it replaces every other tree flag, and bad text is refused by flag."""
+    static = {"kind": "static", "depth": 2, "paths": [[0], [1], [0, 0]], "lookup": 4,
+              "lookup_min": 2}
+    want = TreeSpec("static", depth=2, paths=((0,), (1,), (0, 0)), lookup=4, lookup_min=2)
+    assert _cli_tree("--tree-json", json.dumps(static)) == want
+    assert _cli_tree("--tree-json", json.dumps(want.to_json())) == want  # num_nodes agrees
+    for extra in (["--tree", "chain"], ["--tree-depth", "3"], ["--tree-lookup", "8"],
+                  ["--tree-threshold", "0.2"], ["--tree-greedy-children", "1"]):
+        with pytest.raises(ValueError, match=f"--tree-json names the whole tree.*{extra[0]}"):
+            _cli_tree("--tree-json", json.dumps(static), *extra)
+    with pytest.raises(ValueError, match="--tree-json is not JSON"):
+        _cli_tree("--tree-json", "{kind: static}")
+    with pytest.raises(ValueError, match="--tree-json: unknown tree field"):
+        _cli_tree("--tree-json", json.dumps({"kind": "chain", "width": 3}))
+    with pytest.raises(ValueError, match="--tree-json: the tree says num_nodes"):
+        _cli_tree("--tree-json", json.dumps({"kind": "chain", "depth": 2, "num_nodes": 9}))
+
+
 def test_generate_uses_the_drafters_default_head(tiny_target, tmp_path):
     from specjax.vocab.corpus_counts import TokenCounts, save_counts
 
