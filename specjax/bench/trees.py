@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from functools import partial
 from typing import Any
 
@@ -72,10 +71,7 @@ def tree_from_args(args: argparse.Namespace) -> TreeSpec | str | None:
         if given or args.tree_lookup or args.tree_lookup_min != (1,):
             raise ValueError("--tree-json names the whole tree (its lookup included); drop "
                              "--tree-depth/--tree-top-k/--tree-tokens/--tree-lookup*")
-        try:
-            return TreeSpec.from_json(json.loads(args.tree_json))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--tree-json is not JSON ({e}): {args.tree_json!r}") from None
+        return TreeSpec.from_json_text(args.tree_json)
     if args.tree == DRAFTER_DEFAULT:
         if given or args.tree_lookup or args.tree_lookup_min != (1,):
             raise ValueError(f"--tree {DRAFTER_DEFAULT} names the whole tree (its lookup "

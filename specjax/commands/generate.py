@@ -200,8 +200,6 @@ def _tree_from_json(args: argparse.Namespace) -> Any:
       ValueError: other tree flags beside it (the JSON names the whole tree, its lookup
         chain included), text that is not JSON, or JSON that is not a valid tree.
     """
-    import json
-
     from specjax.speculative import TreeSpec
 
     if args.tree_json is None:
@@ -218,14 +216,7 @@ def _tree_from_json(args: argparse.Namespace) -> Any:
     if others:
         raise ValueError(f"--tree-json names the whole tree (its lookup chain included); drop "
                          f"{', '.join(others)} or write them into the JSON")
-    try:
-        fields = json.loads(args.tree_json)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--tree-json is not JSON ({e}): {args.tree_json!r}") from None
-    try:
-        return TreeSpec.from_json(fields)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"--tree-json: {e}") from None
+    return TreeSpec.from_json_text(args.tree_json)
 
 
 def _tree(args: argparse.Namespace, drafter: Any) -> Any:

@@ -8,6 +8,7 @@ else changes: the speculative loop only calls the spec's ``build`` and reads its
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, ClassVar, Protocol
 
 from jax import Array
@@ -224,3 +225,19 @@ class TreeSpec:
             raise ValueError(f"the tree says num_nodes {nodes} but its fields give "
                              f"{tree.num_nodes}")
         return tree
+
+    @classmethod
+    def from_json_text(cls, text: str, flag: str = "--tree-json") -> TreeSpec:
+        """:meth:`from_json` of a command-line value.
+
+        Raises:
+          ValueError: naming ``flag``, when ``text`` is not JSON or not a valid tree.
+        """
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{flag} is not JSON ({e}): {text!r}") from None
+        try:
+            return cls.from_json(fields)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{flag}: {e}") from None
