@@ -292,6 +292,14 @@ def _cache_summary(cache_dir: Path) -> dict:
             "tokens": {k: v["tokens"] for k, v in m["splits"].items()}}
 
 
+def _cache_waits(manifest: dict) -> str:
+    """Where this call's caching spent its time, if it cached anything (cache_hidden_states'
+    ``seconds``): reading states back waits on the accelerator, saves on the host's writes."""
+    sec = manifest.get("seconds")
+    return ("" if not sec else f": {sec['read_back']:.0f}s waiting for the target's states, "
+            f"{sec['wait_for_save']:.0f}s for shard saves")
+
+
 def _tap_list(text: str) -> tuple[int, ...]:
     """``--drafter-taps 1,14`` -> (1, 14); argparse reports the ValueError's message."""
     try:
@@ -367,7 +375,8 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     splits = manifest["splits"]
     print(f"hidden states in {cache_dir}: train {splits['train']['examples']} conv / "
           f"{splits['train']['tokens']} tok, held-out {splits['heldout']['examples']} conv / "
-          f"{splits['heldout']['tokens']} tok [{cache_s:.0f}s]", file=sys.stderr)
+          f"{splits['heldout']['tokens']} tok [{cache_s:.0f}s{_cache_waits(manifest)}]",
+          file=sys.stderr)
     if args.cache_only:
         return 0
 
@@ -377,6 +386,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
         check_same_target(cache_dir, Path(extra))
         train = concat_splits(train, load_split(Path(extra), "train"))
         heldout = concat_splits(heldout, load_split(Path(extra), "heldout"))
+    print(f"hidden states loaded [{time.time() - t0 - cache_s:.0f}s]", file=sys.stderr)
     tc = TrainConfig(steps=args.steps, epochs=args.epochs, token_budget=args.batch_size,
                      lr=args.lr, warmup_fraction=args.warmup, noise=args.noise,
                      init=args.init, fc_init=args.fc_init, seed=args.seed,

@@ -26,8 +26,10 @@ import itertools
 import json
 import math
 import os
+import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -472,7 +474,9 @@ def cache_hidden_states(cfg: ModelConfig, params: Params, examples: Sequence[Exa
                         batches_per_shard: int = 16, hidden_dtype: str = "float16",
                         taps: tuple[int, ...] = (), info: dict | None = None,
                         progress: bool = True) -> dict:
-    """Compute and store the target's hidden states for ``examples``; returns the manifest.
+    """Compute and store the target's hidden states for ``examples``; returns the manifest,
+    with ``seconds`` (``total``, ``read_back``, ``wait_for_save``) added when this call
+    computed any shard (not stored: the time of one call, not of the cache).
 
     Layout: ``cache_dir/manifest.json`` and ``cache_dir/{train,heldout}/shard_NNNNN.npz``,
     each shard holding flat ``tokens [N] int32``, ``assistant [N] bool``,
@@ -545,36 +549,80 @@ def cache_hidden_states(cfg: ModelConfig, params: Params, examples: Sequence[Exa
     total = sum(len(examples[i].tokens) for _, _, sh in todo for _, rows in sh for i in rows)
     bar = tqdm(total=total, unit="tok", desc="target hidden states", disable=not progress,
                dynamic_ncols=True)
-    for split, k, shard in todo:
-        (cache_dir / split).mkdir(exist_ok=True)
-        toks, asst, hid, tap, lens, index = [], [], [], [], [], []
-        for t, rows in shard:
-            batch = np.zeros((rows_for(t, token_budget), t), np.int32)  # pad id 0, masked out
-            for r, i in enumerate(rows):
-                batch[r, : len(examples[i].tokens)] = examples[i].tokens
-            h, tp = (np.asarray(a) for a in target_hidden(params, cfg, jnp.asarray(batch),
-                                                            hidden_dtype, tuple(taps)))
+    # Three things overlap: the accelerator runs batch j+1's forward (dispatched before batch
+    # j is read back), this thread copies batch j's rows out, and one saver thread writes the
+    # shard before (one save in flight: at most two shards in host memory). The files are
+    # those of a serial loop. The seconds spent waiting on each say which one bounds the rate.
+    seconds = {"read_back": 0.0, "wait_for_save": 0.0}
+    start = time.perf_counter()
+    done: list[tuple[int, np.ndarray, np.ndarray]] = []  # (example, hidden, taps) a row
+    with ThreadPoolExecutor(max_workers=1) as saver:
+        saving = None
+        for split, k, last, rows, h, tp in _dispatched_forwards(
+                cfg, params, examples, todo, token_budget, hidden_dtype, tuple(taps)):
+            t0 = time.perf_counter()
+            h, tp = np.asarray(h), np.asarray(tp)
+            seconds["read_back"] += time.perf_counter() - t0
             if not (np.isfinite(h).all() and np.isfinite(tp).all()):
                 raise FloatingPointError(f"non-finite hidden states in {hidden_dtype}; "
                                          "use hidden_dtype='float32'")
             for r, i in enumerate(rows):
                 n = len(examples[i].tokens)
-                toks.append(examples[i].tokens)
-                asst.append(examples[i].assistant)
-                hid.append(h[r, :n])
-                if taps:
-                    tap.append(tp[r, :n])
-                lens.append(n)
-                index.append(i)
+                done.append((i, h[r, :n], tp[r, :n]))
                 bar.update(n)
-        atomic_savez(cache_dir / split / f"shard_{k:05d}.npz", tokens=np.concatenate(toks),
-                     assistant=np.concatenate(asst), hidden=np.concatenate(hid),
-                     lengths=np.asarray(lens, np.int32), index=np.asarray(index, np.int64),
-                     **({"taps": np.concatenate(tap)} if taps else {}))
+            if last:
+                t0 = time.perf_counter()
+                if saving is not None:
+                    saving.result()  # raises a failed save's error here
+                seconds["wait_for_save"] += time.perf_counter() - t0
+                (cache_dir / split).mkdir(exist_ok=True)
+                saving = saver.submit(_save_shard, cache_dir / split / f"shard_{k:05d}.npz",
+                                      examples, done, bool(taps))
+                done = []
+        t0 = time.perf_counter()
+        if saving is not None:
+            saving.result()
+        seconds["wait_for_save"] += time.perf_counter() - t0
     bar.close()
     manifest["complete"] = True
     write_json_atomic(manifest_path, manifest)
-    return manifest
+    return {**manifest, "seconds": {"total": round(time.perf_counter() - start, 3),
+                                    **{key: round(v, 3) for key, v in seconds.items()}}}
+
+
+def _dispatched_forwards(cfg: ModelConfig, params: Params, examples: Sequence[Example],
+                         todo: list, token_budget: int, hidden_dtype: str,
+                         taps: tuple[int, ...]) -> Iterator[tuple]:
+    """``(split, shard k, last batch of the shard?, rows, hidden, taps)`` for every batch of
+    ``todo``'s shards in plan order, the device arrays not yet read back: each batch's
+    forward is dispatched before the one before it is yielded, so the accelerator computes
+    it while the caller copies the previous one to the host."""
+    ahead = None
+    for split, k, shard in todo:
+        for j, (t, rows) in enumerate(shard):
+            batch = np.zeros((rows_for(t, token_budget), t), np.int32)  # pad id 0, masked out
+            for r, i in enumerate(rows):
+                batch[r, : len(examples[i].tokens)] = examples[i].tokens
+            out = target_hidden(params, cfg, jnp.asarray(batch), hidden_dtype, taps)
+            if ahead is not None:
+                yield ahead
+            ahead = (split, k, j == len(shard) - 1, rows, *out)
+    if ahead is not None:
+        yield ahead
+
+
+def _save_shard(path: Path, examples: Sequence[Example],
+                done: list[tuple[int, np.ndarray, np.ndarray]], with_taps: bool) -> None:
+    """One shard's sequences, ``(example index, hidden [n, d], taps [n, k, d])`` each, as
+    the flat arrays of cache_hidden_states in one npz: run on the saver thread, whose copies
+    and writes overlap the next shard's forwards."""
+    idx = [i for i, _, _ in done]
+    atomic_savez(path, tokens=np.concatenate([examples[i].tokens for i in idx]),
+                 assistant=np.concatenate([examples[i].assistant for i in idx]),
+                 hidden=np.concatenate([h for _, h, _ in done]),
+                 lengths=np.asarray([len(examples[i].tokens) for i in idx], np.int32),
+                 index=np.asarray(idx, np.int64),
+                 **({"taps": np.concatenate([t for _, _, t in done])} if with_taps else {}))
 
 
 @dataclasses.dataclass

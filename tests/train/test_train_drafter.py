@@ -133,6 +133,46 @@ def test_cache_resumes_missing_shards_and_refuses_other_data(target, tmp_path):
         cache_hidden_states(target.cfg, target.params, _examples(10, seed=1), tmp_path, **kw)
 
 
+def test_cache_saves_on_a_thread_report_their_errors_and_resume(target, tmp_path,
+                                                                 monkeypatch):
+    """Shards are saved on a thread while the next forwards run: a failed save stops the
+    call with its own error, leaves the cache incomplete with the shards saved before it,
+    and a rerun computes only the rest. A call that computed shards says where its time
+    went; one that found the cache complete has nothing to report."""
+    from specjax.train import data as data_mod
+
+    ex = _examples(10)
+    kw = dict(heldout_fraction=0.1, token_budget=64, batches_per_shard=1, progress=False)
+    real, saved = data_mod.atomic_savez, []
+
+    def fail_third(path, **arrays):
+        if len(saved) == 2:
+            raise OSError(28, "No space left on device")
+        real(path, **arrays)
+        saved.append(path)
+
+    monkeypatch.setattr(data_mod, "atomic_savez", fail_third)
+    with pytest.raises(OSError, match="No space left"):
+        cache_hidden_states(target.cfg, target.params, ex, tmp_path, **kw)
+    assert not json.loads((tmp_path / "manifest.json").read_text())["complete"]
+    assert sorted(tmp_path.rglob("shard_*.npz")) == sorted(saved)
+    monkeypatch.setattr(data_mod, "atomic_savez", real)
+    first = {p: p.stat().st_mtime_ns for p in saved}
+    manifest = cache_hidden_states(target.cfg, target.params, ex, tmp_path, **kw)
+    assert {p: p.stat().st_mtime_ns for p in saved} == first  # not recomputed
+    sec = manifest["seconds"]
+    assert sec.keys() == {"total", "read_back", "wait_for_save"}
+    assert 0 <= sec["read_back"] + sec["wait_for_save"] <= sec["total"]
+    assert "seconds" not in json.loads((tmp_path / "manifest.json").read_text())
+    assert "seconds" not in cache_hidden_states(target.cfg, target.params, ex, tmp_path, **kw)
+    serial = tmp_path / "serial"  # the same files as a cache made in one go
+    cache_hidden_states(target.cfg, target.params, ex, serial, **kw)
+    for split in ("train", "heldout"):
+        a, b = load_split(tmp_path, split), load_split(serial, split)
+        for f in ("tokens", "assistant", "hidden", "lengths", "index"):
+            np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
+
+
 def test_row_loss_mask_is_shifted_to_the_predicted_token():
     asst = np.array([0, 0, 1, 1, 0, 1, 0, 0], bool)
     np.testing.assert_array_equal(row_loss_mask(asst, 6), [0, 1, 1, 0, 1, 0, 0, 0])
