@@ -25,7 +25,6 @@ relative to the first and a 95% interval over prompts (``vs_first``).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +89,10 @@ def main() -> None:
                          "Spec-Bench)")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     args = ap.parse_args()
+    try:  # refused before the model loads
+        trees = [TreeSpec.from_json_text(t) for t in args.tree_json or ()]
+    except ValueError as e:
+        ap.error(str(e))
     target = specjax.load(resolve_model(None, progress=False))
     drafter = specjax.load_drafter(shipped_drafter_for(target.cfg), target)
     if args.calibration:
@@ -99,8 +102,7 @@ def main() -> None:
         evals, _ = spec_bench_prompts(target, questions=None, tasks=TASKS,
                                       per_task=args.per_task)
     tasks = list(dict.fromkeys(e["task"] for e in evals))
-    trees = ([TreeSpec.from_json(json.loads(t)) for t in args.tree_json] if args.tree_json
-             else [drafter.tree_for(args.temperature == 0)])  # what generate drafts
+    trees = trees or [drafter.tree_for(args.temperature == 0)]  # what generate drafts
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
               stop_on_eos=False)
     rows: list[list[dict]] = [[] for _ in trees]

@@ -154,7 +154,10 @@ def main() -> None:
     greedy = args.temperature == 0
     if greedy:
         args.seeds = 1  # greedy runs are the same for every seed
-    trees = [TreeSpec.from_json(json.loads(t)) for t in args.tree_json]
+    try:
+        trees = [TreeSpec.from_json_text(t) for t in args.tree_json]
+    except ValueError as e:
+        ap.error(str(e))
     target = specjax.load(resolve_model(None, progress=False))
     folder = shipped_drafter_for(target.cfg)
     drafter = specjax.load_drafter(folder, target)
