@@ -103,6 +103,11 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
                    help="keep the training states in accelerator memory and score every row "
                         "(one compiled step per bucket): for GPUs, where host batch copies "
                         "bottleneck; same losses up to summation order")
+    p.add_argument("--states-on-device", action="store_true",
+                   help="compute the target's hidden states into accelerator memory for this "
+                        "run instead of reading or writing --cache-dir (implies --on-device): "
+                        "no trip through the host and disk, recomputed by every run; for "
+                        "GPUs, where the forwards take seconds and the copies minutes")
     p.add_argument("--bucket-width", type=int, default=128, metavar="W",
                    help="padded lengths past 512 tokens every W tokens (default 128); wider "
                         "means fewer compiled shapes and more padding")
@@ -295,9 +300,9 @@ def _cache_summary(cache_dir: Path) -> dict:
 def _cache_waits(manifest: dict) -> str:
     """Where this call's caching spent its time, if it cached anything (cache_hidden_states'
     ``seconds``): reading states back waits on the accelerator, saves on the host's writes."""
-    sec = manifest.get("seconds")
-    return ("" if not sec else f": {sec['read_back']:.0f}s waiting for the target's states, "
-            f"{sec['wait_for_save']:.0f}s for shard saves")
+    sec = manifest.get("seconds", {})
+    return ("" if "read_back" not in sec else f": {sec['read_back']:.0f}s waiting for the "
+            f"target's states, {sec['wait_for_save']:.0f}s for shard saves")
 
 
 def _tap_list(text: str) -> tuple[int, ...]:
@@ -333,6 +338,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
         cache_hidden_states,
         check_same_target,
         concat_splits,
+        device_hidden_states,
         load_examples,
         load_split,
     )
@@ -340,6 +346,12 @@ def run_train_drafter(args: argparse.Namespace) -> int:
 
     progress = not args.no_progress
     t_start = time.time()
+    if args.states_on_device:
+        if args.cache_only or args.extra_cache:
+            raise ValueError("--states-on-device keeps the states in this run's memory: it "
+                             "cannot go with --cache-only or --extra-cache (drop it to use "
+                             "a cache on disk)")
+        args.on_device = True
     out = Path(args.out)
     if not args.cache_only:  # refused now, not after hours of training
         from specjax.checkpoint import check_output
@@ -367,26 +379,30 @@ def run_train_drafter(args: argparse.Namespace) -> int:
             "tokenizer": None if tok is None else getattr(tok, "name_or_path", type(tok).__name__),
             "heldout_fraction": args.heldout_fraction}
     t0 = time.time()
-    manifest = cache_hidden_states(target.cfg, target.params, examples, cache_dir,
-                                   heldout_fraction=args.heldout_fraction,
-                                   token_budget=args.cache_batch_tokens, info=info,
-                                   taps=args.drafter_taps, progress=progress)
+    kw = dict(heldout_fraction=args.heldout_fraction, token_budget=args.cache_batch_tokens,
+              info=info, taps=args.drafter_taps, progress=progress)
+    if args.states_on_device:
+        manifest, train, heldout = device_hidden_states(target.cfg, target.params, examples,
+                                                        **kw)
+    else:
+        manifest = cache_hidden_states(target.cfg, target.params, examples, cache_dir, **kw)
     cache_s = time.time() - t0
     splits = manifest["splits"]
-    print(f"hidden states in {cache_dir}: train {splits['train']['examples']} conv / "
-          f"{splits['train']['tokens']} tok, held-out {splits['heldout']['examples']} conv / "
-          f"{splits['heldout']['tokens']} tok [{cache_s:.0f}s{_cache_waits(manifest)}]",
-          file=sys.stderr)
+    print(f"hidden states {'on the device' if args.states_on_device else f'in {cache_dir}'}: "
+          f"train {splits['train']['examples']} conv / {splits['train']['tokens']} tok, "
+          f"held-out {splits['heldout']['examples']} conv / {splits['heldout']['tokens']} tok "
+          f"[{cache_s:.0f}s{_cache_waits(manifest)}]", file=sys.stderr)
     if args.cache_only:
         return 0
 
     # 2. training (resumable from --ckpt-dir).
-    train, heldout = load_split(cache_dir, "train"), load_split(cache_dir, "heldout")
-    for extra in args.extra_cache:
-        check_same_target(cache_dir, Path(extra))
-        train = concat_splits(train, load_split(Path(extra), "train"))
-        heldout = concat_splits(heldout, load_split(Path(extra), "heldout"))
-    print(f"hidden states loaded [{time.time() - t0 - cache_s:.0f}s]", file=sys.stderr)
+    if not args.states_on_device:
+        train, heldout = load_split(cache_dir, "train"), load_split(cache_dir, "heldout")
+        for extra in args.extra_cache:
+            check_same_target(cache_dir, Path(extra))
+            train = concat_splits(train, load_split(Path(extra), "train"))
+            heldout = concat_splits(heldout, load_split(Path(extra), "heldout"))
+        print(f"hidden states loaded [{time.time() - t0 - cache_s:.0f}s]", file=sys.stderr)
     tc = TrainConfig(steps=args.steps, epochs=args.epochs, token_budget=args.batch_size,
                      lr=args.lr, warmup_fraction=args.warmup, noise=args.noise,
                      init=args.init, fc_init=args.fc_init, seed=args.seed,
@@ -409,7 +425,8 @@ def run_train_drafter(args: argparse.Namespace) -> int:
                "assistant_tokens": {k: v["assistant_tokens"] for k, v in splits.items()},
                "max_len": args.max_len, "read_stats": stats.to_json(),
                "target_fingerprint": manifest["fingerprint"]["target"],
-               "tokenizer": info["tokenizer"], "cache_dir": str(cache_dir),
+               "tokenizer": info["tokenizer"],
+               "cache_dir": None if args.states_on_device else str(cache_dir),
                "extra_caches": [_cache_summary(Path(e)) for e in args.extra_cache]}
     # main() records its own argv; wired into `specjax`, the process argv is the command.
     command = getattr(args, "command_line", None) or "specjax " + shlex.join(sys.argv[1:])

@@ -468,6 +468,40 @@ def atomic_savez(path: Path, **arrays: np.ndarray) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def _cache_plan(cfg: ModelConfig, params: Params, examples: Sequence[Example],
+                heldout_fraction: float, token_budget: int, buckets: Sequence[int] | None,
+                batches_per_shard: int, hidden_dtype: str, taps: tuple[int, ...],
+                info: dict | None) -> tuple[dict, dict[str, list]]:
+    """The manifest of a cache of ``examples`` (not yet complete) and its shards: per split,
+    lists of ``(bucket length, example indices)`` batches, sorted by length. A deterministic
+    function of its arguments, whose hash (``plan_hash``) names the cache's content."""
+    max_len = max(len(ex.tokens) for ex in examples)
+    buckets = tuple(buckets or length_buckets(max_len))
+    train_idx, held_idx = split_heldout(len(examples), heldout_fraction)
+    fingerprint = {"target": target_fingerprint(cfg, params),
+                   "examples": examples_fingerprint(examples), "buckets": list(buckets),
+                   "token_budget": token_budget, "batches_per_shard": batches_per_shard,
+                   "hidden_dtype": hidden_dtype, "heldout": len(held_idx)}
+    if taps:  # absent when empty, so caches written before taps keep their plan hash
+        fingerprint["taps"] = list(taps)
+    plan_hash = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+    shards: dict[str, list[list[tuple[int, list[int]]]]] = {}
+    manifest = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "plan_hash": plan_hash,
+                "complete": False, "fingerprint": fingerprint, "hidden_size": cfg.hidden_size,
+                "max_len": max_len, "taps": list(taps), "info": info or {}, "splits": {}}
+    for split, idx in (("train", train_idx), ("heldout", held_idx)):
+        lens = [len(examples[i].tokens) for i in idx]
+        batches = [(t, [idx[j] for j in rows]) for t, rows in plan_batches(lens, buckets,
+                                                                          token_budget)]
+        shards[split] = [batches[s:s + batches_per_shard]
+                         for s in range(0, len(batches), batches_per_shard)]
+        manifest["splits"][split] = {
+            "examples": len(idx), "tokens": int(sum(len(examples[i].tokens) for i in idx)),
+            "assistant_tokens": int(sum(int(examples[i].assistant.sum()) for i in idx)),
+            "shards": [f"{split}/shard_{k:05d}.npz" for k in range(len(shards[split]))]}
+    return manifest, shards
+
+
 def cache_hidden_states(cfg: ModelConfig, params: Params, examples: Sequence[Example],
                         cache_dir: Path, *, heldout_fraction: float = 0.02,
                         token_budget: int = 2048, buckets: Sequence[int] | None = None,
@@ -498,50 +532,24 @@ def cache_hidden_states(cfg: ModelConfig, params: Params, examples: Sequence[Exa
     if hidden_dtype not in ("float16", "float32"):
         raise ValueError("hidden_dtype must be float16 or float32 (npz has no bfloat16)")
     cache_dir = Path(cache_dir)
-    max_len = max(len(ex.tokens) for ex in examples)
-    buckets = tuple(buckets or length_buckets(max_len))
-    train_idx, held_idx = split_heldout(len(examples), heldout_fraction)
-    fingerprint = {"target": target_fingerprint(cfg, params),
-                   "examples": examples_fingerprint(examples), "buckets": list(buckets),
-                   "token_budget": token_budget, "batches_per_shard": batches_per_shard,
-                   "hidden_dtype": hidden_dtype, "heldout": len(held_idx)}
-    if taps:  # absent when empty, so caches written before taps keep their plan hash
-        fingerprint["taps"] = list(taps)
-    plan_hash = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
-
+    manifest, shards = _cache_plan(cfg, params, examples, heldout_fraction, token_budget, buckets,
+                                   batches_per_shard, hidden_dtype, taps, info)
     manifest_path = cache_dir / MANIFEST
     if manifest_path.exists():
         old = json.loads(manifest_path.read_text())
         old_taps = tuple(old.get("taps", ()))
         if old_taps != tuple(taps) and old.get("fingerprint", {}).get("examples") == \
-                fingerprint["examples"]:
+                manifest["fingerprint"]["examples"]:
             raise ValueError(f"{cache_dir} holds the target's states with taps "
                              f"{list(old_taps)}, and this run needs taps {list(taps)}; choose "
                              "another --cache-dir (caching again stores the taps)")
-        if old.get("plan_hash") != plan_hash:
+        if old.get("plan_hash") != manifest["plan_hash"]:
             raise ValueError(f"{cache_dir} holds hidden states of other data or another target "
-                             f"(plan {old.get('plan_hash')} vs {plan_hash}); choose another "
-                             "--cache-dir or delete it")
+                             f"(plan {old.get('plan_hash')} vs {manifest['plan_hash']}); choose "
+                             "another --cache-dir or delete it")
         if old.get("complete"):
             return old
     cache_dir.mkdir(parents=True, exist_ok=True)
-
-    # Deterministic plan per split: batches sorted by length, grouped into shards.
-    shards: dict[str, list[list[tuple[int, list[int]]]]] = {}
-    for split, idx in (("train", train_idx), ("heldout", held_idx)):
-        lens = [len(examples[i].tokens) for i in idx]
-        batches = [(t, [idx[j] for j in rows]) for t, rows in plan_batches(lens, buckets,
-                                                                          token_budget)]
-        shards[split] = [batches[s:s + batches_per_shard]
-                         for s in range(0, len(batches), batches_per_shard)]
-    manifest = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "plan_hash": plan_hash,
-                "complete": False, "fingerprint": fingerprint, "hidden_size": cfg.hidden_size,
-                "max_len": max_len, "taps": list(taps), "info": info or {}, "splits": {}}
-    for split, idx in (("train", train_idx), ("heldout", held_idx)):
-        manifest["splits"][split] = {
-            "examples": len(idx), "tokens": int(sum(len(examples[i].tokens) for i in idx)),
-            "assistant_tokens": int(sum(int(examples[i].assistant.sum()) for i in idx)),
-            "shards": [f"{split}/shard_{k:05d}.npz" for k in range(len(shards[split]))]}
     write_json_atomic(manifest_path, manifest)
 
     todo = [(split, k, sh) for split in SPLITS for k, sh in enumerate(shards[split])
@@ -623,6 +631,87 @@ def _save_shard(path: Path, examples: Sequence[Example],
                  lengths=np.asarray([len(examples[i].tokens) for i in idx], np.int32),
                  index=np.asarray(idx, np.int64),
                  **({"taps": np.concatenate([t for _, _, t in done])} if with_taps else {}))
+
+
+def device_hidden_states(cfg: ModelConfig, params: Params, examples: Sequence[Example], *,
+                         heldout_fraction: float = 0.02, token_budget: int = 2048,
+                         buckets: Sequence[int] | None = None, hidden_dtype: str = "float16",
+                         taps: tuple[int, ...] = (), info: dict | None = None,
+                         progress: bool = True) -> tuple[dict, HiddenSplit, HiddenSplit]:
+    """The splits :func:`cache_hidden_states` would store, computed straight into accelerator
+    memory for a run that trains there (``--on-device``): no files, and no copy of the
+    states through the host and back. Each batch's states are scattered into the split's
+    flat buffers on the device, in the cache's plan order, so the splits equal
+    :func:`load_split`'s of that cache.
+
+    Returns (the cache's manifest, complete, with ``seconds``; the train split with
+    ``hidden`` [N, d] and ``taps`` [N, k, d] as device arrays; the held-out split on the
+    host, where evaluation slices it).
+    """
+    from tqdm.auto import tqdm
+
+    if hidden_dtype not in ("float16", "float32"):
+        raise ValueError("hidden_dtype must be float16 or float32 (the cache's dtypes)")
+    start = time.perf_counter()
+    manifest, shards = _cache_plan(cfg, params, examples, heldout_fraction, token_budget, buckets,
+                                   16, hidden_dtype, tuple(taps), info)
+    bar = tqdm(total=sum(v["tokens"] for v in manifest["splits"].values()), unit="tok",
+               desc="target hidden states", disable=not progress, dynamic_ncols=True)
+    splits = {}
+    for split in SPLITS:
+        batches = [b for shard in shards[split] for b in shard]
+        order = [i for _, rows in batches for i in rows]
+        lengths = np.asarray([len(examples[i].tokens) for i in order], np.int32)
+        offsets = _offsets(lengths) if order else np.zeros(0, np.int64)
+        n = int(lengths.sum())
+        hidden = jnp.zeros((n, cfg.hidden_size), hidden_dtype)
+        tapped = jnp.zeros((n, len(taps), cfg.hidden_size), hidden_dtype)
+        finite = jnp.array(True)
+        k = 0
+        for t, rows in batches:
+            tokens = np.zeros((rows_for(t, token_budget), t), np.int32)  # pad id 0
+            dest = np.full(tokens.shape, n, np.int32)  # out of bounds: padding is dropped
+            for r, i in enumerate(rows):
+                m = len(examples[i].tokens)
+                tokens[r, :m] = examples[i].tokens
+                dest[r, :m] = offsets[k] + np.arange(m)
+                k += 1
+                bar.update(m)
+            hidden, tapped, finite = _states_into(hidden, tapped, finite, params, cfg,
+                                                  jnp.asarray(tokens), jnp.asarray(dest),
+                                                  hidden_dtype, tuple(taps))
+        if not bool(finite):
+            raise FloatingPointError(f"non-finite hidden states in {hidden_dtype}; "
+                                     "use hidden_dtype='float32'")
+        splits[split] = HiddenSplit(
+            tokens=np.concatenate([examples[i].tokens for i in order] or [np.zeros(0, np.int32)]),
+            assistant=np.concatenate([examples[i].assistant for i in order] or [np.zeros(0, bool)]),
+            hidden=hidden, lengths=lengths, offsets=offsets, index=np.asarray(order, np.int64),
+            taps=tapped if taps else None, tap_layers=tuple(taps))
+    bar.close()
+    held = splits["heldout"]
+    held = dataclasses.replace(held, hidden=np.asarray(held.hidden),
+                               taps=None if held.taps is None else np.asarray(held.taps))
+    manifest["complete"] = True
+    manifest["seconds"] = {"total": round(time.perf_counter() - start, 3)}
+    return manifest, splits["train"], held
+
+
+@partial(jax.jit, static_argnames=("cfg", "out_dtype", "taps"),
+         donate_argnames=("hidden", "tapped"))
+def _states_into(hidden: Array, tapped: Array, finite: Array, params: Params, cfg: ModelConfig,
+                 tokens: Array, dest: Array, out_dtype: str,
+                 taps: tuple[int, ...]) -> tuple[Array, Array, Array]:
+    """One batch's states (tokens [R, T]) written into the flat buffers hidden [N, d] and
+    tapped [N, k, d] at rows dest [R, T] (N on padding: dropped); ``finite`` stays True while
+    every state written is finite in ``out_dtype``."""
+    h, tp = target_hidden(params, cfg, tokens, out_dtype, taps)
+    rows = dest.reshape(-1)
+    hidden = hidden.at[rows].set(h.reshape(rows.shape + h.shape[2:]), mode="drop")
+    tapped = tapped.at[rows].set(tp.reshape(rows.shape + tp.shape[2:]), mode="drop")
+    real = (dest < hidden.shape[0])[..., None]
+    ok = jnp.all(jnp.isfinite(h) | ~real) & jnp.all(jnp.isfinite(tp) | ~real[..., None])
+    return hidden, tapped, finite & ok
 
 
 @dataclasses.dataclass

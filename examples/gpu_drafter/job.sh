@@ -17,8 +17,10 @@
 # the total-variation term that raises temperature 1's acceptance; unset: 0), CALIB=0 (skip the
 # 20 timed steps), MEM_FRACTION (of GPU memory JAX takes, default 0.92); for toy runs LIMIT
 # (prompts per stage), GEN_BATCH, MAX_RECORDS, CACHE_TOKENS, KERNEL_TESTS=0. Everything the
-# job reads is prepared by prepare.py on the CPU. `train` caches the states itself if
-# `generate` did not get that far.
+# job reads is prepared by prepare.py on the CPU. STATES: `device` (default) has `train`
+# compute the target's hidden states into GPU memory itself (`--states-on-device`; `generate`
+# stops after the answers); `cache` is the seventeenth-to-twenty-fifth sessions' way, states
+# cached to files by `generate` (or by `train` if `generate` did not get that far).
 # At toy size on a CPU: STAGE=/tmp/stage KERNEL_TESTS=0 LIMIT=8 GEN_BATCH=4 MAX_RECORDS=240
 # BATCH=4096 STEPS=6 EVAL_EVERY=3 CALIB=0 CACHE_TOKENS=4096 (examples/gpu_drafter/README.md).
 set -uo pipefail
@@ -38,6 +40,8 @@ BATCH=${BATCH:-32768}
 # The hidden-state cache (~3.5 KB per token with two taps): in memory when /dev/shm has room.
 SHM_GB=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
 CACHE=${CACHE:-$( [ "${SHM_GB:-0}" -ge 60 ] && echo /dev/shm/specjax-cache || echo "$STAGE/cache" )}
+STATES=${STATES:-device}
+[ "$STATES" = device ] || [ "$STATES" = cache ] || { echo "STATES=device or cache" >&2; exit 2; }
 COMMON=(--target "$TARGET" --max-len 1216 --max-conversations 10000000 --cache-dir "$CACHE"
         --drafter-taps 1,14 --cache-batch-tokens "${CACHE_TOKENS:-65536}" --on-device
         --bucket-width 304
@@ -143,6 +147,7 @@ print(json.dumps({"prepared": n, "new": len(rows), "heldout": meta["heldout"]}))
 EOF
   cp "$STAGE"/answers/*.meta.json "$OUT"/ 2>/dev/null
   HF=$(cat "$STAGE/heldout_fraction")
+  [ "$STATES" = device ] && exit 0  # `train` computes the states where it trains
   cache_states || exit 1
   # 20 timed steps (compiles included) over the whole cache: the rate `train` sizes from.
   [ "${CALIB:-1}" = 1 ] || exit 0
@@ -158,17 +163,20 @@ w = [r['wall_s'] for r in t]; print('calib wall_s', w[0], w[9], w[-1],
   ;;
 train)
   HF=$(cat "$STAGE/heldout_fraction")
-  # The hidden states first, outside the time limits below, for a `generate` that stopped
-  # before it had cached them (a no-op when it had): caching inside the timed call would
-  # count against the hard timeout, which on 2 CPU cores ends the toy run before a step.
-  cache_states || exit 1
+  # STATES=cache: the hidden states first, outside the time limits below, for a `generate`
+  # that stopped before it had cached them (a no-op when it had): caching inside the timed
+  # call would count against the hard timeout, which on 2 CPU cores ends the toy run before
+  # a step. STATES=device: `train` computes them, into GPU memory, before its first step.
+  ON=(--states-on-device); [ "$STATES" = cache ] && { cache_states || exit 1; ON=(); }
   # TRAIN_S stops training gracefully (checkpointed, the drafter still written, marked
   # incomplete); the hard timeout only catches a hang. LR 1e-4 by default: every run starts
   # from a trained drafter, and higher peaks dipped (5e-4: 0.577 -> 0.259 in a toy run).
   # --keep-best: the drafter written is the best held-out evaluation's (every EVAL_EVERY
   # steps and where it stopped), since a run over one GPU session's answers may overfit.
-  timeout $(( ${TRAIN_S:-420} + 120 )) specjax train drafter --data "$STAGE/data.jsonl" \
-    --time-limit "${TRAIN_S:-420}" \
+  # (--time-limit counts from the first step; the states on the device come before it, in
+  # STATES_S of the hard timeout's allowance.)
+  timeout $(( ${TRAIN_S:-420} + 120 + ${STATES_S:-$([ "$STATES" = device ] && echo 240 || echo 0)} )) \
+    specjax train drafter --data "$STAGE/data.jsonl" --time-limit "${TRAIN_S:-420}" "${ON[@]}" \
     --heldout-fraction "$HF" "${COMMON[@]}" --steps "${STEPS:?}" --batch-size "$BATCH" \
     --lr "${LR:-1e-4}" --warmup 0.03 --tap-lr-scale "${TAP_LR:-4}" \
     --eval-every "${EVAL_EVERY:-250}" --keep-best ${TTT:+--ttt-steps "$TTT"} \

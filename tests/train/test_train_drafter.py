@@ -20,6 +20,7 @@ from specjax.train.data import (
     Example,
     ReadStats,
     cache_hidden_states,
+    device_hidden_states,
     gather_rows,
     iter_json_array,
     load_examples,
@@ -408,6 +409,16 @@ def test_cli_end_to_end_on_pretokenised_data(target, tmp_path, capsys):
     assert train_main(bad + ["--overwrite"]) == 2
     assert "not a specjax folder" in capsys.readouterr().err
     assert (mine / "notes.txt").read_text() == "keep me" and not (tmp_path / "c2").exists()
+    # --states-on-device: the states computed into this run's memory; no cache is written.
+    dev = args[:args.index("--cache-dir") + 1] + [str(tmp_path / "c3")] + args[
+        args.index("--cache-dir") + 2:] + ["--states-on-device", "--overwrite", "--ckpt-dir",
+                                          str(tmp_path / "ck3")]
+    assert train_main(dev) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 4
+    assert not (tmp_path / "c3").exists()
+    assert read_drafter(tmp_path / "d", target.cfg)[2]["data"]["cache_dir"] is None
+    assert train_main(dev + ["--cache-only"]) == 2
+    assert "cannot go with --cache-only" in capsys.readouterr().err
 
 
 def test_fine_tuning_starts_from_the_given_drafter(target, cache, tmp_path):
@@ -752,6 +763,42 @@ def test_on_device_batches_gather_the_same_rows_and_train_the_same_drafter(targe
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
     assert [r["step"] for r in b.log["train"]] == [3, 6]
     assert training_buckets(np.array([100, 1200]), 304) == (304, 608, 912, 1200)
+
+
+def test_states_computed_on_device_equal_the_cache_and_train_the_same_drafter(target,
+                                                                             tmp_path):
+    """device_hidden_states (--states-on-device): the cache's splits, in its order, the train
+    split's states never leaving the device and the held-out split on the host; training on
+    them takes the cache's steps."""
+    kw = dict(heldout_fraction=0.2, token_budget=128, hidden_dtype="float16", taps=(0,))
+    ex = _examples()
+    manifest, train, held = device_hidden_states(target.cfg, target.params, ex,
+                                                 progress=False, **kw)
+    disk = cache_hidden_states(target.cfg, target.params, ex, tmp_path / "c",
+                               batches_per_shard=16, progress=False, **kw)
+    assert manifest["plan_hash"] == disk["plan_hash"] and manifest["complete"]
+    assert manifest["splits"] == disk["splits"] and manifest["seconds"]["total"] > 0
+    assert isinstance(train.hidden, jax.Array) and isinstance(train.taps, jax.Array)
+    assert isinstance(held.hidden, np.ndarray) and isinstance(held.taps, np.ndarray)
+    for got, split in ((train, "train"), (held, "heldout")):
+        want = load_split(tmp_path / "c", split)
+        for f in ("tokens", "assistant", "lengths", "offsets", "index"):
+            np.testing.assert_array_equal(getattr(got, f), getattr(want, f))
+        for f in ("hidden", "taps"):  # one fp16 rounding apart at most (jitted differently)
+            assert np.asarray(getattr(got, f)).dtype == np.float16
+            np.testing.assert_allclose(np.asarray(getattr(got, f), np.float32),
+                                       getattr(want, f).astype(np.float32), rtol=2e-3, atol=2e-3)
+        assert got.tap_layers == (0,)
+    tc = _tc(steps=4, drafter_taps=(0,))
+    a = train_drafter(target.cfg, target.params, load_split(tmp_path / "c", "train"),
+                      load_split(tmp_path / "c", "heldout"), tc, tmp_path / "a",
+                      progress=False, on_device=True)
+    b = train_drafter(target.cfg, target.params, train, held, tc, tmp_path / "b",
+                      progress=False, on_device=True)
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-3, atol=1e-4)
+    assert device_hidden_states(target.cfg, target.params, ex, progress=False,
+                                **{**kw, "taps": ()})[1].taps is None
 
 
 def test_tap_lr_scale_scales_the_tap_weights_updates_only(target):
