@@ -677,9 +677,9 @@ def device_hidden_states(cfg: ModelConfig, params: Params, examples: Sequence[Ex
                 dest[r, :m] = offsets[k] + np.arange(m)
                 k += 1
                 bar.update(m)
-            hidden, tapped, finite = _states_into(hidden, tapped, finite, params, cfg,
-                                                  jnp.asarray(tokens), jnp.asarray(dest),
-                                                  hidden_dtype, tuple(taps))
+            h, tp = target_hidden(params, cfg, jnp.asarray(tokens), hidden_dtype, tuple(taps))
+            hidden, tapped, finite = _states_into(hidden, tapped, finite, h, tp,
+                                                  jnp.asarray(dest))
         if not bool(finite):
             raise FloatingPointError(f"non-finite hidden states in {hidden_dtype}; "
                                      "use hidden_dtype='float32'")
@@ -697,15 +697,13 @@ def device_hidden_states(cfg: ModelConfig, params: Params, examples: Sequence[Ex
     return manifest, splits["train"], held
 
 
-@partial(jax.jit, static_argnames=("cfg", "out_dtype", "taps"),
-         donate_argnames=("hidden", "tapped"))
-def _states_into(hidden: Array, tapped: Array, finite: Array, params: Params, cfg: ModelConfig,
-                 tokens: Array, dest: Array, out_dtype: str,
-                 taps: tuple[int, ...]) -> tuple[Array, Array, Array]:
-    """One batch's states (tokens [R, T]) written into the flat buffers hidden [N, d] and
-    tapped [N, k, d] at rows dest [R, T] (N on padding: dropped); ``finite`` stays True while
-    every state written is finite in ``out_dtype``."""
-    h, tp = target_hidden(params, cfg, tokens, out_dtype, taps)
+@partial(jax.jit, donate_argnames=("hidden", "tapped"))
+def _states_into(hidden: Array, tapped: Array, finite: Array, h: Array, tp: Array,
+                 dest: Array) -> tuple[Array, Array, Array]:
+    """One batch's states h [R, T, d] and taps tp [R, T, k, d] written into the flat buffers
+    hidden [N, d] and tapped [N, k, d] at rows dest [R, T] (N on padding: dropped);
+    ``finite`` stays True while every state written is finite. Apart from the forward
+    (:func:`target_hidden`), whose compiles per bucket both splits then share."""
     rows = dest.reshape(-1)
     hidden = hidden.at[rows].set(h.reshape(rows.shape + h.shape[2:]), mode="drop")
     tapped = tapped.at[rows].set(tp.reshape(rows.shape + tp.shape[2:]), mode="drop")

@@ -784,10 +784,9 @@ def test_states_computed_on_device_equal_the_cache_and_train_the_same_drafter(ta
         want = load_split(tmp_path / "c", split)
         for f in ("tokens", "assistant", "lengths", "offsets", "index"):
             np.testing.assert_array_equal(getattr(got, f), getattr(want, f))
-        for f in ("hidden", "taps"):  # one fp16 rounding apart at most (jitted differently)
+        for f in ("hidden", "taps"):  # the same compiled forward: the same fp16 states
             assert np.asarray(getattr(got, f)).dtype == np.float16
-            np.testing.assert_allclose(np.asarray(getattr(got, f), np.float32),
-                                       getattr(want, f).astype(np.float32), rtol=2e-3, atol=2e-3)
+            np.testing.assert_array_equal(np.asarray(getattr(got, f)), getattr(want, f))
         assert got.tap_layers == (0,)
     tc = _tc(steps=4, drafter_taps=(0,))
     a = train_drafter(target.cfg, target.params, load_split(tmp_path / "c", "train"),
@@ -796,7 +795,7 @@ def test_states_computed_on_device_equal_the_cache_and_train_the_same_drafter(ta
     b = train_drafter(target.cfg, target.params, train, held, tc, tmp_path / "b",
                       progress=False, on_device=True)
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-3, atol=1e-4)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert device_hidden_states(target.cfg, target.params, ex, progress=False,
                                 **{**kw, "taps": ()})[1].taps is None
 
