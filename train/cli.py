@@ -108,6 +108,10 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
                         "run instead of reading or writing --cache-dir (implies --on-device): "
                         "no trip through the host and disk, recomputed by every run; for "
                         "GPUs, where the forwards take seconds and the copies minutes")
+    p.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the training step's drafter products: bfloat16 is mixed precision "
+                        "(float32 weights, optimizer and losses; for GPUs' bf16 matmul "
+                        "units); evaluation stays float32 (default float32)")
     p.add_argument("--bucket-width", type=int, default=128, metavar="W",
                    help="padded lengths past 512 tokens every W tokens (default 128); wider "
                         "means fewer compiled shapes and more padding")
@@ -412,6 +416,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
                      train_vocab=args.train_vocab, ttt_steps=args.ttt_steps,
                      ttt_decay=args.ttt_decay, drafter_layers=args.drafter_layers,
                      drafter_taps=args.drafter_taps, tap_lr_scale=args.tap_lr_scale,
+                     compute_dtype=args.compute_dtype,
                      init_from=str(Path(args.init_from).resolve()) if args.init_from else None)
     train_ids = None if args.train_vocab is None else train_shortlist(args.train_vocab, target)
     result = train_drafter(target.cfg, target.params, train, heldout, tc, ckpt_dir,

@@ -104,6 +104,11 @@ class TrainConfig:
     # trained drafter, and at the fine-tuning rate they barely leave it (measured: Frobenius
     # norm ~1 after 882 steps at 1e-4, against ~100 for the fc).
     tap_lr_scale: float = 1.0
+    # The dtype of the training step's drafter products: "bfloat16" is mixed precision (the
+    # weights, Adam's moments and the losses stay float32; the drafter's matmuls, its inputs
+    # and the student's logits run in bf16, accumulated in float32, as EAGLE trains on
+    # GPUs). Held-out evaluation always runs in float32, as inference does here.
+    compute_dtype: str = "float32"
     seed: int = 0
     checkpoint_every: int = 50
     eval_every: int = 0  # 0: evaluate only before and after training
@@ -114,14 +119,17 @@ class TrainConfig:
         # Absent at their defaults, so checkpoints written before taps (or the TV term)
         # resume with the same settings.
         taps, scale, tv = d.pop("drafter_taps"), d.pop("tap_lr_scale"), d.pop("tv_weight")
+        dtype = d.pop("compute_dtype")
         return d | ({"drafter_taps": list(taps)} if taps else {}) | (
-            {"tap_lr_scale": scale} if scale != 1.0 else {}) | ({"tv_weight": tv} if tv else {})
+            {"tap_lr_scale": scale} if scale != 1.0 else {}) | ({"tv_weight": tv} if tv else {}) | (
+            {"compute_dtype": dtype} if dtype != "float32" else {})
 
 
 # --------------------------------------------------------------------------- model and loss
 
 
 INIT_MODES = ("last-layer", "last-layer-raw", "random")
+COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
 def init_drafter(target_cfg: ModelConfig, target_params: Params,
@@ -152,6 +160,9 @@ def init_drafter(target_cfg: ModelConfig, target_params: Params,
     """
     if tc.init not in INIT_MODES:
         raise ValueError(f"init must be one of {INIT_MODES}, not {tc.init!r}")
+    if tc.compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, not "
+                         f"{tc.compute_dtype!r}")
     cfg = DrafterConfig(target=target_cfg, input_norm=False, fc_bias=True,
                         num_layers=tc.drafter_layers, taps=tuple(tc.drafter_taps))
     init_layer = None
@@ -293,8 +304,8 @@ def unrolled_features(model: EagleDrafter, embed: Array, tokens: Array, feats: A
 def eagle_loss(model: EagleDrafter, embed: Array, head: Array, tokens: Array, hidden: Array,
                loss_mask: Array, noise_key: Array | None, noise: float,
                ce_weight: float, cap: int | None = None, ttt_steps: int = 1,
-               ttt_decay: float = 1.0, taps: Array | None = None, tv_weight: float = 0.0
-               ) -> tuple[Array, dict[str, Array]]:
+               ttt_decay: float = 1.0, taps: Array | None = None, tv_weight: float = 0.0,
+               compute_dtype: str = "float32") -> tuple[Array, dict[str, Array]]:
     """EAGLE-1 loss over masked rows (optionally unrolled), plus agreement statistics.
 
     Args:
@@ -310,6 +321,9 @@ def eagle_loss(model: EagleDrafter, embed: Array, head: Array, tokens: Array, hi
       taps: [B, T, k, d] the outputs of the drafter's tapped target layers (None for a
         drafter without taps); they enter the input feature, never the regression target.
       tv_weight: weight of the total-variation term ``1 - accept`` (see ``accept``).
+      compute_dtype: the drafter's inputs (embedding, features, taps) and the student's
+        head in this dtype, to match a ``model`` whose weights were cast to it; the
+        regression target, the teacher and every loss stay float32.
     Returns:
       (loss, stats) with stats sums over masked rows: reg, ce, top1 (argmax
       of drafter logits == argmax of teacher logits over ``head``), accept
@@ -317,9 +331,11 @@ def eagle_loss(model: EagleDrafter, embed: Array, head: Array, tokens: Array, hi
       the probability that a draft sampled from q is accepted) and n (rows), for step 1;
       top1_k for the unrolled steps k >= 2.
     """
-    feats = hidden
+    cd = jnp.dtype(compute_dtype)
+    embed, feats = embed.astype(cd), hidden.astype(cd)
     if model.cfg.taps:
-        feats = model.cfg.target_features(model.params(), hidden,
+        taps = taps.astype(cd)
+        feats = model.cfg.target_features(model.params(), feats,
                                           tuple(taps[:, :, i] for i in range(taps.shape[2])))
     feats = jnp.pad(feats[:, :-1], ((0, 0), (1, 0), (0, 0)))  # f_{t-1}, zeros at t = 0
     if noise_key is not None and noise > 0:
@@ -343,9 +359,10 @@ def eagle_loss(model: EagleDrafter, embed: Array, head: Array, tokens: Array, hi
     target = jnp.argmax(teacher, -1)
     total, stats = 0.0, {"n": n}
     for k, pred in enumerate(preds, start=1):
-        reg = jnp.mean(_smooth_l1(pred - hidden), axis=-1)  # [B, T]
+        reg = jnp.mean(_smooth_l1(pred.astype(jnp.float32) - hidden), axis=-1)  # [B, T]
         p_rows = pred if cap is None else pred.reshape(-1, pred.shape[-1])[idx]
-        logits = jnp.einsum("...d,vd->...v", p_rows, head, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...d,vd->...v", p_rows, head.astype(cd),
+                            preferred_element_type=jnp.float32)
         logq = jax.nn.log_softmax(logits, axis=-1)
         ce = -jnp.sum(p * logq, axis=-1)  # [B, T] or [cap]
         accept = jnp.sum(jnp.minimum(p, jnp.exp(logq)), axis=-1)
@@ -393,16 +410,19 @@ def compiled_steps(graphdef: nnx.GraphDef, tc: TrainConfig, total_steps: int):
 def make_steps(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, tc: TrainConfig):
     """Jitted (train_step, eval_step) over pure pytrees; one compile per bucket shape."""
 
-    def loss_fn(params, embed, head, tokens, hidden, mask, key, cap=None, taps=None):
+    def loss_fn(params, embed, head, tokens, hidden, mask, key, cap=None, taps=None,
+                compute_dtype="float32"):
+        # The float32 weights cast inside the step: their gradients come back in float32.
+        params = jax.tree.map(lambda a: a.astype(compute_dtype), params)
         return eagle_loss(nnx.merge(graphdef, params), embed, head, tokens, hidden, mask, key,
                           tc.noise, tc.ce_weight, cap, tc.ttt_steps, tc.ttt_decay, taps,
-                          tc.tv_weight)
+                          tc.tv_weight, compute_dtype)
 
     @partial(jax.jit, donate_argnums=(0, 1), static_argnames=("cap",))
     def train_step(params, opt_state, embed, head, tokens, hidden, mask, key, cap=None,
                    taps=None):
         (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, embed, head, tokens, hidden, mask, key, cap, taps)
+            params, embed, head, tokens, hidden, mask, key, cap, taps, tc.compute_dtype)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, loss, stats | {"grad_norm": optax.tree.norm(grads)}

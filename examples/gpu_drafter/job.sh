@@ -14,7 +14,8 @@
 # BATCH (tokens per step), EVAL_EVERY, TRAIN_S (training's time limit, s), TTT (unrolled
 # draft steps of training-time test, `--ttt-steps`; unset: none), LAYERS (`--drafter-layers`;
 # unset: the starting drafter's; more grows it, the new layers the identity), TV (`--tv-weight`,
-# the total-variation term that raises temperature 1's acceptance; unset: 0), CALIB=0 (skip the
+# the total-variation term that raises temperature 1's acceptance; unset: 0), DTYPE
+# (`--compute-dtype`: bfloat16 for mixed-precision steps; unset: float32), CALIB=0 (skip the
 # 20 timed steps), MEM_FRACTION (of GPU memory JAX takes, default 0.92); for toy runs LIMIT
 # (prompts per stage), GEN_BATCH, MAX_RECORDS, CACHE_TOKENS, KERNEL_TESTS=0. Everything the
 # job reads is prepared by prepare.py on the CPU. STATES: `device` (default) has `train`
@@ -180,7 +181,7 @@ train)
     --heldout-fraction "$HF" "${COMMON[@]}" --steps "${STEPS:?}" --batch-size "$BATCH" \
     --lr "${LR:-1e-4}" --warmup 0.03 --tap-lr-scale "${TAP_LR:-4}" \
     --eval-every "${EVAL_EVERY:-250}" --keep-best ${TTT:+--ttt-steps "$TTT"} \
-    ${TV:+--tv-weight "$TV"} \
+    ${TV:+--tv-weight "$TV"} ${DTYPE:+--compute-dtype "$DTYPE"} \
     ${LAYERS:+--drafter-layers "$LAYERS"} \
     --checkpoint-every 250 --ckpt-dir "$STAGE/ckpt" --out "$STAGE/drafter" --overwrite \
     --no-progress --resume 2>&1 | tail -40

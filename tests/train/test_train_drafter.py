@@ -267,6 +267,32 @@ def _tc(**kw) -> TrainConfig:
     return TrainConfig(**(base | kw))
 
 
+def test_bfloat16_steps_track_float32_and_keep_float32_weights(target, cache, tmp_path):
+    """--compute-dtype bfloat16: mixed precision. The step's loss is float32's to bf16's
+    precision; the weights and optimizer stay float32; 30 steps learn as float32's do;
+    evaluation runs in float32 (the initial held-out figures are identical)."""
+    train, held = load_split(cache, "train"), load_split(cache, "heldout")
+    runs = {dt: train_drafter(target.cfg, target.params, train, held,
+                              _tc(compute_dtype=dt, drafter_taps=()), tmp_path / dt,
+                              progress=False)
+            for dt in ("float32", "bfloat16")}
+    f32, b16 = (runs[k].log for k in ("float32", "bfloat16"))
+    figures = [{k: v for k, v in log["eval"][0].items() if k != "eval_s"} for log in (f32, b16)]
+    assert figures[0] == figures[1]  # step 0, evaluated in float32 both
+    first = f32["train"][0]["loss"], b16["train"][0]["loss"]
+    assert first[1] == pytest.approx(first[0], rel=2e-2) and first[1] != first[0]
+    ev = {k: {r["tag"]: r for r in runs[k].log["eval"]} for k in runs}
+    for k in runs:  # both learn (cf. test_training_decreases_loss_and_exports)
+        assert ev[k]["final"]["loss"] < 0.6 * ev[k]["initial"]["loss"], ev
+    assert ev["bfloat16"]["final"]["loss"] == pytest.approx(ev["float32"]["final"]["loss"],
+                                                            rel=0.1)
+    assert {a.dtype for a in jax.tree.leaves(runs["bfloat16"].params)} == {np.dtype(np.float32)}
+    assert b16["train_config"]["compute_dtype"] == "bfloat16"
+    assert "compute_dtype" not in f32["train_config"]  # older checkpoints resume unchanged
+    with pytest.raises(ValueError, match="compute_dtype must be one of"):
+        init_drafter(target.cfg, target.params, _tc(compute_dtype="float16"))
+
+
 def test_least_squares_fc_init_beats_random(target, cache):
     train, held = load_split(cache, "train"), load_split(cache, "heldout")
     tc = _tc(fc_init="lstsq")
