@@ -54,9 +54,6 @@ def start_mesh(args: argparse.Namespace) -> Any:
     return sh.as_mesh(args.mesh)
 
 
-THRESHOLD = 0.05  # --tree-threshold's default
-
-
 def _add_tree(p: argparse.ArgumentParser) -> None:
     from specjax.speculative import TreeSpec
 
@@ -76,7 +73,7 @@ def _add_tree(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-tokens", type=int, default=None,
                    help="EAGLE-2 / DySpec draft tokens per step (the tree budget; root "
                         f"excluded; default {d.total_tokens})")
-    p.add_argument("--tree-threshold", type=float, default=THRESHOLD,
+    p.add_argument("--tree-threshold", type=float, default=0.05,
                    help="dyspec-threshold: the least slot value worth drafting (greedy: the "
                         "product of q along the new node's path; sampled: the chance "
                         "verification reaches the slot)")
@@ -204,15 +201,12 @@ def _tree_from_json(args: argparse.Namespace) -> Any:
 
     if args.tree_json is None:
         return None
-    others = [flag for flag, given in (
-        ("--tree", args.tree is not None), ("--tree-depth", args.tree_depth is not None),
-        ("--tree-top-k", args.tree_top_k is not None),
-        ("--tree-tokens", args.tree_tokens is not None),
-        ("--tree-threshold", args.tree_threshold != THRESHOLD),
-        ("--tree-frontier", args.tree_frontier != 0), ("--tree-lookup", args.tree_lookup != 0),
-        ("--tree-lookup-min", args.tree_lookup_min != 1),
-        ("--tree-topk-children", args.tree_topk_children),
-        ("--tree-greedy-children", args.tree_greedy_children != 0)) if given]
+    # The tree flags given beside it: those off their defaults, read from _add_tree itself.
+    defaults = argparse.ArgumentParser(add_help=False)
+    _add_tree(defaults)
+    others = ["--" + dest.replace("_", "-")
+              for dest, default in vars(defaults.parse_args([])).items()
+              if dest != "tree_json" and getattr(args, dest) != default]
     if others:
         raise ValueError(f"--tree-json names the whole tree (its lookup chain included); drop "
                          f"{', '.join(others)} or write them into the JSON")
