@@ -608,15 +608,23 @@ def _dispatched_forwards(cfg: ModelConfig, params: Params, examples: Sequence[Ex
     ahead = None
     for split, k, shard in todo:
         for j, (t, rows) in enumerate(shard):
-            batch = np.zeros((rows_for(t, token_budget), t), np.int32)  # pad id 0, masked out
-            for r, i in enumerate(rows):
-                batch[r, : len(examples[i].tokens)] = examples[i].tokens
+            batch = _forward_batch(examples, rows, t, token_budget)
             out = target_hidden(params, cfg, jnp.asarray(batch), hidden_dtype, taps)
             if ahead is not None:
                 yield ahead
             ahead = (split, k, j == len(shard) - 1, rows, *out)
     if ahead is not None:
         yield ahead
+
+
+def _forward_batch(examples: Sequence[Example], rows: Sequence[int], t: int,
+                   token_budget: int) -> np.ndarray:
+    """The target's input for one planned batch: [rows_for(t, token_budget), t] int32, the
+    examples ``rows`` right-padded with id 0 (causal: padding never changes their states)."""
+    batch = np.zeros((rows_for(t, token_budget), t), np.int32)
+    for r, i in enumerate(rows):
+        batch[r, : len(examples[i].tokens)] = examples[i].tokens
+    return batch
 
 
 def _save_shard(path: Path, examples: Sequence[Example],
@@ -669,11 +677,10 @@ def device_hidden_states(cfg: ModelConfig, params: Params, examples: Sequence[Ex
         finite = jnp.array(True)
         k = 0
         for t, rows in batches:
-            tokens = np.zeros((rows_for(t, token_budget), t), np.int32)  # pad id 0
+            tokens = _forward_batch(examples, rows, t, token_budget)
             dest = np.full(tokens.shape, n, np.int32)  # out of bounds: padding is dropped
             for r, i in enumerate(rows):
                 m = len(examples[i].tokens)
-                tokens[r, :m] = examples[i].tokens
                 dest[r, :m] = offsets[k] + np.arange(m)
                 k += 1
                 bar.update(m)
