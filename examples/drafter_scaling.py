@@ -30,38 +30,35 @@ import numpy as np
 RECORD = Path(__file__).parents[1] / "docs" / "data" / "smollm2_drafter_stages.json"
 
 
+def ancestry(run: dict[str, Any], by_name: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """``run`` and the runs it started from (``from``, followed to a run with none), newest
+    first; a source the record lacks or a loop is refused."""
+    chain, seen, cur = [], set(), run
+    while cur is not None:
+        if cur["name"] in seen:
+            raise ValueError(f"run {run['name']!r}: its 'from' chain loops at {cur['name']!r}")
+        seen.add(cur["name"])
+        chain.append(cur)
+        src = cur.get("from")
+        if src is not None and src not in by_name:
+            raise ValueError(f"run {cur['name']!r} starts from {src!r}, which the record "
+                             "does not hold")
+        cur = by_name[src] if src is not None else None
+    return chain
+
+
 def cumulative(runs: list[dict[str, Any]]) -> dict[str, float]:
-    """Token-passes seen in all by each run's drafter: its own plus those of the runs it
-    started from (``from``, followed to a run with none)."""
+    """Token-passes seen in all by each run's drafter: its own plus those of its ancestry."""
     by_name = {r["name"]: r for r in runs}
-    out: dict[str, float] = {}
-    for r in runs:
-        total, seen, cur = 0.0, set(), r
-        while cur is not None:
-            if cur["name"] in seen:
-                raise ValueError(f"run {r['name']!r}: its 'from' chain loops at {cur['name']!r}")
-            seen.add(cur["name"])
-            total += cur["token_passes"]
-            src = cur.get("from")
-            if src is not None and src not in by_name:
-                raise ValueError(f"run {cur['name']!r} starts from {src!r}, which the record "
-                                 "does not hold")
-            cur = by_name[src] if src is not None else None
-        out[r["name"]] = total
-    return out
+    return {r["name"]: sum(a["token_passes"] for a in ancestry(r, by_name)) for r in runs}
 
 
 def lineage(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The shipped drafter's stages, oldest first: the last shipped run and its sources."""
-    by_name = {r["name"]: r for r in runs}
     shipped = [r for r in runs if r.get("shipped")]
     if not shipped:
         raise ValueError("the record has no shipped run")
-    chain, cur = [], shipped[-1]
-    while cur is not None:
-        chain.append(cur)
-        cur = by_name.get(cur["from"]) if cur.get("from") else None
-    return chain[::-1]
+    return ancestry(shipped[-1], {r["name"]: r for r in runs})[::-1]
 
 
 def fit_log2(passes: np.ndarray, agreement: np.ndarray) -> dict[str, float]:
