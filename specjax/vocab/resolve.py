@@ -82,9 +82,9 @@ def resolve_head(spec: str | VocabHead, target: Target, drafter: Drafter) -> Voc
         # An EAGLE-3 drafter was trained with its own head over its own draft vocabulary;
         # the shortlist heads score the target's head, which it never learned to feed.
         if spec != "full":
-            raise ValueError(f"--vocab {spec}: an EAGLE-3 drafter drafts over its own "
-                             f"{drafter.cfg.draft_vocab_size}-token vocabulary; use --vocab "
-                             "full (FR-Spec and DynaSpec heads apply to EAGLE-1/2 drafters)")
+            raise ValueError(f"vocab {spec!r}: an EAGLE-3 drafter drafts over its own "
+                             f"{drafter.cfg.draft_vocab_size}-token vocabulary; use 'full' "
+                             "(FR-Spec and DynaSpec heads apply to EAGLE-1/2 drafters)")
         from specjax.eagle3 import Eagle3Head
 
         return Eagle3Head.of(drafter.params, drafter.cfg)
@@ -95,12 +95,12 @@ def resolve_head(spec: str | VocabHead, target: Target, drafter: Drafter) -> Voc
 
         size, _, path = arg.partition(":")
         if not (size.isascii() and size.isdigit()) or int(size) < 1:
-            raise ValueError(f"--vocab {spec}: expected {name}:N[:PATH] with N >= 1 the "
+            raise ValueError(f"vocab {spec!r}: expected {name}:N[:PATH] with N >= 1 the "
                              "shortlist size, e.g. fr:32768")
         v = target.cfg.vocab_size
         if int(size) > v:
-            raise ValueError(f"--vocab {spec}: N={int(size)} exceeds the vocabulary's {v} "
-                             f"tokens; use N <= {v}, or --vocab full for the whole vocabulary")
+            raise ValueError(f"vocab {spec!r}: N={int(size)} exceeds the vocabulary's {v} "
+                             f"tokens; use N <= {v}, or 'full' for the whole vocabulary")
         path = _artifact(path, drafter, "freq_counts.npy",
                          f"pass {name}:{size}:PATH with counts from `specjax build-shortlist`")
         return frequency_head(target.params.head, frequency_ranking(path, target),
@@ -113,7 +113,7 @@ def resolve_head(spec: str | VocabHead, target: Target, drafter: Drafter) -> Voc
                                       "train one with `specjax train router`")),
                        target, drafter, position_aware=base == "dynaspec",
                        shared=name.endswith("-shared"))
-    raise ValueError(f"unknown --vocab {spec!r}; use full, fr:N, pafr:N, dynaspec[:ROUTER], "
+    raise ValueError(f"unknown vocab {spec!r}; use full, fr:N, pafr:N, dynaspec[:ROUTER], "
                      "dynaspec-f[:ROUTER] or evospec[:NS+ND[:GRAPH]]")
 
 
@@ -130,7 +130,7 @@ def _evospec(spec: str, arg: str, target: Target, drafter: Drafter):
     if sizes:
         a, plus, b = sizes.partition("+")
         if not (plus and a.isascii() and a.isdigit() and b.isascii() and b.isdigit()):
-            raise ValueError(f"--vocab {spec}: expected evospec:NS+ND[:GRAPH], e.g. "
+            raise ValueError(f"vocab {spec!r}: expected evospec:NS+ND[:GRAPH], e.g. "
                              "evospec:8192+256 (NS static core tokens, ND dynamic buffer)")
         n_static, n_dyn = int(a), int(b)
     counts = _artifact("", drafter, "freq_counts.npy",
@@ -147,7 +147,7 @@ def _evospec(spec: str, arg: str, target: Target, drafter: Drafter):
         return evospec_head(target.params.head, frequency_ranking(counts, target),
                             always_kept(target), n_static, n_dyn=n_dyn, successors=successors)
     except ValueError as e:
-        raise ValueError(f"--vocab {spec}: {e}") from e
+        raise ValueError(f"vocab {spec!r}: {e}") from e
 
 
 def _routed(path: Path, target: Target, drafter: Drafter, *, position_aware: bool, shared: bool):

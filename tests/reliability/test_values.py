@@ -183,7 +183,7 @@ def test_tree_sizes_below_one():
     ("pafr:１２", "N >= 1"),  # non-ASCII digits
     ("fr:8:/nonexistent/counts.npy", "no such"),
     ("dynaspec:/nonexistent/router", "no such router folder"),
-    ("medusa", "unknown --vocab"),
+    ("medusa", "unknown vocab"),
     ("fr:8\udcff", "not valid UTF-8"),
 ])
 def test_vocab_specs(rel_target, rel_drafter, spec, message):

@@ -113,7 +113,7 @@ def test_eagle3_greedy_equals_vanilla(target8, eagle3_drafter, tree):
 
 
 def test_eagle3_refuses_shortlist_heads(target8, eagle3_drafter):
-    with pytest.raises(ValueError, match="own .*vocabulary; use --vocab full"):
+    with pytest.raises(ValueError, match="own .*vocabulary; use .full."):
         specjax.generate(target8, PROMPTS[:1], max_new_tokens=4, drafter=eagle3_drafter,
                          vocab="fr:64")
 

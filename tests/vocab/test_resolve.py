@@ -69,7 +69,7 @@ def test_evospec_resolves_with_the_shipped_graph(smollm2):
 
 
 @pytest.mark.parametrize("spec, match", [
-    ("nope", "unknown --vocab"), ("fr", "fr:N"), ("fr:many", "fr:N"), ("full:x", "unknown"),
+    ("nope", "unknown vocab"), ("fr", "fr:N"), ("fr:many", "fr:N"), ("full:x", "unknown"),
     ("fr:100000", "exceeds"), ("fr:1", "cannot hold"), ("evospec:8192", "NS\\+ND"),
     ("evospec:8192+x", "NS\\+ND"), ("evospec:100+49100", "N_dyn"),
 ])
