@@ -190,29 +190,31 @@ def lstsq_fc(train: HiddenSplit, embed: Array, ridge: float = 1e-3,
     d = emb.shape[1]
     xtx = np.zeros((2 * d + 1, 2 * d + 1))
     xty = np.zeros((2 * d + 1, d))
-    xs: list[np.ndarray] = []
-    ys: list[np.ndarray] = []
-
-    def flush() -> None:
-        nonlocal xtx, xty
-        if xs:
-            x, y = np.concatenate(xs), np.concatenate(ys)
-            xtx += x.T @ x
-            xty += x.T @ y
-            xs.clear()
-            ys.clear()
-
-    for i in range(len(train)):
-        s, n = int(train.offsets[i]), int(train.lengths[i])
-        f = train.hidden[s:s + n].astype(np.float32)
-        m = row_loss_mask(train.assistant[s:s + n], n)
-        prev = np.concatenate([np.zeros((1, d), np.float32), f[:-1]])
-        xs.append(np.concatenate([emb[train.tokens[s:s + n]], prev,
-                                  np.ones((n, 1), np.float32)], 1)[m])
-        ys.append(f[m])
-        if sum(len(x) for x in xs) >= chunk_rows:
-            flush()
-    flush()
+    # A run of sequences adjacent in the flat arrays is one slice: the features are read
+    # about ``chunk_rows`` at a time, also from accelerator memory (``--states-on-device``),
+    # where a slice per sequence would be a transfer each.
+    order = np.argsort(train.offsets, kind="stable")
+    ends = train.offsets + train.lengths
+    first = 0
+    while first < len(order):
+        last = first + 1
+        while last < len(order) and ends[order[last]] - train.offsets[order[first]] <= chunk_rows:
+            last += 1
+        s0 = int(train.offsets[order[first]])
+        block = np.asarray(train.hidden[s0:int(ends[order[last - 1]])], np.float32)
+        xs, ys = [], []
+        for i in order[first:last]:
+            s, n = int(train.offsets[i]), int(train.lengths[i])
+            f = block[s - s0:s - s0 + n]
+            m = row_loss_mask(train.assistant[s:s + n], n)
+            prev = np.concatenate([np.zeros((1, d), np.float32), f[:-1]])
+            xs.append(np.concatenate([emb[train.tokens[s:s + n]], prev,
+                                      np.ones((n, 1), np.float32)], 1)[m])
+            ys.append(f[m])
+        x, y = np.concatenate(xs), np.concatenate(ys)
+        xtx += x.T @ x
+        xty += x.T @ y
+        first = last
     lam = ridge * np.trace(xtx) / len(xtx)
     w = np.linalg.solve(xtx + lam * np.eye(len(xtx)), xty).astype(np.float32)
     return w[:2 * d], w[2 * d]

@@ -310,6 +310,49 @@ def test_least_squares_fc_init_beats_random(target, cache):
     assert initial["lstsq"]["loss"] < 0.8 * initial["normal"]["loss"], initial
 
 
+def test_least_squares_fc_reads_runs_of_sequences_and_solves_the_normal_equations(target,
+                                                                                   cache):
+    train = load_split(cache, "train")
+    emb = np.asarray(target.params.embed, np.float64)
+    d = emb.shape[1]
+    xs, ys = [], []  # every scored row of every sequence, built one sequence at a time
+    for i in range(len(train)):
+        s, n = int(train.offsets[i]), int(train.lengths[i])
+        f = train.hidden[s:s + n].astype(np.float64)
+        m = row_loss_mask(train.assistant[s:s + n], n)
+        prev = np.concatenate([np.zeros((1, d)), f[:-1]])
+        xs.append(np.concatenate([emb[train.tokens[s:s + n]], prev, np.ones((n, 1))], 1)[m])
+        ys.append(f[m])
+    x, y = np.concatenate(xs), np.concatenate(ys)
+    xtx = x.T @ x
+    want = np.linalg.solve(xtx + 1e-3 * np.trace(xtx) / len(xtx) * np.eye(len(xtx)), x.T @ y)
+    # The sequences in another order in the flat arrays, the features on the device: the
+    # runs follow the offsets, whatever the split's order.
+    perm = np.random.default_rng(0).permutation(len(train))
+    moved = dataclasses.replace(train, lengths=train.lengths[perm],
+                                offsets=train.offsets[perm], index=train.index[perm],
+                                hidden=jnp.asarray(train.hidden))
+    longest = int(train.lengths.max())
+    for split, chunk in ((train, 16384), (train, 1), (moved, longest + 3), (moved, 10**9)):
+        w, b = lstsq_fc(split, target.params.embed, chunk_rows=chunk)
+        np.testing.assert_allclose(np.concatenate([w, b[None]]), want, rtol=2e-3, atol=2e-4)
+
+    class Reads:  # counts the slices taken of the features
+        def __init__(self, a):
+            self.a, self.n = a, 0
+
+        def __getitem__(self, key):
+            self.n += 1
+            return self.a[key]
+
+    # A run ends where the next sequence would pass chunk_rows: with 4x the longest, every
+    # run but the last holds at least four sequences.
+    for chunk, most in ((10**9, 1), (4 * longest, -(-len(train) // 4))):
+        reads = Reads(train.hidden)
+        lstsq_fc(dataclasses.replace(moved, hidden=reads), target.params.embed, chunk_rows=chunk)
+        assert 1 <= reads.n <= most < len(train), (chunk, reads.n)
+
+
 def test_training_decreases_loss_and_exports(target, cache, tmp_path):
     train, held = load_split(cache, "train"), load_split(cache, "heldout")
     res = train_drafter(target.cfg, target.params, train, held, _tc(), tmp_path / "ckpt",
