@@ -676,6 +676,9 @@ def device_hidden_states(cfg: ModelConfig, params: Params, examples: Sequence[Ex
         tapped = jnp.zeros((n, len(taps), cfg.hidden_size), hidden_dtype)
         finite = jnp.array(True)
         k = 0
+        # The bar counts a batch once its states are written, one batch behind the
+        # dispatch (JAX runs ahead of Python), so it shows the forwards' own pace.
+        behind = None
         for t, rows in batches:
             tokens = _forward_batch(examples, rows, t, token_budget)
             dest = np.full(tokens.shape, n, np.int32)  # out of bounds: padding is dropped
@@ -683,10 +686,12 @@ def device_hidden_states(cfg: ModelConfig, params: Params, examples: Sequence[Ex
                 m = len(examples[i].tokens)
                 dest[r, :m] = offsets[k] + np.arange(m)
                 k += 1
-                bar.update(m)
             h, tp = target_hidden(params, cfg, jnp.asarray(tokens), hidden_dtype, tuple(taps))
             hidden, tapped, finite = _states_into(hidden, tapped, finite, h, tp,
                                                   jnp.asarray(dest))
+            _count_when_written(bar, behind)
+            behind = finite, int((dest < n).sum())
+        _count_when_written(bar, behind)
         if not bool(finite):
             raise FloatingPointError(f"non-finite hidden states in {hidden_dtype}; "
                                      "use hidden_dtype='float32'")
@@ -702,6 +707,14 @@ def device_hidden_states(cfg: ModelConfig, params: Params, examples: Sequence[Ex
     manifest["complete"] = True
     manifest["seconds"] = {"total": round(time.perf_counter() - start, 3)}
     return manifest, splits["train"], held
+
+
+def _count_when_written(bar: Any, batch: tuple[Array, int] | None) -> None:
+    """Add a batch's tokens to ``bar`` once its states are in the buffers: ``batch`` is
+    (the ``finite`` flag its :func:`_states_into` returned, its token count), or None."""
+    if batch is not None:
+        batch[0].block_until_ready()
+        bar.update(batch[1])
 
 
 @partial(jax.jit, donate_argnames=("hidden", "tapped"))

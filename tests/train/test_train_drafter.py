@@ -835,7 +835,8 @@ def test_on_device_batches_gather_the_same_rows_and_train_the_same_drafter(targe
 
 
 def test_states_computed_on_device_equal_the_cache_and_train_the_same_drafter(target,
-                                                                             tmp_path):
+                                                                             tmp_path,
+                                                                             monkeypatch):
     """device_hidden_states (--states-on-device): the cache's splits, in its order, the train
     split's states never leaving the device and the held-out split on the host; training on
     them takes the cache's steps."""
@@ -865,8 +866,27 @@ def test_states_computed_on_device_equal_the_cache_and_train_the_same_drafter(ta
                       progress=False, on_device=True)
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    assert device_hidden_states(target.cfg, target.params, ex, progress=False,
+    import tqdm.auto
+
+    class Bar:  # the progress bar's updates, recorded
+        made: list[Bar] = []
+
+        def __init__(self, total, **_):
+            self.total, self.updates = total, []
+            Bar.made.append(self)
+
+        def update(self, n):
+            self.updates.append(n)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    assert device_hidden_states(target.cfg, target.params, ex, progress=True,
                                 **{**kw, "taps": ()})[1].taps is None
+    (bar,) = Bar.made  # one update a batch, each batch's real tokens, all of them in the end
+    assert sum(bar.updates) == bar.total == sum(len(e.tokens) for e in ex)
+    assert len(bar.updates) > 2 and min(bar.updates) > 0
 
 
 def test_tap_lr_scale_scales_the_tap_weights_updates_only(target):
