@@ -27,6 +27,12 @@ import specjax
 from specjax.train.selfdistill import generate_self_distill
 
 
+def stage_batch(stage: dict, batch: int | None = None, scale: int = 1) -> int:
+    """Prompts a call answers for ``stage``: ``batch`` for every stage, else the stage's
+    own batch (``prepare.py``'s, sized for short or long prompts) times ``scale``."""
+    return batch if batch is not None else stage["batch"] * scale
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=Path, required=True)
@@ -35,9 +41,15 @@ def main() -> None:
     ap.add_argument("--stages", default=None, help="comma-separated stage names (default all)")
     ap.add_argument("--limit", type=int, default=None, help="prompts per stage at most (toy runs)")
     ap.add_argument("--batch", type=int, default=None, help="override every stage's batch")
+    ap.add_argument("--batch-scale", type=int, default=1,
+                    help="multiply every stage's own batch (a GPU with memory to spare)")
     ap.add_argument("--engine", choices=("specjax", "transformers"), default="specjax",
                     help="specjax (the GPU's) or transformers (faster on a CPU; needs torch)")
     args = ap.parse_args()
+    if args.batch_scale < 1 or (args.batch is not None and args.batch < 1):
+        ap.error("--batch and --batch-scale must be >= 1")
+    if args.batch is not None and args.batch_scale != 1:
+        ap.error("give --batch (one batch for every stage) or --batch-scale, not both")
 
     spec = json.loads(lzma.open(args.prompts, "rt").read())
     target = specjax.load(args.target)
@@ -46,7 +58,7 @@ def main() -> None:
     for stage in spec["stages"]:
         if wanted is not None and stage["name"] not in wanted:
             continue
-        batch = args.batch or stage["batch"]
+        batch = stage_batch(stage, args.batch, args.batch_scale)
         ids = stage["prompts"][: args.limit]
         if len(ids) > batch:  # whole batches only: a last, smaller one is another compile
             ids = ids[: len(ids) // batch * batch]

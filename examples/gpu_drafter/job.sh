@@ -16,7 +16,8 @@
 # unset: the starting drafter's; more grows it, the new layers the identity), TV (`--tv-weight`,
 # the total-variation term that raises temperature 1's acceptance; unset: 0), DTYPE
 # (`--compute-dtype`: bfloat16 for mixed-precision steps; unset: float32), CALIB=0 (skip the
-# 20 timed steps), MEM_FRACTION (of GPU memory JAX takes, default 0.92); for toy runs LIMIT
+# 20 timed steps), MEM_FRACTION (of GPU memory JAX takes, default 0.92), GEN_BATCH_SCALE
+# (`generate.py --batch-scale`: each stage's batch times this; unset: 1); for toy runs LIMIT
 # (prompts per stage), GEN_BATCH, MAX_RECORDS, CACHE_TOKENS, KERNEL_TESTS=0. Everything the
 # job reads is prepared by prepare.py on the CPU. STATES: `device` (default) has `train`
 # compute the target's hidden states into GPU memory itself (`--states-on-device`; `generate`
@@ -109,7 +110,8 @@ generate)
   timeout "${GEN_S:-180}" python3 examples/gpu_drafter/generate.py --target "$TARGET" \
     --prompts "$STAGE/payload/prompts.json.xz" --out-dir "$STAGE/answers" \
     --stages "${STAGES:-greedy_self,greedy_passages,sampled_self,sampled_followup,greedy_new,sampled_short}" \
-    ${LIMIT:+--limit "$LIMIT"} ${GEN_BATCH:+--batch "$GEN_BATCH"} 2>&1 | tr '\r' '\n' \
+    ${LIMIT:+--limit "$LIMIT"} ${GEN_BATCH:+--batch "$GEN_BATCH"} \
+    ${GEN_BATCH_SCALE:+--batch-scale "$GEN_BATCH_SCALE"} 2>&1 | tr '\r' '\n' \
     | grep -v '%|' 
   # One data file: the prepared records (held-out first), then every complete new answer.
   python3 - "$STAGE/payload" "$STAGE" "${MAX_RECORDS:-}" "$OUT/answers.npz" <<'EOF'

@@ -84,3 +84,27 @@ def test_a_cpu_runs_stage_files_give_the_same_records(tmp_path):
     (cpu / "greedy_new.jsonl").write_text(json.dumps(bad) + "\n")
     with pytest.raises(ValueError, match="does not start with its prompt"):
         prepare.answers_records(cpu, prompts_file)
+
+
+_GENERATE = Path(__file__).parents[2] / "examples" / "gpu_drafter" / "generate.py"
+_gspec = importlib.util.spec_from_file_location("gpu_drafter_generate", _GENERATE)
+generate = importlib.util.module_from_spec(_gspec)
+_gspec.loader.exec_module(generate)
+
+
+def test_generate_sizes_each_stages_batch(monkeypatch, capsys):
+    """--batch is one batch for every stage; --batch-scale multiplies each stage's own
+    (prepare.py sizes them for short and long prompts); both at once, or below 1, are
+    refused before the target loads."""
+    short, long = {"batch": 512}, {"batch": 128}
+    assert [generate.stage_batch(s) for s in (short, long)] == [512, 128]
+    assert [generate.stage_batch(s, scale=2) for s in (short, long)] == [1024, 256]
+    assert [generate.stage_batch(s, 4) for s in (short, long)] == [4, 4]
+    monkeypatch.setattr(generate.specjax, "load", lambda *_: pytest.fail("loaded the target"))
+    for flags, message in ((["--batch", "4", "--batch-scale", "2"], "not both"),
+                           (["--batch-scale", "0"], ">= 1"), (["--batch", "0"], ">= 1")):
+        monkeypatch.setattr("sys.argv", ["generate.py", "--prompts", "p.json.xz", "--target",
+                                         "t", "--out-dir", "o", *flags])
+        with pytest.raises(SystemExit) as e:
+            generate.main()
+        assert e.value.code == 2 and message in capsys.readouterr().err
