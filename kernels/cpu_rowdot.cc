@@ -42,10 +42,14 @@ namespace {
 // MR * NT accumulators in registers (with the NT weight vectors and one x vector, where they
 // fit). Fewer rows of x take more rows of w at once: more independent FMA chains and loads
 // in flight, without which one or two rows on AVX2 cannot keep up with memory (30 against
-// XLA's 24-28 ms for one row of a SmolLM2 forward with 2 columns; 26 with 8).
+// XLA's 24-28 ms for one row of a SmolLM2 forward with 2 columns; 26 with 8). The same holds
+// on AVX-512: 8/8/6/6/5 columns for 1..5 rows instead of 4 took 3-5% off a SmolLM2 forward
+// at T = 1..4 (examples/rowdot_revision_ab.py, six runs; docs/benchmarks.md), with the
+// larger chunks their least common multiple makes (below); chunks of each call's own tile
+// width kept T = 4 at the old speed.
 constexpr int kRowTile = 6;
 #if defined(__AVX512F__)
-constexpr int kColTile[kRowTile + 1] = {0, 4, 4, 4, 4, 4, 4};  // <= 24 accumulators + 4 + 1 of 32
+constexpr int kColTile[kRowTile + 1] = {0, 8, 8, 6, 6, 5, 4};  // <= 24 accumulators + 6 + 1 of 32
 #else
 constexpr int kColTile[kRowTile + 1] = {0, 8, 6, 4, 3, 2, 2};  // AVX2: <= 12 + 2 + 1 of 16
 #endif
@@ -217,8 +221,9 @@ struct Work : PoolWork {
   }
 };
 
-// Runs ``work`` on the caller and XLA's pool. About 64 KB of weights per chunk, rounded up
-// to whole column tiles of every width.
+// Runs ``work`` on the caller and XLA's pool. At least 64 KB of weights per chunk, rounded
+// up to whole column tiles of every width (120 columns with AVX-512's widths: 276 KB at
+// K = 576).
 void Run(ffi::ThreadPool& pool, const std::shared_ptr<Work>& work) {
   constexpr int64_t g = kChunkRows;
   work->cols_per_chunk = std::max<int64_t>(g, (16384 / work->K + g - 1) / g * g);
