@@ -190,18 +190,21 @@ def lstsq_fc(train: HiddenSplit, embed: Array, ridge: float = 1e-3,
     d = emb.shape[1]
     xtx = np.zeros((2 * d + 1, 2 * d + 1))
     xty = np.zeros((2 * d + 1, d))
-    # A run of sequences adjacent in the flat arrays is one slice: the features are read
-    # about ``chunk_rows`` at a time, also from accelerator memory (``--states-on-device``),
-    # where a slice per sequence would be a transfer each.
+    # A run of sequences adjacent in the flat arrays is one read: the features come about
+    # ``chunk_rows`` at a time, also from accelerator memory (``--states-on-device``), where a
+    # slice per sequence would be a transfer each. Every read is one ``window`` of rows (the
+    # last one shifted back to fit), since JAX compiles a slice for each size it sees.
     order = np.argsort(train.offsets, kind="stable")
     ends = train.offsets + train.lengths
+    total = int(ends.max(initial=0))
+    window = min(total, max(chunk_rows, int(train.lengths.max(initial=0))))
     first = 0
     while first < len(order):
         last = first + 1
         while last < len(order) and ends[order[last]] - train.offsets[order[first]] <= chunk_rows:
             last += 1
-        s0 = int(train.offsets[order[first]])
-        block = np.asarray(train.hidden[s0:int(ends[order[last - 1]])], np.float32)
+        s0 = min(int(train.offsets[order[first]]), total - window)
+        block = np.asarray(train.hidden[s0:s0 + window], np.float32)
         xs, ys = [], []
         for i in order[first:last]:
             s, n = int(train.offsets[i]), int(train.lengths[i])

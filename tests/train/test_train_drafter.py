@@ -337,12 +337,13 @@ def test_least_squares_fc_reads_runs_of_sequences_and_solves_the_normal_equation
         w, b = lstsq_fc(split, target.params.embed, chunk_rows=chunk)
         np.testing.assert_allclose(np.concatenate([w, b[None]]), want, rtol=2e-3, atol=2e-4)
 
-    class Reads:  # counts the slices taken of the features
+    class Reads:  # counts the slices taken of the features, and their sizes
         def __init__(self, a):
-            self.a, self.n = a, 0
+            self.a, self.n, self.sizes = a, 0, set()
 
         def __getitem__(self, key):
             self.n += 1
+            self.sizes.add(key.stop - key.start)
             return self.a[key]
 
     # A run ends where the next sequence would pass chunk_rows: with 4x the longest, every
@@ -351,6 +352,7 @@ def test_least_squares_fc_reads_runs_of_sequences_and_solves_the_normal_equation
         reads = Reads(train.hidden)
         lstsq_fc(dataclasses.replace(moved, hidden=reads), target.params.embed, chunk_rows=chunk)
         assert 1 <= reads.n <= most < len(train), (chunk, reads.n)
+        assert len(reads.sizes) == 1, reads.sizes  # one compiled slice on a device
 
 
 def test_training_decreases_loss_and_exports(target, cache, tmp_path):
