@@ -722,8 +722,9 @@ def _states_into(hidden: Array, tapped: Array, finite: Array, h: Array, tp: Arra
                  dest: Array) -> tuple[Array, Array, Array]:
     """One batch's states h [R, T, d] and taps tp [R, T, k, d] written into the flat buffers
     hidden [N, d] and tapped [N, k, d] at rows dest [R, T] (N on padding: dropped);
-    ``finite`` stays True while every state written is finite. Apart from the forward
-    (:func:`target_hidden`), whose compiles per bucket both splits then share."""
+    ``finite`` stays True while every state written is finite. The forward
+    (:func:`target_hidden`) runs outside this jit, so both splits and the cache path share
+    its compiles per bucket."""
     rows = dest.reshape(-1)
     hidden = hidden.at[rows].set(h.reshape(rows.shape + h.shape[2:]), mode="drop")
     tapped = tapped.at[rows].set(tp.reshape(rows.shape + tp.shape[2:]), mode="drop")
