@@ -60,13 +60,16 @@ constexpr int kChunkRows = std::lcm(std::lcm(std::lcm(kColTile[1], kColTile[2]),
                                     std::lcm(kColTile[5], kColTile[6]));
 static_assert(16 % kLanes == 0, "K % 16 == 0 must make every row whole vectors");
 
-// From this many rows of x on, a tile asks for the next tile's weight rows while it works
-// on its own. With few rows a tile is quick and the hardware prefetcher keeps up; with more,
-// each weight row is busy for longer in the FMAs and, unasked, the next rows arrive only
-// when they are loaded: the memory stream and the FMAs then take turns instead of
-// overlapping (a SmolLM2 forward's products at M = 4 / 10: 33 / 50 ms without, 27 / 38
-// with; M = 1 and 2 are not faster with it).
-constexpr int64_t kPrefetchRows = 3;
+// Every tile asks for the next tile's weight rows while it works on its own, one prefetch
+// per cache line, into L2 (_MM_HINT_T1). Unasked, a tile with several rows of x keeps each
+// weight row busy in the FMAs and the next rows arrive only when they are loaded: the
+// memory stream and the FMAs take turns instead of overlapping. Until the fifty-ninth
+// session the prefetch went into L1 (T0) and only from three rows on; into L2 from one row,
+// a SmolLM2 LM head (113 MB) at M = 1 / 2 / 4 / 6 takes 0.85 / 0.81 / 0.75 / 0.68 of that
+// kernel's time on this Zen 4 host (in-process A/B; T2 reads as T1, NTA as T0, and asking
+// 2-8 tiles ahead is no better than one; docs/benchmarks.md, fifty-ninth session). A
+// likely reason: an L1 prefetch holds one of the core's few L1 miss buffers until its line
+// arrives, where an L2 one leaves them to the tile's own loads, which then hit in L2.
 constexpr int kLineFloats = 16;  // one 64-byte cache line
 
 // Where output column j's weight row lives. Dense: row j of w (rowdot). Gathered: row
@@ -96,7 +99,8 @@ struct Gathered {
 
 // MR rows of x times the weight rows of columns [n0, n0 + NT), into y (row stride
 // ``src.cols``). ``kPrefetch``: also ask for the rows of columns [n0 + NT, n0 + 2 NT) (a
-// template argument, so that the loop without it is the same code as before it existed).
+// template argument: the later row groups of a column tile, and a ragged end's single
+// columns, run without it).
 template <int MR, int NT, bool kPrefetch, class Src>
 void Tile(const float* x, const Src& src, float* y, int64_t K, int64_t m0, int64_t n0) {
   Vec acc[MR][NT];
@@ -116,7 +120,7 @@ void Tile(const float* x, const Src& src, float* y, int64_t K, int64_t m0, int64
       if (k % kLineFloats == 0) {
 #pragma GCC unroll 8
         for (int t = 0; t < NT; ++t)
-          _mm_prefetch(reinterpret_cast<const char*>(next[t] + k), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(next[t] + k), _MM_HINT_T1);
       }
     }
     Vec wv[NT];
@@ -168,17 +172,13 @@ void Rows(const float* x, const Src& src, float* y, int64_t M, int64_t K, int64_
   Rest<NT, false>(x, src, y, M - m, K, m, n0);
 }
 
-// Columns [n0, n1). A gathered source prefetches whatever M is: no hardware prefetcher can
-// guess the next gathered row.
+// Columns [n0, n1): whole tiles, which prefetch (for a gathered source too, where no
+// hardware prefetcher could guess the next row), then single columns for a ragged end.
 template <int NT, class Src>
 void SpanOf(const float* x, const Src& src, float* y, int64_t M, int64_t K, int64_t n0,
             int64_t n1) {
   int64_t n = n0;
-  if (Src::kGathered || M >= kPrefetchRows) {
-    for (; n + NT <= n1; n += NT) Rows<NT, true>(x, src, y, M, K, n);
-  } else {
-    for (; n + NT <= n1; n += NT) Rows<NT, false>(x, src, y, M, K, n);
-  }
+  for (; n + NT <= n1; n += NT) Rows<NT, true>(x, src, y, M, K, n);
   for (; n < n1; ++n) Rows<1, false>(x, src, y, M, K, n);
 }
 

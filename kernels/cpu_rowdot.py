@@ -3,8 +3,8 @@
 ``rowdot(x, w_t)`` computes ``x @ w_t.T`` for a few rows of ``x`` (a verify step's T tree
 nodes) by streaming each row of ``w_t`` once for all of them: M = 2 rows cost about what one
 does and M = 4 about 1.2-1.4x, where XLA's own small-M GEMM costs 1.5-2x and 2-3x
-(``examples/cpu_rowdot_cost.py``; docs/benchmarks.md, issue 10); from three rows on it asks
-for the next weight rows ahead of their use, so memory and FMAs overlap (docs/kernels.md).
+(``examples/cpu_rowdot_cost.py``; docs/benchmarks.md, issue 10); it asks for the next
+weight rows ahead of their use, into L2, so memory and FMAs overlap (docs/kernels.md).
 The source, ``cpu_rowdot.cc``, ships beside this file and is built on first use with the
 other CPU kernels (:mod:`specjax.kernels.cpu_build`: the host's g++, AVX-512F or AVX2 with
 FMA). Hosts without either get :func:`available` False and a reason, and callers keep the
