@@ -243,7 +243,7 @@ def shared_gathered_matmul(h: Array, w: Array, idx: Array) -> Array:
 def _takes_rowdot(h: Array, w: Array) -> bool:
     """Whether the CPU rowdot kernel takes these rows of ``h`` (float32, 1..16 rows, a CPU
     backend without a mesh, the kernel built; :func:`~specjax.kernels.cpu_rowdot.use_rowdot`)."""
-    return use_rowdot(h, w, min_rows=1)
+    return use_rowdot(h, w)
 
 
 def _as_int32_ids(idx: Array, vocab_size: int) -> Array:

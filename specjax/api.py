@@ -97,7 +97,7 @@ def _rowdot_pays(params: Any) -> bool:
     probe = jnp.zeros((1, lp.wqkv.shape[0]), params.embed.dtype)
     return all(w.shape[0] % 16 == 0 and w.dtype == jnp.float32
                for p in params.layers for w in (p.wqkv, p.wo, p.w_gate_up, p.w_down)) and \
-        use_rowdot(probe, lp.wqkv.T, min_rows=1)
+        use_rowdot(probe, lp.wqkv.T)
 
 
 def _is_id(x: Any) -> bool:

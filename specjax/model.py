@@ -481,7 +481,7 @@ def lm_head(params: Params, hidden: Array) -> Array:
 
     Under a mesh the logits stay split over the vocabulary like the head's rows
     (:func:`specjax.sharding.constrain_logits`); without one this is the plain product,
-    taken by the CPU rowdot kernel for 2..16 rows (a verify step's tree; see
+    taken by the CPU rowdot kernel for 1..16 rows (a decode step, or a verify step's tree; see
     :func:`specjax.kernels.cpu_rowdot.head_product`).
     """
     return constrain_logits(head_product(hidden, params.head))

@@ -117,7 +117,7 @@ class FullHead:
         return self.vocab_size
 
     def __call__(self, w, h, step, context=None, state=None) -> Candidates:
-        # A frontier of 2..16 nodes takes the CPU rowdot kernel (one pass over the table).
+        # A frontier of 1..16 nodes takes the CPU rowdot kernel (one pass over the table).
         logits = head_product(h, w)
         ids = jnp.broadcast_to(jnp.arange(self.vocab_size, dtype=jnp.int32), logits.shape)
         return Candidates(ids, jnp.ones(logits.shape, bool), logits)

@@ -104,7 +104,7 @@ def test_head_product_dispatch(monkeypatch):
 
     x, w = _xw(4, 100, 32)
     assert use_rowdot(x, w)
-    assert not use_rowdot(x[:1], w)  # one row: XLA's matrix-vector path
+    assert use_rowdot(x[:1], w)  # one row too (a vanilla step's head)
     assert not use_rowdot(jnp.ones((17, 32)), w)  # many rows: XLA's GEMM
     assert not use_rowdot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
     monkeypatch.setenv("SPECJAX_CPU_ROWDOT", "off")

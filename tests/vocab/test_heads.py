@@ -106,7 +106,7 @@ def test_routed_head_cap_drops_the_lowest_scored_tail(arrays):
 def test_full_head_matches_the_lm_head(arrays):
     w, h, _, _ = arrays
     c = full_head(V)(w, h, 2)
-    # 2..16 rows take the CPU rowdot kernel, whose summation order differs from XLA's.
+    # 1..16 rows take the CPU rowdot kernel, whose summation order differs from XLA's.
     np.testing.assert_allclose(c.logits, jnp.einsum("bkd,vd->bkv", h, w), rtol=1e-5, atol=1e-6)
     assert np.asarray(c.ids[1, 2]).tolist() == list(range(V))
 
