@@ -185,8 +185,8 @@ def gathered_matmul(h: Array, w: Array, idx: Array, *, impl: Impl = "auto") -> A
 
     h: [N, d] float, w: [V, d] float, idx: [N, C] integer -> [N, C] float32.
     ``impl``: "auto" (the Pallas kernel when the default backend is a GPU; on a CPU the
-    rowdot kernel for float32 operands where it is built, :func:`_takes_rowdot`; else XLA),
-    "xla", "pallas", "rowdot" or "ref".
+    rowdot kernel where :func:`~specjax.kernels.cpu_rowdot.use_rowdot` takes the operands;
+    else XLA), "xla", "pallas", "rowdot" or "ref".
     """
     if h.ndim != 2 or w.ndim != 2 or idx.ndim != 2:
         raise ValueError(f"expected h [N, d], w [V, d] and idx [N, C]; got ranks "
@@ -220,7 +220,7 @@ def chosen_impl(h: Array, w: Array, impl: Impl = "auto") -> str:
     1..16 rows, built), else XLA."""
     if impl != "auto":
         return impl
-    return "pallas" if pallas_gpu_available() else "rowdot" if _takes_rowdot(h, w) else "xla"
+    return "pallas" if pallas_gpu_available() else "rowdot" if use_rowdot(h, w) else "xla"
 
 
 def shared_gathered_matmul(h: Array, w: Array, idx: Array) -> Array:
@@ -231,19 +231,13 @@ def shared_gathered_matmul(h: Array, w: Array, idx: Array) -> Array:
     rowdot kernel reads each listed row once for the K states; elsewhere the rows are
     gathered once per batch row and contracted with XLA's dot.
     """
-    if _takes_rowdot(h[0], w):
+    if use_rowdot(h[0], w):
         ids = _as_int32_ids(idx, w.shape[0])
         return jax.vmap(lambda hb, ib: rowdot_gathered(hb, w, ib[None]))(h, ids)
     valid = _in_range(idx, w.shape[0])
     rows = jnp.take(w, jnp.where(valid, idx, 0), axis=0)  # [B, C, d]
     logits = jnp.einsum("bkd,bcd->bkc", h, rows, preferred_element_type=jnp.float32)
     return jnp.where(valid[:, None], logits, 0.0)
-
-
-def _takes_rowdot(h: Array, w: Array) -> bool:
-    """Whether the CPU rowdot kernel takes these rows of ``h`` (float32, 1..16 rows, a CPU
-    backend without a mesh, the kernel built; :func:`~specjax.kernels.cpu_rowdot.use_rowdot`)."""
-    return use_rowdot(h, w)
 
 
 def _as_int32_ids(idx: Array, vocab_size: int) -> Array:
