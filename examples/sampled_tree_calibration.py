@@ -16,6 +16,14 @@ Spec-Bench):
    1, vanilla and every tree in turn on each, ``--timing-reps`` passes (the first, which
    compiles, is dropped), so the machine's drift between runs falls on all of them alike.
 
+Prompt length matters to both: a tree's extra draft level and verify rows cost more over a
+long context (tree attention reads the whole cache), and a long given text changes what is
+accepted. So ``--long-share`` of the calibration prompts (a third by default, as two of
+Spec-Bench's six tasks, summarization and RAG, give 500-1,600 tokens of text) give a long
+text to summarize or answer from (``summarize_long`` / ``passage_qa_long``: 450-1,000
+tokens, :mod:`specjax.train.prompts`), and the timed prompts are spread over the
+calibration set's lengths (:func:`length_stratified`), not only its short ones.
+
 The estimate is MAL x (vanilla ms a token) / (ms a step); the highest wins, and
 ``--save-default-tree`` stores it as the drafter's tree for sampling (``default_tree.json``'s
 ``sampled``; :func:`specjax.tree.default.write_sampled_default_tree`), which
@@ -48,6 +56,7 @@ import specjax
 from specjax.bench.common import machine_info, write_json
 from specjax.bench.questions import calibration_prompts
 from specjax.defaults import resolve_model, shipped_drafter_for
+from specjax.train.prompts import DEFAULT_WEIGHTS
 from specjax.tree import TreeSpec
 from specjax.tree.default import (
     read_default_vocab,
@@ -58,6 +67,25 @@ from specjax.tree.default import (
 
 def _key(tree: TreeSpec) -> str:
     return json.dumps(tree.to_json(), sort_keys=True)
+
+
+def prompt_weights(long_share: float) -> dict[str, float]:
+    """The calibration kinds' shares: ``long_share`` split evenly between the two
+    long-text kinds, the rest the self-distillation mix's short kinds in its proportions."""
+    short = sum(DEFAULT_WEIGHTS.values())
+    return ({k: (1 - long_share) * w / short for k, w in DEFAULT_WEIGHTS.items()}
+            | {"summarize_long": long_share / 2, "passage_qa_long": long_share / 2})
+
+
+def length_stratified(prompts: list[list[int]], n: int) -> list[list[int]]:
+    """``n`` of ``prompts`` at evenly spaced ranks of their lengths (the shortest and the
+    longest among them when n >= 2), so the timed steps see the calibration set's mix of
+    context lengths; in order of length."""
+    ranked = sorted(prompts, key=len)
+    if n >= len(ranked):
+        return ranked
+    picks = np.linspace(0, len(ranked) - 1, n) if n > 1 else [len(ranked) // 2]
+    return [ranked[int(round(i))] for i in picks]
 
 
 def sampled_mal(target, drafter, trees: list[TreeSpec], prompts: list[list[int]], *,
@@ -134,8 +162,13 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--timing-prompts", type=int, default=8,
-                    help="prompts under 400 tokens timed at batch 1 (default 8)")
+    ap.add_argument("--long-share", type=float, default=1 / 3, metavar="F",
+                    help="share of calibration prompts that give a long text (450-1,000 "
+                         "tokens) to summarize or answer from (default 1/3)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+    ap.add_argument("--timing-prompts", type=int, default=9,
+                    help="prompts timed at batch 1, spread over the calibration set's "
+                         "lengths (default 9)")
     ap.add_argument("--timing-reps", type=int, default=2,
                     help="passes over the timing prompts, the first (compiling) dropped; >= 2")
     ap.add_argument("--save-default-tree", action="store_true",
@@ -151,6 +184,8 @@ def main() -> None:
         ap.error(f"--timing-prompts must be >= 1 and --timing-reps >= 2 (the first pass, "
                  f"which compiles, is dropped), got {args.timing_prompts} and "
                  f"{args.timing_reps}")
+    if not 0 <= args.long_share <= 1:
+        ap.error(f"--long-share must be in [0, 1], got {args.long_share}")
     greedy = args.temperature == 0
     if greedy:
         args.seeds = 1  # greedy runs are the same for every seed
@@ -161,17 +196,20 @@ def main() -> None:
     target = specjax.load(resolve_model(None, progress=False))
     folder = shipped_drafter_for(target.cfg)
     drafter = specjax.load_drafter(folder, target)
-    prompts, source = calibration_prompts(target, num=args.calibration)
+    prompts, source = calibration_prompts(target, num=args.calibration,
+                                          weights=prompt_weights(args.long_share),
+                                          max_prompt_tokens=args.max_prompt_tokens)
     prev = json.loads(args.out.read_text()) if args.out.is_file() else {}
     settings = {"temperature": args.temperature, "prompts": len(prompts), "seeds": args.seeds,
-                "batch": args.batch, "max_new_tokens": args.max_new_tokens}
+                "batch": args.batch, "max_new_tokens": args.max_new_tokens,
+                "long_share": args.long_share, "max_prompt_tokens": args.max_prompt_tokens}
     done = prev.get("calls", {}) if prev.get("settings") == settings else {}
     result = {"settings": settings, "source": source, "calls": done}
     mal = sampled_mal(target, drafter, trees, prompts, temperature=args.temperature,
                       seeds=args.seeds, batch=args.batch, max_new_tokens=args.max_new_tokens,
                       done=done, save=lambda: write_json(args.out, result))
-    short = [p for p in prompts if len(p) < 400][:args.timing_prompts]
-    ms = step_times(target, drafter, trees, short, temperature=args.temperature,
+    timed = length_stratified(prompts, args.timing_prompts)
+    ms = step_times(target, drafter, trees, timed, temperature=args.temperature,
                     reps=args.timing_reps, max_new_tokens=args.max_new_tokens)
     base = mal[_key(trees[0])]
     rows = []
@@ -187,7 +225,8 @@ def main() -> None:
               f"est. {rows[-1]['est_speedup']:.3f}x vanilla ({ms['vanilla']:.1f} ms a token)")
     best = max(rows, key=lambda r: r["est_speedup"])
     result |= {"candidates": rows, "vanilla_ms_per_token": ms["vanilla"], "chosen": best,
-               "timing_prompts": len(short), "timing_reps": args.timing_reps,
+               "timing_prompts": len(timed), "timing_prompt_tokens": list(map(len, timed)),
+               "timing_reps": args.timing_reps,
                "machine": machine_info()}
     write_json(args.out, result)
     print(f"chosen: {_key(TreeSpec.from_json(best['tree']))}")

