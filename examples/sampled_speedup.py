@@ -12,7 +12,10 @@ one run.
 
 ``--calibration N`` runs about N calibration prompts instead (ShareGPT's calibration range,
 never Spec-Bench: :func:`specjax.bench.questions.calibration_prompts`, whose prompt mix
-rounds each kind's share), for choosing a tree before it is evaluated once on Spec-Bench.
+rounds each kind's share), for choosing a tree before it is evaluated once on Spec-Bench;
+``--long-share 0.333 --max-prompt-tokens 1024`` gives them Spec-Bench's mix of lengths (a
+third give a 450-1,000-token text to summarize or answer from), as
+``sampled_tree_calibration.py`` draws them.
 
 ``--tree-json`` given more than once compares the trees in one run: each prompt runs
 vanilla and then every tree in turn with the same seed (the order rotated from prompt to
@@ -34,6 +37,7 @@ import specjax
 from specjax.bench.common import ratio_of_sums, write_json
 from specjax.bench.questions import TASKS, calibration_prompts, spec_bench_prompts
 from specjax.defaults import resolve_model, shipped_drafter_for
+from specjax.train.prompts import with_long_share
 from specjax.tree import TreeSpec
 
 
@@ -87,16 +91,26 @@ def main() -> None:
     ap.add_argument("--calibration", type=int, default=0, metavar="N",
                     help="about N calibration prompts instead of Spec-Bench's (default 0: "
                          "Spec-Bench)")
+    ap.add_argument("--long-share", type=float, default=0.0, metavar="F",
+                    help="with --calibration: share of prompts that give a long text "
+                         "(450-1,000 tokens) to summarize or answer from, as "
+                         "sampled_tree_calibration.py's (default 0)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=320,
+                    help="with --calibration: the longest prompt taken (default 320)")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     args = ap.parse_args()
     try:  # refused before the model loads
         trees = [TreeSpec.from_json_text(t) for t in args.tree_json or ()]
     except ValueError as e:
         ap.error(str(e))
+    if not 0 <= args.long_share <= 1:
+        ap.error(f"--long-share must be in [0, 1], got {args.long_share}")
     target = specjax.load(resolve_model(None, progress=False))
     drafter = specjax.load_drafter(shipped_drafter_for(target.cfg), target)
     if args.calibration:
-        ids, _ = calibration_prompts(target, num=args.calibration)
+        ids, _ = calibration_prompts(target, num=args.calibration,
+                                     weights=with_long_share(args.long_share),
+                                     max_prompt_tokens=args.max_prompt_tokens)
         evals = [{"task": "calibration", "ids": p} for p in ids]
     else:
         evals, _ = spec_bench_prompts(target, questions=None, tasks=TASKS,
@@ -138,6 +152,9 @@ def main() -> None:
                   f"chained {p['chained_fraction']:.2f}")
     head = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
             "prompts": "calibration" if args.calibration else "spec-bench"}
+    if args.calibration:
+        head |= {"long_share": args.long_share, "max_prompt_tokens": args.max_prompt_tokens,
+                 "prompt_tokens": [len(e["ids"]) for e in evals]}
     # One tree keeps the flat layout earlier results used; several go under "trees".
     result = {**head, **results[0]} if len(results) == 1 else {**head, "trees": results}
     if args.out:

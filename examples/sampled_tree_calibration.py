@@ -56,7 +56,7 @@ import specjax
 from specjax.bench.common import machine_info, write_json
 from specjax.bench.questions import calibration_prompts
 from specjax.defaults import resolve_model, shipped_drafter_for
-from specjax.train.prompts import DEFAULT_WEIGHTS
+from specjax.train.prompts import with_long_share
 from specjax.tree import TreeSpec
 from specjax.tree.default import (
     read_default_vocab,
@@ -67,14 +67,6 @@ from specjax.tree.default import (
 
 def _key(tree: TreeSpec) -> str:
     return json.dumps(tree.to_json(), sort_keys=True)
-
-
-def prompt_weights(long_share: float) -> dict[str, float]:
-    """The calibration kinds' shares: ``long_share`` split evenly between the two
-    long-text kinds, the rest the self-distillation mix's short kinds in its proportions."""
-    short = sum(DEFAULT_WEIGHTS.values())
-    return ({k: (1 - long_share) * w / short for k, w in DEFAULT_WEIGHTS.items()}
-            | {"summarize_long": long_share / 2, "passage_qa_long": long_share / 2})
 
 
 def length_stratified(prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -197,7 +189,7 @@ def main() -> None:
     folder = shipped_drafter_for(target.cfg)
     drafter = specjax.load_drafter(folder, target)
     prompts, source = calibration_prompts(target, num=args.calibration,
-                                          weights=prompt_weights(args.long_share),
+                                          weights=with_long_share(args.long_share),
                                           max_prompt_tokens=args.max_prompt_tokens)
     prev = json.loads(args.out.read_text()) if args.out.is_file() else {}
     settings = {"temperature": args.temperature, "prompts": len(prompts), "seeds": args.seeds,

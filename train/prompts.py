@@ -46,6 +46,21 @@ KINDS = ("chat", "summarize", "passage_qa", "translate", "summarize_long", "pass
          "followup")
 DEFAULT_WEIGHTS = {"chat": 0.45, "summarize": 0.2, "passage_qa": 0.2, "translate": 0.15}
 
+
+def with_long_share(long_share: float) -> dict[str, float]:
+    """Kind weights for :func:`prompt_mix`: ``long_share`` split evenly between the two
+    long-text kinds, the rest :data:`DEFAULT_WEIGHTS`' kinds in its proportions (as two of
+    Spec-Bench's six tasks give a long text, a calibration set of its lengths has a third).
+
+    Raises:
+      ValueError: ``long_share`` is outside [0, 1].
+    """
+    if not 0 <= long_share <= 1:
+        raise ValueError(f"long_share must be in [0, 1], got {long_share}")
+    short = sum(DEFAULT_WEIGHTS.values())
+    return ({k: (1 - long_share) * w / short for k, w in DEFAULT_WEIGHTS.items()}
+            | {"summarize_long": long_share / 2, "passage_qa_long": long_share / 2})
+
 _SUMMARIZE = ("Summarize: {text}",
               "Summarize the following text in a few sentences.\n\n{text}",
               "Write a short summary of this text:\n{text}")

@@ -1,6 +1,7 @@
 """examples/sampled_speedup.py's pooling of per-prompt rows into one tree's figures."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,12 @@ def test_run_order_puts_each_tree_first_equally_often():
     assert all(sorted(o) == [0, 1, 2] for o in orders)
     assert [o[0] for o in orders] == [0, 1, 2, 0, 1, 2]
     assert sampled_speedup.run_order(1, 5) == [0]
+
+
+def test_a_long_share_outside_0_1_is_refused_before_the_model_loads(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["sampled_speedup.py", "--calibration", "8",
+                                      "--long-share", "1.5"])
+    with pytest.raises(SystemExit) as e:
+        sampled_speedup.main()
+    assert e.value.code == 2
+    assert "--long-share must be in [0, 1], got 1.5" in capsys.readouterr().err

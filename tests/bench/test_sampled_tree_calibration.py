@@ -11,7 +11,6 @@ from flax import nnx
 
 import specjax
 from specjax.drafter import DrafterConfig, EagleDrafter, save_drafter
-from specjax.train.prompts import DEFAULT_WEIGHTS
 from specjax.tree import TreeSpec
 from specjax.tree.default import read_defaults, write_default_tree, write_sampled_default_tree
 
@@ -38,16 +37,6 @@ def test_timed_prompts_span_the_calibration_lengths():
     assert lens == [30, 90, 500, 1000]  # ranks 0, 3, 6, 9 of ten: both ends, sorted
     assert [len(p) for p in calib.length_stratified(prompts, 1)] == [300]  # the median rank
     assert len(calib.length_stratified(prompts, 20)) == len(prompts)
-
-
-@pytest.mark.parametrize("share", [0.0, 1 / 3, 1.0])
-def test_prompt_weights_give_the_long_kinds_their_share(share):
-    w = calib.prompt_weights(share)
-    assert sum(w.values()) == pytest.approx(1.0)
-    assert w["summarize_long"] + w["passage_qa_long"] == pytest.approx(share)
-    # The short kinds keep the self-distillation mix's proportions.
-    for kind, weight in DEFAULT_WEIGHTS.items():
-        assert w[kind] == pytest.approx((1 - share) * weight / sum(DEFAULT_WEIGHTS.values()))
 
 
 def test_mal_and_step_times_on_a_tiny_model(tiny_target, tmp_path):

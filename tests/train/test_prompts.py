@@ -8,12 +8,14 @@ import zlib
 import pytest
 
 from specjax.train.prompts import (
+    DEFAULT_WEIGHTS,
     candidates,
     followups,
     load_exclusions,
     passages,
     prompt_mix,
     translations,
+    with_long_share,
 )
 
 PROSE = ("The water cycle moves water between the oceans, the air and the land. Heat from the "
@@ -209,6 +211,22 @@ class ChatTokenizer:
         assert add_generation_prompt and tokenize
         return [i for m in messages for i in [1 if m["role"] == "user" else 3]
                 + [10 + zlib.crc32(w.encode()) % 1000 for w in m["content"].split()]] + [2]
+
+
+@pytest.mark.parametrize("share", [0.0, 1 / 3, 1.0])
+def test_with_long_share_gives_the_long_kinds_their_share(share):
+    w = with_long_share(share)
+    assert sum(w.values()) == pytest.approx(1.0)
+    assert w["summarize_long"] + w["passage_qa_long"] == pytest.approx(share)
+    # The short kinds keep the self-distillation mix's proportions.
+    for kind, weight in DEFAULT_WEIGHTS.items():
+        assert w[kind] == pytest.approx((1 - share) * weight / sum(DEFAULT_WEIGHTS.values()))
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.5])
+def test_with_long_share_refuses_a_share_outside_0_1(share):
+    with pytest.raises(ValueError, match="long_share must be in"):
+        with_long_share(share)
 
 
 def test_followups_are_every_later_user_turn_with_its_context():
