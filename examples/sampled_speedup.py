@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 import specjax
 from specjax.bench.common import ratio_of_sums, write_json
-from specjax.bench.questions import TASKS, calibration_prompts, spec_bench_prompts
+from specjax.bench.questions import CALIB_SKIP, TASKS, calibration_prompts, spec_bench_prompts
 from specjax.defaults import resolve_model, shipped_drafter_for
 from specjax.train.prompts import with_long_share
 from specjax.tree import TreeSpec
@@ -68,6 +68,20 @@ def relative_speed(rows: list[dict], base: list[dict]) -> dict:
     return {"ratio": ratio, "ci95": ci}
 
 
+def by_length(rows: list[dict], base: list[dict], split: int) -> dict:
+    """:func:`relative_speed` apart for prompts shorter than ``split`` tokens and for the
+    rest (a tree's extra draft level and verify rows cost more over a long context, where
+    its extra accepted tokens may also differ); a side with no prompts is left out."""
+    out = {}
+    for name, keep in [(f"under {split}", lambda n: n < split),
+                       (f"{split} and over", lambda n: n >= split)]:
+        idx = [i for i, r in enumerate(base) if keep(r["prompt_tokens"])]
+        if idx:
+            out[name] = {"prompts": len(idx),
+                         **relative_speed([rows[i] for i in idx], [base[i] for i in idx])}
+    return out
+
+
 def run_order(n_trees: int, prompt: int) -> list[int]:
     """The order the trees run in on prompt number ``prompt``: rotated by one each prompt, so
     each runs first (right after vanilla) equally often, and a cost of running first, if
@@ -95,8 +109,15 @@ def main() -> None:
                     help="with --calibration: share of prompts that give a long text "
                          "(450-1,000 tokens) to summarize or answer from, as "
                          "sampled_tree_calibration.py's (default 0)")
+    ap.add_argument("--skip", type=int, default=CALIB_SKIP, metavar="R",
+                    help="with --calibration: the ShareGPT record the prompts start from "
+                         f"(default {CALIB_SKIP}, the calibration range's start; a later one "
+                         "gives a second, disjoint set to confirm a choice on)")
     ap.add_argument("--max-prompt-tokens", type=int, default=320,
                     help="with --calibration: the longest prompt taken (default 320)")
+    ap.add_argument("--length-split", type=int, default=0, metavar="N",
+                    help="with several trees: each one's speed against the first apart for "
+                         "prompts under N tokens and for the rest")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     args = ap.parse_args()
     try:  # refused before the model loads
@@ -110,7 +131,8 @@ def main() -> None:
     if args.calibration:
         ids, _ = calibration_prompts(target, num=args.calibration,
                                      weights=with_long_share(args.long_share),
-                                     max_prompt_tokens=args.max_prompt_tokens)
+                                     max_prompt_tokens=args.max_prompt_tokens,
+                                     skip=args.skip)
         evals = [{"task": "calibration", "ids": p} for p in ids]
     else:
         evals, _ = spec_bench_prompts(target, questions=None, tasks=TASKS,
@@ -128,7 +150,7 @@ def main() -> None:
                                     seed=args.seed + i, **kw)
             # The first new token is the prefill's; decode time leaves compiles out.
             n = spec.stats["new_tokens"] - 1
-            tree_rows.append({"task": e["task"], "tokens": n,
+            tree_rows.append({"task": e["task"], "prompt_tokens": len(e["ids"]), "tokens": n,
                               "vanilla_decode_s": n / van.stats["decode_tokens_per_s"],
                               "spec_decode_s": n / spec.stats["decode_tokens_per_s"],
                               "mal": spec.stats["mean_accepted_length"],
@@ -141,10 +163,14 @@ def main() -> None:
                "overall": pooled(tree_rows), "per_prompt": tree_rows}
         if results:  # each later tree against the first, on the same prompts
             res["vs_first"] = relative_speed(tree_rows, rows[0])
+            if args.length_split:
+                res["vs_first_by_length"] = by_length(tree_rows, rows[0], args.length_split)
         results.append(res)
-        vs = res.get("vs_first")
-        print(f"tree {res['tree']}" + (f"  speed vs the first {vs['ratio']:.3f} "
-                                       f"[{vs['ci95'][0]:.3f}, {vs['ci95'][1]:.3f}]" if vs else ""))
+        vs = ({"all": res["vs_first"], **res.get("vs_first_by_length", {})}
+              if "vs_first" in res else {})
+        print(f"tree {res['tree']}" + "".join(
+            f"\n  speed vs the first, {k} prompt tokens: {v['ratio']:.3f} "
+            f"[{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}]" for k, v in vs.items()))
         for name, p in [*res["per_task"].items(), ("overall", res["overall"])]:
             print(f"  {name:15s} MAL {p['mal']:.2f}  vanilla {p['vanilla_tokens_per_s']:.1f}  "
                   f"spec {p['spec_tokens_per_s']:.1f} tok/s  {p['speedup']:.2f}x "
@@ -153,7 +179,8 @@ def main() -> None:
     head = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
             "prompts": "calibration" if args.calibration else "spec-bench"}
     if args.calibration:
-        head |= {"long_share": args.long_share, "max_prompt_tokens": args.max_prompt_tokens,
+        head |= {"skip": args.skip, "long_share": args.long_share,
+                 "max_prompt_tokens": args.max_prompt_tokens,
                  "prompt_tokens": [len(e["ids"]) for e in evals]}
     # One tree keeps the flat layout earlier results used; several go under "trees".
     result = {**head, **results[0]} if len(results) == 1 else {**head, "trees": results}

@@ -68,3 +68,14 @@ def test_a_long_share_outside_0_1_is_refused_before_the_model_loads(monkeypatch,
         sampled_speedup.main()
     assert e.value.code == 2
     assert "--long-share must be in [0, 1], got 1.5" in capsys.readouterr().err
+
+
+def test_by_length_splits_the_paired_ratio_at_the_prompt_length():
+    base = [{"prompt_tokens": n, "tokens": 10, "spec_decode_s": 1.0} for n in (50, 100, 600, 900)]
+    # Twice as fast on the short prompts, half as fast on the long ones.
+    rows = [{**r, "spec_decode_s": 0.5 if r["prompt_tokens"] < 450 else 2.0} for r in base]
+    out = sampled_speedup.by_length(rows, base, 450)
+    assert list(out) == ["under 450", "450 and over"]
+    assert out["under 450"]["prompts"] == 2 and out["under 450"]["ratio"] == pytest.approx(2.0)
+    assert out["450 and over"]["ratio"] == pytest.approx(0.5)
+    assert list(sampled_speedup.by_length(rows, base, 10)) == ["10 and over"]  # none under
