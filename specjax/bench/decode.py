@@ -232,7 +232,8 @@ def summary(r: dict[str, Any]) -> str:
     bw = r["bandwidth"]
     lines.append(f"{'bandwidth floor':<18}{'':>10}{r['floor_tokens_per_s']:>13.1f}{'':>12}  "
                  f"({r['weight_bytes_per_token'] / 1e6:.1f} MB/token at {bw['read_gb_s']:.1f} "
-                 f"GB/s read; copy {bw['copy_gb_s']:.1f} GB/s; read after the runs "
+                 f"GB/s read on {bw['cores']} cores ({bw['read_one_gb_s']:.1f} "
+                 f"by one sum); copy {bw['copy_gb_s']:.1f} GB/s; read after the runs "
                  f"{r['bandwidth_after']['read_gb_s']:.1f} GB/s)")
     ok = {True: "yes", False: "no", None: "n/a"}
     mt = r["meets_targets"]
