@@ -24,7 +24,12 @@ text to summarize or answer from (``summarize_long`` / ``passage_qa_long``: 450-
 tokens, :mod:`specjax.train.prompts`), and the timed prompts are spread over the
 calibration set's lengths (:func:`length_stratified`), not only its short ones.
 
-The estimate is MAL x (vanilla ms a token) / (ms a step); the highest wins, and
+The estimate is MAL x (vanilla ms a token) / (ms a step), its two factors from different
+runs (batched MAL, batch-1 steps on a few prompts), so two candidates within a few percent
+of each other are not told apart by it: confirm such a pair end to end with
+``sampled_speedup.py --calibration 48 --long-share 0.333 --max-prompt-tokens 1024`` (a
+paired A/B, then again with ``--skip`` on a disjoint set; in the sixty-first session an
+estimated +3.7% read 0.999 [0.979, 1.020] that way). The highest estimate wins, and
 ``--save-default-tree`` stores it as the drafter's tree for sampling (``default_tree.json``'s
 ``sampled``; :func:`specjax.tree.default.write_sampled_default_tree`), which
 ``specjax.generate`` drafts at temperature > 0 when given no tree. The MAL part resumes
