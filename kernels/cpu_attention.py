@@ -17,11 +17,13 @@ combines the parts as flash-decoding does (``splits``; docs/kernels.md).
 
 The source, ``cpu_attention.cc``, is built with the other CPU kernels
 (:mod:`specjax.kernels.cpu_build`). :func:`specjax.model.attention` takes it where
-:func:`use_cpu_attention` says so; ``SPECJAX_CPU_ATTENTION=off`` keeps XLA's.
+:func:`use_cpu_attention` says so; ``SPECJAX_CPU_ATTENTION=off`` keeps XLA's, and ``dots`` or
+``lanes`` force the kernel's score layout (:func:`env_scores`; for A/B runs, default ``auto``).
 """
 
 from __future__ import annotations
 
+import os
 from functools import partial
 
 import jax
@@ -36,6 +38,9 @@ TARGET = "specjax_cpu_cache_attention"
 # prefill's hundreds of rows on XLA's GEMMs are the better tool.
 MAX_QUERIES = 64
 MAX_SPLITS = 16  # cpu_attention.cc's kMaxSplits
+# How a chunk lays out its scores (cpu_attention.cc): "auto" lets the kernel choose from the
+# queries a KV head, "dots" is a dot product per query and row, "lanes" one query a lane.
+SCORE_LAYOUTS = ("auto", "dots", "lanes")
 
 
 def cache_attention_reference(q: Array, k_cache: Array, v_cache: Array, lengths: Array,
@@ -49,24 +54,24 @@ def cache_attention_reference(q: Array, k_cache: Array, v_cache: Array, lengths:
 
 
 def _call(q: Array, k_cache: Array, v_cache: Array, lengths: Array, block_mask: Array,
-          scale: float, splits: int) -> Array:
+          scale: float, splits: int, scores: str) -> Array:
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
         q, k_cache, v_cache, lengths, block_mask, scale=np.float32(scale),
-        splits=np.int64(splits))
+        splits=np.int64(splits), scores=np.int64(SCORE_LAYOUTS.index(scores)))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _cache_attention(q, k_cache, v_cache, lengths, block_mask, scale, splits):
-    return _call(q, k_cache, v_cache, lengths, block_mask, scale, splits)
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _cache_attention(q, k_cache, v_cache, lengths, block_mask, scale, splits, scores):
+    return _call(q, k_cache, v_cache, lengths, block_mask, scale, splits, scores)
 
 
-def _fwd(q, k_cache, v_cache, lengths, block_mask, scale, splits):
-    return (_call(q, k_cache, v_cache, lengths, block_mask, scale, splits),
+def _fwd(q, k_cache, v_cache, lengths, block_mask, scale, splits, scores):
+    return (_call(q, k_cache, v_cache, lengths, block_mask, scale, splits, scores),
             (q, k_cache, v_cache, lengths, block_mask))
 
 
-def _bwd(scale, splits, res, g):
+def _bwd(scale, splits, scores, res, g):
     # Inference runs this attention; a gradient (an online adapter's few rows) goes through
     # the reference.
     q, k_cache, v_cache, lengths, block_mask = res
@@ -79,7 +84,8 @@ _cache_attention.defvjp(_fwd, _bwd)
 
 
 def cache_attention(q: Array, k_cache: Array, v_cache: Array, lengths: Array,
-                    block_mask: Array, scale: float, splits: int = 0) -> Array:
+                    block_mask: Array, scale: float, splits: int = 0,
+                    scores: str = "auto") -> Array:
     """GQA attention of T new tokens over a KV cache, on XLA:CPU.
 
     Args:
@@ -94,6 +100,12 @@ def cache_attention(q: Array, k_cache: Array, v_cache: Array, lengths: Array,
         the kernel choose from its thread pool's size, the chunks and the cache's length
         (more than one only where the chunks alone leave cores idle and each range keeps
         256 rows or more). At most 16.
+      scores: how each chunk of queries lays out its scores: "dots" (per query, a dot product
+        with each row, summed across the vector), "lanes" (one query a vector lane, one FMA
+        per row and element of Dh; cheaper per score where a KV head has many queries,
+        wasted lanes where it has few) or "auto" (the default: lanes from half a vector of
+        queries a KV head, T * G >= 8 on AVX-512). Like ``splits``, it changes summation
+        order only.
 
     Returns:
       [B, T, H, Dh] float32, equal to :func:`cache_attention_reference` up to summation order
@@ -117,12 +129,22 @@ def cache_attention(q: Array, k_cache: Array, v_cache: Array, lengths: Array,
     if not 0 <= splits <= MAX_SPLITS:
         raise ValueError(f"cache_attention's splits must be 0 (chosen) to {MAX_SPLITS}, "
                          f"got {splits}")
+    if scores not in SCORE_LAYOUTS:
+        raise ValueError(f"cache_attention's scores must be one of {SCORE_LAYOUTS}, got "
+                         f"{scores!r}")
     ok, why = available()
     if not ok:
         raise RuntimeError(f"the CPU attention kernel is not available here: {why}; use "
                            "cache_attention_reference instead")
     return _cache_attention(q, k_cache, v_cache, lengths.astype(jnp.int32),
-                            block_mask.astype(bool), float(scale), int(splits))
+                            block_mask.astype(bool), float(scale), int(splits), scores)
+
+
+def env_scores() -> str:
+    """The score layout the model asks the kernel for, read at trace time:
+    ``SPECJAX_CPU_ATTENTION`` if it names one ("dots", "lanes"), else "auto"."""
+    setting = os.environ.get("SPECJAX_CPU_ATTENTION", "auto").lower()
+    return setting if setting in SCORE_LAYOUTS else "auto"
 
 
 def use_cpu_attention(q: Array, k_cache: Array, window: int | None = None) -> bool:

@@ -17,6 +17,7 @@ inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec Max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline Vec Min(Vec a, Vec b) { return _mm512_min_ps(a, b); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float Sum(Vec v) { return _mm512_reduce_add_ps(v); }
 inline float MaxOf(Vec v) { return _mm512_reduce_max_ps(v); }
@@ -50,6 +51,7 @@ inline void Store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec Mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec Max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline Vec Min(Vec a, Vec b) { return _mm256_min_ps(a, b); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline float Sum(Vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

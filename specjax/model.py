@@ -36,7 +36,7 @@ from jax import Array
 
 from specjax import pytree
 from specjax.config import ModelConfig
-from specjax.kernels.cpu_attention import cache_attention, use_cpu_attention
+from specjax.kernels.cpu_attention import cache_attention, env_scores, use_cpu_attention
 from specjax.kernels.cpu_rowdot import head_product, out_major_product
 from specjax.kernels.tree_attention import tree_attention, window_visible
 from specjax.sharding import attend_by_heads, constrain_logits
@@ -348,7 +348,7 @@ def attention(cfg: ModelConfig, lp: LayerParams | FusedLayerParams, x: Array,
         return _out_proj(lp, out.reshape(b, t, cfg.num_heads * dh)), k_buf, v_buf
 
     if block is not None and use_cpu_attention(q, k_buf, window):
-        out = cache_attention(q, k_buf, v_buf, *block, cfg.attn_scale)
+        out = cache_attention(q, k_buf, v_buf, *block, cfg.attn_scale, scores=env_scores())
     else:
         out = masked_attention(q, k_buf, v_buf, mask, cfg.attn_scale)
     return _out_proj(lp, out.reshape(b, t, cfg.num_heads * dh)), k_buf, v_buf

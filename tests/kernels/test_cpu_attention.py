@@ -6,6 +6,7 @@ the model's dispatch (the same logits with the kernel off)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -22,7 +23,7 @@ from specjax.kernels.cpu_attention import (
     cache_attention_reference,
     use_cpu_attention,
 )
-from specjax.kernels.cpu_build import available
+from specjax.kernels.cpu_build import _cpu_flags, _cpu_isa, available
 
 OK, WHY = available()
 needs_kernel = pytest.mark.skipif(not OK, reason=f"CPU kernels unavailable: {WHY}")
@@ -41,10 +42,11 @@ def _close(got, want):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
 
 
-_attend = jax.jit(cache_attention, static_argnums=(5, 6))
+_attend = jax.jit(cache_attention, static_argnums=(5, 6, 7))
 
 
 @needs_kernel
+@pytest.mark.parametrize("scores", ["auto", "dots", "lanes"])
 @pytest.mark.parametrize("b,t,r,h,hkv,dh,s,lengths", [
     (1, 1, 1, 9, 3, 64, 50, [20]),          # a decode step (SmolLM2's heads)
     (1, 4, 4, 9, 3, 64, 300, [290]),        # a verify step
@@ -56,13 +58,17 @@ _attend = jax.jit(cache_attention, static_argnums=(5, 6))
     (1, 2, 2, 6, 2, 80, 20, [10]),          # Dh = 80: a slab remainder
     (1, MAX_QUERIES, MAX_QUERIES, 9, 3, 64, 130, [60]),
 ])
-def test_matches_reference(b, t, r, h, hkv, dh, s, lengths):
+def test_matches_reference(scores, b, t, r, h, hkv, dh, s, lengths):
+    """Both score layouts on every shape: dots (a query's dot products summed across the
+    vector) and lanes (one query a lane; a KV head's queries in groups of up to 16, the
+    last lanes empty where fewer)."""
     q, k, v, lens, mask = _case(b, t, r, h, hkv, dh, s, lengths, seed=t * 7 + s)
-    _close(_attend(q, k, v, lens, mask, dh ** -0.5), cache_attention_reference(
+    _close(_attend(q, k, v, lens, mask, dh ** -0.5, 0, scores), cache_attention_reference(
         q, k, v, lens, mask, dh ** -0.5))
 
 
 @needs_kernel
+@pytest.mark.parametrize("scores", ["dots", "lanes"])
 @pytest.mark.parametrize("splits", [0, 1, 2, 3, 5, 16])  # 0: the kernel chooses
 @pytest.mark.parametrize("b,t,r,h,hkv,dh,s,lengths", [
     (1, 1, 1, 9, 3, 64, 900, [800]),        # a decode step over a long prefix
@@ -70,46 +76,68 @@ def test_matches_reference(b, t, r, h, hkv, dh, s, lengths):
     (1, 12, 12, 9, 3, 64, 520, [500]),      # a tree past the last range's start
     (1, 3, 9, 4, 1, 128, 70, [3]),          # more ranges than vectors of rows: some empty
 ])
-def test_split_rows_match_reference(splits, b, t, r, h, hkv, dh, s, lengths):
+def test_split_rows_match_reference(splits, scores, b, t, r, h, hkv, dh, s, lengths):
     """Cutting each query group's rows into ranges (on cores of their own, then combined by
     their maxima and sums of exps) changes only summation order: every range count, ranges
     that show a query nothing, and ranges with no rows at all."""
     q, k, v, lens, mask = _case(b, t, r, h, hkv, dh, s, lengths, seed=splits + s)
     want = cache_attention_reference(q, k, v, lens, mask, dh ** -0.5)
-    _close(_attend(q, k, v, lens, mask, dh ** -0.5, splits), want)
+    _close(_attend(q, k, v, lens, mask, dh ** -0.5, splits, scores), want)
 
 
 @needs_kernel
-def test_split_rows_for_a_query_that_sees_nothing():
+@pytest.mark.parametrize("scores", ["dots", "lanes"])
+def test_split_rows_for_a_query_that_sees_nothing(scores):
     q, k, v, lens, mask = _case(2, 3, 3, 4, 2, 32, 300, [0, 280])
     mask = mask.at[0].set(False)
-    got = _attend(q, k, v, lens, mask, 0.2, 4)
+    got = _attend(q, k, v, lens, mask, 0.2, 4, scores)
     _close(got, cache_attention_reference(q, k, v, lens, mask, 0.2))
     _close(got[0, 0, 0], jnp.mean(v[0, :, 0], axis=0))
 
 
 @needs_kernel
-def test_a_query_that_sees_nothing_gets_what_the_dense_softmax_gives():
+@pytest.mark.parametrize("scores", ["dots", "lanes"])
+def test_a_query_that_sees_nothing_gets_what_the_dense_softmax_gives(scores):
     """No prefix and an empty mask row: the dense softmax's finite fill averages all S rows;
     the kernel answers the same (never NaN)."""
     q, k, v, lens, mask = _case(2, 3, 3, 4, 2, 32, 9, [0, 0])
     mask = mask.at[0, 1].set(False).at[1].set(False)
-    got = _attend(q, k, v, lens, mask, 0.2)
+    got = _attend(q, k, v, lens, mask, 0.2, 0, scores)
     assert np.isfinite(np.asarray(got)).all()
     _close(got, cache_attention_reference(q, k, v, lens, mask, 0.2))
     _close(got[1, 0, 0], jnp.mean(v[1, :, 0], axis=0))
 
 
 @needs_kernel
-@settings(max_examples=25, deadline=None)
+@pytest.mark.parametrize("t,g", [(1, 3), (2, 3), (3, 3), (4, 3), (5, 3), (6, 3), (9, 3),
+                                 (12, 3), (8, 1), (2, 4), (3, 4)])
+def test_auto_takes_lanes_where_the_groups_fill_three_quarters(t, g):
+    """The kernel's choice, seen through summation order: "auto" is bit for bit "lanes"
+    where a KV head's T * G queries, cut into as few groups of up to a vector as they fit
+    and as even as they fit, fill at least 3/4 of the lanes (on AVX-512: 12, 15, 27 or 36
+    queries, not 9 or 18), and "dots" elsewhere."""
+    lanes = 16 if _cpu_isa(_cpu_flags()) == "avx512f" else 8
+    queries = t * g
+    groups = -(-queries // lanes)
+    takes_lanes = 4 * -(-queries // groups) >= 3 * lanes
+    q, k, v, lens, mask = _case(1, t, t, 2 * g, 2, 64, 300, [290], seed=t + g)
+    got = {layout: np.asarray(_attend(q, k, v, lens, mask, 0.125, 1, layout))
+           for layout in ("auto", "dots", "lanes")}
+    assert not np.array_equal(got["dots"], got["lanes"])  # else the test could not tell
+    np.testing.assert_array_equal(got["auto"], got["lanes" if takes_lanes else "dots"])
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
 @given(b=st.integers(1, 3), t=st.integers(1, 9), extra=st.integers(0, 5),
        hkv=st.integers(1, 3), g=st.integers(1, 4), s=st.integers(1, 48),
-       splits=st.sampled_from([0, 0, 1, 2, 7]), seed=st.integers(0, 2**16), data=st.data())
-def test_random_shapes_and_masks(b, t, extra, hkv, g, s, splits, seed, data):
+       splits=st.sampled_from([0, 0, 1, 2, 7]), scores=st.sampled_from(["auto", "dots", "lanes"]),
+       seed=st.integers(0, 2**16), data=st.data())
+def test_random_shapes_and_masks(b, t, extra, hkv, g, s, splits, scores, seed, data):
     lengths = data.draw(st.lists(st.integers(0, s + 2), min_size=b, max_size=b))
     q, k, v, lens, mask = _case(b, t, t + extra, hkv * g, hkv, 16, s, lengths, seed=seed,
                                 p_visible=data.draw(st.sampled_from([0.0, 0.3, 1.0])))
-    _close(cache_attention(q, k, v, lens, mask, 0.25, splits),
+    _close(cache_attention(q, k, v, lens, mask, 0.25, splits, scores),
            cache_attention_reference(q, k, v, lens, mask, 0.25))
 
 
@@ -154,6 +182,41 @@ print("ok")
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
 
 
+@needs_kernel
+def test_the_avx2_build_matches_reference(tmp_path):
+    """On an AVX-512 host the kernels run AVX-512 code; the AVX2 build (8 lanes: other query
+    groups, tiles and slabs) is built here for Haswell, which any such host also runs, and
+    checked on random shapes in both layouts."""
+    if not {"avx2", "fma"} <= _cpu_flags():
+        pytest.skip("this CPU cannot run AVX2 code")
+    code = """
+import numpy as np, jax.numpy as jnp
+from specjax.kernels import cpu_build
+cpu_build._FLAGS = tuple("-march=haswell" if f == "-march=native" else f
+                         for f in cpu_build._FLAGS)
+from specjax.kernels.cpu_attention import cache_attention, cache_attention_reference
+rng = np.random.default_rng(0)
+for case in range(15):
+    b, t, hkv, g = (int(x) for x in rng.integers(1, 4, 4))
+    t += int(rng.integers(0, 6))
+    r, s, dh = t + int(rng.integers(0, 3)), int(rng.integers(1, 300)), [16, 64, 80][case % 3]
+    q = jnp.asarray(rng.standard_normal((b, t, hkv * g, dh), np.float32))
+    k, v = (jnp.asarray(rng.standard_normal((b, s, hkv, dh), np.float32)) for _ in "kv")
+    lens = jnp.asarray(rng.integers(0, s + 2, b), jnp.int32)
+    mask = jnp.asarray(rng.random((b, t, r)) < [0.0, 0.5, 1.0][case % 3])
+    want = cache_attention_reference(q, k, v, lens, mask, 0.2)
+    for scores, splits in (("dots", 1), ("lanes", 1), ("lanes", 3), ("auto", 0)):
+        got = cache_attention(q, k, v, lens, mask, 0.2, splits, scores)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6, err_msg=str(case))
+print("ok")
+"""
+    env = {**os.environ, "SPECJAX_HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+    assert list((tmp_path / "kernels").glob("cpu_kernels-*.so"))  # built apart from the cache
+
+
 @pytest.mark.parametrize("shapes,dtype,err", [
     (((1, 2, 4, 24), (1, 9, 2, 24)), jnp.float32, "Dh % 16"),
     (((1, 2, 3, 16), (1, 9, 2, 16)), jnp.float32, "H % Hkv"),
@@ -172,6 +235,12 @@ def test_a_split_count_out_of_range_is_refused(splits):
     q, k, v, lens, mask = _case(1, 2, 2, 4, 2, 16, 9, [3])
     with pytest.raises(ValueError, match="splits must be 0"):
         cache_attention(q, k, v, lens, mask, 0.1, splits)
+
+
+def test_an_unknown_score_layout_is_refused():
+    q, k, v, lens, mask = _case(1, 2, 2, 4, 2, 16, 9, [3])
+    with pytest.raises(ValueError, match="scores must be one of"):
+        cache_attention(q, k, v, lens, mask, 0.1, 0, "rows")
 
 
 @needs_kernel
