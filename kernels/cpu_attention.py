@@ -103,8 +103,9 @@ def cache_attention(q: Array, k_cache: Array, v_cache: Array, lengths: Array,
       scores: how each chunk of queries lays out its scores: "dots" (per query, a dot product
         with each row, summed across the vector), "lanes" (one query a vector lane, one FMA
         per row and element of Dh; cheaper per score where a KV head has many queries,
-        wasted lanes where it has few) or "auto" (the default: lanes from half a vector of
-        queries a KV head, T * G >= 8 on AVX-512). Like ``splits``, it changes summation
+        wasted lanes where it has few) or "auto" (the default: lanes where a KV head's T * G
+        queries, in as few and as even groups of up to a vector as they fit, fill at least
+        3/4 of the lanes, e.g. 12 to 16 on AVX-512). Like ``splits``, it changes summation
         order only.
 
     Returns:
