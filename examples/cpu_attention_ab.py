@@ -42,10 +42,11 @@ def main() -> None:
     drafter = specjax.load_drafter(shipped_drafter_for(target.cfg), target)
     prompts, _ = calibration_prompts(target, num=24)
     prompt_by_name = {"short": next(p for p in prompts if len(p) < 400),
-                       "long": sum(sorted(prompts, key=len)[-3:], [])[:800]}
+                      "long": sum(sorted(prompts, key=len)[-3:], [])[:800]}
+    temperatures = [float(t) for t in args.temperatures.split(",")]
     rates: dict[str, list[float]] = {}
-    configs = [(temp, pname, mode) for temp in map(float, args.temperatures.split(","))
-               for pname in prompt_by_name for mode in ("vanilla", "spec")]
+    configs = [(temp, pname, mode) for temp in temperatures for pname in prompt_by_name
+               for mode in ("vanilla", "spec")]
     for rnd in range(args.rounds):
         # The two settings run back to back on each configuration, first one then the other
         # in turn, so that a slow spell of a shared machine lands on both alike.
@@ -68,7 +69,7 @@ def main() -> None:
         summary[key] = {first: float(a), second: float(b), f"{second}_over_{first}": float(b / a)}
         print(f"{key:22s} {first} {a:5.1f}  {second} {b:5.1f} tok/s  "
               f"{second}/{first} {b / a:.3f}")
-    for temp in map(float, args.temperatures.split(",")):
+    for temp in temperatures:
         for pname in prompt_by_name:
             key = f"T={temp:g}/{pname}"
             for setting in settings:
