@@ -55,7 +55,7 @@ from specjax.model import KVCache, Params, forward_hidden, lm_head
 from specjax.sampling import StaticSampling, target_probs
 from specjax.sharding import constrain_state
 from specjax.tree import DraftTree, TreeSpec
-from specjax.tree.lookup import graft_lookup
+from specjax.tree.lookup import copy_bias, gate_root, graft_lookup
 from specjax.verify import committed_tokens, verify_greedy, verify_sampling
 from specjax.vocab.head import Feedback, VocabHead
 
@@ -164,7 +164,7 @@ class SpecState:
     stats: SpecStats
     vocab: Any = None  # a stateful head's per-row state (EvoSpec's buffer); None otherwise
     # The prompts [B, P], PAD past each row's length, when the tree grafts a lookup chain
-    # (it searches prompt + output); None otherwise.
+    # or gates the root toward a copy (both search prompt + output); None otherwise.
     prompt: Array | None = None
 
 
@@ -232,7 +232,8 @@ def spec_prefill(params: Params, dparams: Any, prompt: Array, prompt_lens: Array
         output=output, limits=limits, tcache=tcache,
         dcache=dataclasses.replace(dcache, lengths=tcache.lengths), root=root,
         root_feat=root_feat, root_h=root_h[:, 0], stats=SpecStats.zeros(b, out_len),
-        vocab=vocab, prompt=padded_prompt(prompt, prompt_lens) if spec.tree.lookup else None))
+        vocab=vocab,
+        prompt=padded_prompt(prompt, prompt_lens) if spec.tree.reads_history else None))
 
 
 def padded_prompt(prompt: Array, prompt_lens: Array) -> Array:
@@ -256,6 +257,8 @@ def draft_phase(params: Params, dparams: Any, head: VocabHead, state: SpecState,
     # (records are refused with trees that skip expansions, SpecConfig); the mean shortlist
     # size travels in the carry, so a skipped expansion adds nothing to it.
     root_offer, records = [], []
+    if spec.tree.copy_bias:  # the root's lookup token and its bonus, [B] each
+        copy = copy_bias(spec.tree, state.prompt, state.output.tokens, state.output.num_new)
 
     def expand(carry, tokens, depth, slot, ancestors, step):
         dcache, node_hidden, size_sum, calls = carry
@@ -282,7 +285,9 @@ def draft_phase(params: Params, dparams: Any, head: VocabHead, state: SpecState,
                    if head.uses_context or spec.record_top_l else None)
         cand = head(params.head, h, step, context, state.vocab)
         if not root_offer:
-            root_offer.append(cand)
+            root_offer.append(cand)  # the head's own offer (coverage, EvoSpec's feedback)
+            if spec.tree.copy_bias:  # the builder ranks (and samples) the root by these
+                cand = gate_root(cand, h, params.head, *copy)
         if spec.record_top_l:
             top = jnp.take_along_axis(cand.ids, jax.lax.top_k(cand.logits, spec.record_top_l)[1],
                                       axis=-1)

@@ -29,6 +29,7 @@ step on it is exact for any fixed token (:func:`specjax.verify.verify_sampling`)
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
@@ -40,6 +41,7 @@ from specjax.tree.base import DraftTree, finish_tree
 
 if TYPE_CHECKING:
     from specjax.tree.spec import TreeSpec
+    from specjax.vocab.head import Candidates
 
 
 def committed_history(prompt: Array, out_tokens: Array, num_new: Array) -> tuple[Array, Array]:
@@ -166,3 +168,45 @@ def graft_lookup(tree: DraftTree, spec: TreeSpec, prompt: Array, out_tokens: Arr
     if live is not None:
         chained = chained & live
     return graft_chain(tree, chain, chained), chained
+
+
+def copy_bias(spec: TreeSpec, prompt: Array, out_tokens: Array,
+              num_new: Array) -> tuple[Array, Array]:
+    """The root's copy gate (``spec.copy_bias``): the lookup token and its logit bonus.
+
+    The token is the one that followed the latest occurrence of the longest suffix of the
+    committed text, up to ``len(spec.copy_bias)`` tokens; the bonus is ``copy_bias[m - 1]``
+    for a suffix of m tokens, 0 where the last token never occurred before.
+
+    The committed text is read as :func:`graft_lookup` reads it (prompt [B, P], PAD past
+    its length, then ``num_new`` [B] tokens of ``out_tokens`` [B, N]).
+
+    Returns:
+      (token [B] int32, bonus [B] float32).
+    """
+    table = jnp.asarray((0.0, *spec.copy_bias), jnp.float32)
+    hist, hist_len = committed_history(prompt, out_tokens, num_new)
+    tokens, match = lookup_continuation(hist, hist_len, 1, len(spec.copy_bias))
+    return tokens[:, 0], table[match]
+
+
+def gate_root(cand: Candidates, h: Array, w: Array, token: Array, bonus: Array) -> Candidates:
+    """The root's candidates with the copy gate applied: ``bonus`` [B] added to the logit of
+    each row's lookup ``token`` [B].
+
+    A shortlist head may lack the token (SmolLM2 copies names and foreign words that
+    ``fr:8192`` leaves out); where a row fires (bonus > 0) and its K copies of the root
+    ([B, K, C] candidates) do not offer the token, it takes the slot of their lowest logit
+    (a padding slot first, whose logit is ``-inf``) with the drafter's own logit for it,
+    ``h [B, K, d] . w[token]`` (w: the [V, d] LM head, as every head scores its ids). So the
+    candidates stay distinct ids, and when sampling q is the softmax of what is returned.
+    """
+    hit = cand.valid & (cand.ids == token[:, None, None])
+    put = ~jnp.any(hit, axis=-1) & (bonus > 0)[:, None]  # [B, K]
+    slot = jnp.argmin(cand.logits, axis=-1)
+    into = put[..., None] & (jnp.arange(cand.ids.shape[-1]) == slot[..., None])
+    own = jnp.einsum("bkd,bd->bk", h.astype(jnp.float32), w[token].astype(jnp.float32))
+    ids = jnp.where(into, token[:, None, None], cand.ids)
+    logits = jnp.where(into, own[..., None].astype(cand.logits.dtype), cand.logits)
+    logits = logits + jnp.where(hit | into, bonus[:, None, None], 0.0).astype(logits.dtype)
+    return dataclasses.replace(cand, ids=ids, valid=cand.valid | into, logits=logits)

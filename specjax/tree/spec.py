@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any, ClassVar, Protocol
 
 from jax import Array
@@ -92,6 +93,15 @@ class TreeSpec:
     lookup_min: the shortest suffix match that grafts the chain. A step where no row
       matched that many tokens verifies the tree without the chain's nodes (a smaller
       verify forward); 1 grafts whenever the last token occurred before.
+    copy_bias: any kind; logit bonuses for the root's lookup token, a copy gate on the
+      drafter's first draft (:func:`specjax.tree.lookup.copy_bias`): entry m - 1 is added
+      to the drafter's logit of the token that followed the latest occurrence of the
+      longest suffix of the committed text, when that suffix is m tokens long (the lookup
+      tries ``len(copy_bias)`` tokens). A long match makes a copy likely, which a small
+      drafter cannot tell; the bonus lets it rank the copy first. () = no gate. A
+      shortlist head that lacks the token gets it in place of its lowest candidate
+      (:func:`specjax.tree.lookup.gate_root`); q is the gated softmax when sampling, so
+      verification stays exact.
     """
 
     kind: str = "eagle2"
@@ -106,6 +116,7 @@ class TreeSpec:
     lookup: int = 0
     lookup_ngram: int = 3
     lookup_min: int = 1
+    copy_bias: tuple[float, ...] = ()
 
     def __post_init__(self):
         if self.kind not in BUILDERS:
@@ -136,6 +147,13 @@ class TreeSpec:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"tree {name} must be an int >= {least}, got {v!r}")
+        bias = self.copy_bias
+        if not isinstance(bias, tuple) or any(
+                isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b)
+                or b < 0 for b in bias):
+            raise ValueError(f"tree copy_bias must be a tuple of finite numbers >= 0 (a logit "
+                             f"bonus per suffix length), got {bias!r}")
+        object.__setattr__(self, "copy_bias", tuple(float(b) for b in bias))
         if self.lookup_min > self.lookup_ngram:
             raise ValueError(f"tree lookup_min ({self.lookup_min}) cannot exceed lookup_ngram "
                              f"({self.lookup_ngram}), the longest match the lookup tries")
@@ -163,6 +181,11 @@ class TreeSpec:
     def max_depth(self) -> int:
         """The deepest node: the longest path verification can accept."""
         return max(self.builder.max_depth(self), self.lookup)
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether a draft step reads the committed text (a lookup chain or a copy gate)."""
+        return bool(self.lookup or self.copy_bias)
 
     @property
     def workspace(self) -> int:
@@ -202,6 +225,10 @@ class TreeSpec:
         if not self.lookup:  # trees saved before lookup chains read and write unchanged
             for name in ("lookup", "lookup_ngram", "lookup_min"):
                 d.pop(name)
+        if self.copy_bias:
+            d["copy_bias"] = list(self.copy_bias)
+        else:  # trees saved before the copy gate read and write unchanged
+            d.pop("copy_bias")
         return d
 
     @classmethod
@@ -220,6 +247,8 @@ class TreeSpec:
             raise ValueError(f"unknown tree field(s) {unknown}; known: {sorted(known)}")
         if "paths" in d:
             d["paths"] = tuple(tuple(p) for p in d["paths"])
+        if isinstance(d.get("copy_bias"), list):
+            d["copy_bias"] = tuple(d["copy_bias"])
         tree = cls(**d)
         if nodes is not None and nodes != tree.num_nodes:
             raise ValueError(f"the tree says num_nodes {nodes} but its fields give "

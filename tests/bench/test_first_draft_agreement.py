@@ -171,3 +171,29 @@ def test_children_acceptance_of_a_drafter_equal_to_the_target_is_one():
     ids = np.array([0, 2, 5, 7])
     got = fda.children_acceptance(p, logits[:, ids], ids, 1, 1.0, jax.random.key(4), 2000)
     np.testing.assert_allclose(got, p[:, ids].sum(-1), atol=4 * 0.5 / np.sqrt(2000))
+
+
+def _gate_columns():
+    """Four positions: no match (the drafter's top-1 stands); a one-token match whose copy
+    is wrong; a two-token match whose copy is right, 2 logits under the top-1; a three-token
+    match capped at the gate's two, right, 5 under."""
+    return {"pair": np.zeros(4, int), "next": np.asarray([1, 2, 3, 4]),
+            "top": np.asarray([1, 2, 9, 9]), "l_top": np.asarray([5.0, 5.0, 5.0, 5.0]),
+            "copy": np.asarray([0, 8, 3, 4]), "match": np.asarray([0, 1, 2, 3]),
+            "l_copy": np.asarray([0.0, 4.0, 3.0, 0.0])}
+
+
+def test_gated_hits_pick_the_copy_where_its_bonus_beats_the_top():
+    g = _gate_columns()
+    assert fda.gated_hits(g, ()).tolist() == [True, True, False, False]  # no gate
+    assert fda.gated_hits(g, (0.0, 2.5)).tolist() == [True, True, True, False]
+    assert fda.gated_hits(g, (0.0, 6.0)).tolist() == [True, True, True, True]
+    # A big one-token bonus takes the wrong copy too; a tie keeps the top-1.
+    assert fda.gated_hits(g, (2.0, 6.0)).tolist() == [True, False, True, True]
+    assert fda.gated_hits(g, (1.0, 6.0)).tolist() == [True, True, True, True]
+
+
+def test_fit_copy_bias_finds_the_smallest_bonuses_that_take_every_right_copy():
+    bias = fda.fit_copy_bias(_gate_columns(), 2)
+    assert bias == (0.0, 5.5)
+    assert fda.gated_hits(_gate_columns(), bias).all()

@@ -128,6 +128,12 @@ LOOKUP_TREES = {
     "dyspec-threshold-wide-greedy-lookup": specjax.TreeSpec(
         "dyspec-threshold", depth=1, total_tokens=3, threshold=0.001, greedy_children=1,
         lookup=3),
+    # A copy gate: the root's q leans on the lookup token (sampled from the biased q and
+    # verified against it), with and without the chain beside it.
+    "chain-sampled-copy": specjax.TreeSpec("chain", depth=2, copy_bias=(1.0, 3.0)),
+    "dyspec-threshold-wide-copy-lookup": specjax.TreeSpec(
+        "dyspec-threshold", depth=1, total_tokens=3, threshold=0.001, lookup=3,
+        copy_bias=(1.0, 3.0)),
 }
 
 

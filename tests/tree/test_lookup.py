@@ -16,6 +16,8 @@ from specjax.tree import TreeSpec, ancestors_from_parent
 from specjax.tree.base import DraftTree, finish_tree
 from specjax.tree.lookup import (
     committed_history,
+    copy_bias,
+    gate_root,
     graft_chain,
     graft_lookup,
     lookup_continuation,
@@ -156,6 +158,75 @@ def test_spec_json_keeps_old_trees_and_checks_sizes():
         TreeSpec(lookup=2, lookup_ngram=0)
     with pytest.raises(ValueError, match="cannot exceed lookup_ngram"):
         TreeSpec(lookup=2, lookup_ngram=2, lookup_min=3)
+
+
+def test_copy_bias_is_the_bonus_of_the_match_length():
+    """Row 0 ends "1 2 3", which occurred before (then 7): m = 3 with three bonuses, capped
+    at 2 with two; row 1's last token never occurred before: no bonus."""
+    prompt = jnp.asarray([[1, 2, 3, 7, 1, 2], [4, 5, 6, PAD, PAD, PAD]])
+    out = jnp.asarray([[3, PAD], [8, PAD]])
+    num_new = jnp.asarray([1, 1])
+    tok, bonus = copy_bias(TreeSpec("chain", copy_bias=(0.5, 2.0, 9.0)), prompt, out, num_new)
+    assert np.asarray(tok[0]) == 7 and np.asarray(bonus).tolist() == [9.0, 0.0]
+    _, bonus = copy_bias(TreeSpec("chain", copy_bias=(0.5, 2.0)), prompt, out, num_new)
+    assert np.asarray(bonus).tolist() == [2.0, 0.0]
+
+
+def test_gate_root_adds_the_bonus_or_puts_the_token_in_the_lowest_slot():
+    """Row 0 offers the token (7): its logit gains the bonus. Row 1 lacks it (9) and has a
+    padding slot, which takes it with the drafter's own logit h . w[9] plus the bonus.
+    Row 2 lacks it (3) with every slot valid: the lowest logit's slot (id 6) gives way.
+    Row 3 has no match (bonus 0): nothing moves."""
+    from specjax.vocab.head import Candidates
+
+    w = jnp.arange(40.0).reshape(10, 4) / 10
+    h = jnp.ones((4, 1, 4))
+    ids = jnp.asarray([[[5, 7, 0]], [[5, 7, 0]], [[5, 6, 7]], [[5, 6, 7]]])
+    valid = jnp.asarray([[[True, True, False]], [[True, True, False]], [[True] * 3],
+                         [[True] * 3]])
+    logits = jnp.where(valid, jnp.asarray([1.0, 0.0, 0.5]), -jnp.inf)
+    got = gate_root(Candidates(ids, valid, logits), h, w, jnp.asarray([7, 9, 3, 7]),
+                    jnp.asarray([3.0, 3.0, 3.0, 0.0]))
+    own = lambda t: float(w[t].sum())  # noqa: E731
+    assert np.asarray(got.ids[:, 0]).tolist() == [[5, 7, 0], [5, 7, 9], [5, 3, 7], [5, 6, 7]]
+    assert np.asarray(got.valid[:, 0]).tolist() == [[True, True, False], [True] * 3,
+                                                    [True] * 3, [True] * 3]
+    want = [[1.0, 3.0, -np.inf], [1.0, 0.0, own(9) + 3.0], [1.0, own(3) + 3.0, 0.5],
+            [1.0, 0.0, 0.5]]
+    np.testing.assert_allclose(np.asarray(got.logits[:, 0]), want, rtol=1e-6)
+
+
+def test_copy_bias_json_and_checks():
+    t = TreeSpec("chain", depth=2, lookup=4, copy_bias=(1, 2.5))
+    assert t.copy_bias == (1.0, 2.5) and t.to_json()["copy_bias"] == [1.0, 2.5]
+    assert TreeSpec.from_json(t.to_json()) == t and t.reads_history
+    assert "copy_bias" not in TreeSpec("chain", depth=2).to_json()
+    assert TreeSpec("chain", copy_bias=(1.0,)).reads_history
+    assert not TreeSpec("chain").reads_history
+    for bad in ([1.0], (float("nan"),), (True,), ("1",), (-1.0,)):
+        with pytest.raises(ValueError, match="copy_bias must be a tuple of finite numbers"):
+            TreeSpec("chain", copy_bias=bad)
+
+
+@pytest.mark.parametrize("tree", [TreeSpec("chain", depth=1, copy_bias=(2.0, 4.0, 8.0)),
+                                  TreeSpec("static", paths=((0,), (1,), (0, 0)), lookup=4,
+                                           lookup_min=2, copy_bias=(1.0, 8.0))])
+def test_a_copy_gate_keeps_greedy_output_and_drafts_copies(tiny_target, tree):
+    """The random target's greedy loops are copies that an untrained drafter cannot
+    guess: the gate ranks the copy first, so a chain of depth 1 accepts more, and every
+    output is vanilla's."""
+    from specjax.bench.phases import random_drafter
+
+    drafter = random_drafter(tiny_target)
+    want = specjax.generate(tiny_target, PROMPTS, max_new_tokens=64, stop_on_eos=False)
+    got, base = (specjax.generate(tiny_target, PROMPTS, max_new_tokens=64, stop_on_eos=False,
+                                  drafter=drafter, tree=t)
+                 for t in (tree, dataclasses.replace(tree, copy_bias=())))
+    assert got.tokens == want.tokens
+    if tree.lookup:  # the chain takes the copies already; the gate only reorders the root
+        assert got.stats["mean_accepted_length"] >= base.stats["mean_accepted_length"]
+    else:
+        assert got.stats["mean_accepted_length"] > base.stats["mean_accepted_length"] + 0.3
 
 
 @pytest.mark.parametrize("tree", [TreeSpec("chain", depth=2, lookup=4),
