@@ -39,6 +39,13 @@ are paired twice over (the same positions, the same noise).
 ``--calibration N`` scores about N calibration prompts instead (as in
 ``examples/sampled_speedup.py``): what a drafter is chosen on before Spec-Bench evaluates it.
 
+``--copy-bias B1,...,Bn`` also scores each drafter's first draft through the root's copy
+gate (``TreeSpec(copy_bias=...)``, :func:`specjax.tree.lookup.gate_root`): the lookup
+token (longest suffix up to n tokens) wins where its drafter logit plus B_m (m the suffix's
+length) beats the drafter's top-1. ``--fit-copy-bias N`` (greedy, with ``--calibration``
+only: Spec-Bench is the evaluation) fits the N bonuses on the prompts by coordinate ascent
+of that figure and prints them for a tree's ``copy_bias``.
+
 ``--drafter-window W`` lets each drafted position attend to its last W rows only (a
 diagnostic: does attention past the distances a drafter was trained on help or hurt?).
 
@@ -251,6 +258,54 @@ def sampled_acceptance(f, h, head, temperature: float, head_ids=None):
     return jnp.sum(jnp.minimum(p, q), axis=-1)
 
 
+def gate_inputs(target, drafter, seqs: list[tuple[list[int], list[int]]], ngram: int,
+                feats: list[tuple] | None = None) -> dict[str, np.ndarray]:
+    """What the root's copy gate reads at each drafted position, pooled over the pairs
+    ([n] each): the pair's index, the next token, the drafter's top-1 over the whole
+    vocabulary and its logit, the lookup token (longest suffix up to ``ngram``), the
+    suffix's length (0: none) and the drafter's logit for the lookup token."""
+    cols: dict[str, list] = {k: [] for k in ("pair", "next", "top", "l_top", "copy", "match",
+                                             "l_copy")}
+    for i, (prompt, answer) in enumerate(seqs):
+        ids = prompt + answer
+        lo, hi = len(prompt), len(ids) - 1
+        if hi <= lo:
+            continue
+        _, h = feats[i] if feats is not None else features(target, drafter, ids)
+        logits = np.asarray(h[0, lo:hi] @ target.params.head.T)
+        hist = np.where(np.arange(len(ids))[None] <= np.arange(lo, hi)[:, None],
+                        np.asarray(ids)[None], -1)
+        toks, match = lookup_continuation(jnp.asarray(hist, jnp.int32),
+                                          jnp.asarray(np.arange(lo, hi) + 1, jnp.int32), 1, ngram)
+        copy, rows = np.maximum(np.asarray(toks[:, 0]), 0), np.arange(hi - lo)
+        for k, v in (("pair", np.full(hi - lo, i)), ("next", ids[lo + 1:hi + 1]),
+                     ("top", logits.argmax(-1)), ("l_top", logits.max(-1)), ("copy", copy),
+                     ("match", np.asarray(match)), ("l_copy", logits[rows, copy])):
+            cols[k].append(np.asarray(v))
+    return {k: np.concatenate(v) for k, v in cols.items()}
+
+
+def gated_hits(g: dict[str, np.ndarray], bias: tuple[float, ...]) -> np.ndarray:
+    """[n] bool: the gated first draft (:func:`gate_inputs`' columns, ``bias`` the tree's
+    ``copy_bias``) is the next token. Ties keep the drafter's top-1, as an argmax over the
+    root's candidates does when the lookup token comes later in the head."""
+    bonus = np.asarray((0.0, *bias))[np.minimum(g["match"], len(bias))]
+    pick = np.where((g["match"] >= 1) & (g["l_copy"] + bonus > g["l_top"]), g["copy"], g["top"])
+    return pick == g["next"]
+
+
+def fit_copy_bias(g: dict[str, np.ndarray], n: int, sweeps: int = 3,
+                  step: float = 0.5, most: float = 16.0) -> tuple[float, ...]:
+    """The ``n`` bonuses that maximise :func:`gated_hits`' mean, by coordinate ascent over
+    0, ``step``, ..., ``most`` (the first best value of each coordinate: the smallest)."""
+    grid, bias = np.arange(0.0, most + step / 2, step), [0.0] * n
+    for _ in range(sweeps):
+        for j in range(n):
+            bias[j] = float(max(grid, key=lambda b: gated_hits(
+                g, tuple(bias[:j] + [b] + bias[j + 1:])).mean()))
+    return tuple(bias)
+
+
 def lookup_expected(target, seqs: list[tuple[list[int], list[int]]], look_tok: list[np.ndarray],
                     look_ok: list[np.ndarray], temperature: float) -> list[np.ndarray]:
     """Per pair, [n - 1] float: ``p_T(c)`` of the lookup chain's first token c where the
@@ -364,6 +419,12 @@ def main() -> None:
     ap.add_argument("--calibration", type=int, default=0, metavar="N",
                     help="about N calibration prompts (ShareGPT's calibration range, never "
                          "Spec-Bench) instead of Spec-Bench's, to choose on (default 0)")
+    ap.add_argument("--copy-bias", default="", metavar="B1,...,Bn",
+                    help="greedy: also score the first draft through the root's copy gate "
+                         "with these bonuses (a tree's copy_bias)")
+    ap.add_argument("--fit-copy-bias", type=int, default=0, metavar="N",
+                    help="greedy, with --calibration: fit N copy-gate bonuses on the prompts "
+                         "(coordinate ascent) and score with them")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     args = ap.parse_args()
     target = specjax.load(resolve_model(args.model, progress=False))
@@ -389,6 +450,16 @@ def main() -> None:
     if ks and not 0 <= args.greedy_children < min(ks):
         raise SystemExit(f"--greedy-children must be in [0, K) for every K of --children, "
                          f"got {args.greedy_children} with K = {args.children}")
+    bias = tuple(float(b) for b in args.copy_bias.split(",") if b)
+    if (bias or args.fit_copy_bias) and sampled:
+        raise SystemExit("--copy-bias and --fit-copy-bias score the greedy first draft: drop "
+                         "--temperature")
+    if args.fit_copy_bias and (bias or not args.calibration):
+        raise SystemExit("--fit-copy-bias fits on calibration prompts only (give "
+                         "--calibration N, and no --copy-bias): Spec-Bench is the evaluation")
+    if any(b < 0 for b in bias) or args.fit_copy_bias < 0:
+        raise SystemExit(f"--copy-bias takes bonuses >= 0 and --fit-copy-bias N >= 0, got "
+                         f"{args.copy_bias!r} and {args.fit_copy_bias}")
     if any(k < 1 for k in ks) or args.children_trials < 1:
         raise SystemExit(f"--children needs K >= 1 and --children-trials >= 1, got "
                          f"{args.children!r} and {args.children_trials}")
@@ -480,6 +551,20 @@ def main() -> None:
                     result["drafters"][path]["children"][str(k)]["vs_first"] = g
                     print(f"  K={k} minus the first drafter: {g['diff']:+.3f}, 95% interval "
                           f"[{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}]", flush=True)
+        if bias or args.fit_copy_bias:
+            g = gate_inputs(target, drafter, seqs, len(bias) or args.fit_copy_bias, feats)
+            fitted = fit_copy_bias(g, args.fit_copy_bias) if args.fit_copy_bias else bias
+            hits = gated_hits(g, fitted)
+            gate_tasks = {t: float(hits[np.asarray(task_of)[g["pair"]] == t].mean())
+                          for t in tasks}
+            result["drafters"][path]["copy_gate"] = {"copy_bias": list(fitted),
+                                                     "fitted": bool(args.fit_copy_bias),
+                                                     "pooled": float(hits.mean()),
+                                                     "per_task": gate_tasks}
+            print(f"  through the copy gate {list(fitted)}"
+                  f"{' (fitted here)' if args.fit_copy_bias else ''}: first-draft "
+                  f"acceptance {hits.mean():.3f} "
+                  + " ".join(f"{t} {fmt(v)}" for t, v in gate_tasks.items()), flush=True)
         if first is None:
             first = per
         else:  # 24 prompts resolve a few points at best: say how many
