@@ -296,12 +296,15 @@ def gated_hits(g: dict[str, np.ndarray], bias: tuple[float, ...]) -> np.ndarray:
 
 def fit_copy_bias(g: dict[str, np.ndarray], n: int, sweeps: int = 3,
                   step: float = 0.5, most: float = 16.0) -> tuple[float, ...]:
-    """The ``n`` bonuses that maximise :func:`gated_hits`' mean, by coordinate ascent over
-    0, ``step``, ..., ``most`` (the first best value of each coordinate: the smallest)."""
-    grid, bias = np.arange(0.0, most + step / 2, step), [0.0] * n
+    """The ``n`` bonuses that maximise :func:`gated_hits`' mean, non-decreasing in the
+    suffix's length (a longer match is never less of a copy), each in 0, ``step``, ...,
+    ``most``: coordinate ascent from the longest match down, each bonus between its
+    neighbours, taking the first best value (the smallest)."""
+    bias = [0.0] * n
     for _ in range(sweeps):
-        for j in range(n):
-            bias[j] = float(max(grid, key=lambda b: gated_hits(
+        for j in reversed(range(n)):
+            lo, hi = (bias[j - 1] if j else 0.0), (bias[j + 1] if j + 1 < n else most)
+            bias[j] = float(max(np.arange(lo, hi + step / 2, step), key=lambda b: gated_hits(
                 g, tuple(bias[:j] + [b] + bias[j + 1:])).mean()))
     return tuple(bias)
 

@@ -197,3 +197,9 @@ def test_fit_copy_bias_finds_the_smallest_bonuses_that_take_every_right_copy():
     bias = fda.fit_copy_bias(_gate_columns(), 2)
     assert bias == (0.0, 5.5)
     assert fda.gated_hits(_gate_columns(), bias).all()
+    # The m = 1 copy right too: both bonuses must exceed 1 and 2, the m >= 2 copy 5 logits
+    # under cannot be taken within `most` = 4; the bonuses never fall with the match.
+    g = _gate_columns() | {"next": np.asarray([1, 8, 3, 4])}
+    bias = fda.fit_copy_bias(g, 2, most=4.0)
+    assert fda.gated_hits(g, bias).tolist() == [True, True, True, False]
+    assert 1.0 < bias[0] <= bias[1] <= 4.0
