@@ -284,16 +284,19 @@ def draft_phase(params: Params, dparams: Any, head: VocabHead, state: SpecState,
         context = (dm.router_context(params.embed, tokens, feats)
                    if head.uses_context or spec.record_top_l else None)
         cand = head(params.head, h, step, context, state.vocab)
+        # Records, sizes, coverage and EvoSpec's feedback see the head's own offer; the
+        # builder ranks (and samples) the root by the copy-gated one.
+        drafted = cand
         if not root_offer:
-            root_offer.append(cand)  # the head's own offer (coverage, EvoSpec's feedback)
-            if spec.tree.copy_bias:  # the builder ranks (and samples) the root by these
-                cand = gate_root(cand, h, params.head, *copy)
+            root_offer.append(cand)
+            if spec.tree.copy_bias:
+                drafted = gate_root(cand, h, params.head, *copy)
         if spec.record_top_l:
             top = jnp.take_along_axis(cand.ids, jax.lax.top_k(cand.logits, spec.record_top_l)[1],
                                       axis=-1)
             records.append((context, top, step))
         size = jnp.mean(jnp.sum(cand.valid, axis=-1), axis=-1).astype(jnp.float32)
-        return (dcache, node_hidden, size_sum + size, calls + 1), cand.ids, cand.logits
+        return (dcache, node_hidden, size_sum + size, calls + 1), drafted.ids, drafted.logits
 
     with jax.named_scope("draft"):
         output, sub = state.output.split_key()

@@ -121,11 +121,13 @@ def tree_dict(tree: TreeSpec) -> dict[str, Any]:
 def tree_label(tree: TreeSpec) -> str:
     """A short name that fixes the tree's shape: ``eagle2 d4 k4 n8``, ``dyspec n8``, ...,
     then `` +lookup4`` for a grafted lookup chain (``+lookup4 m2``: grafted on a match of
-    two tokens or more)."""
-    if not tree.lookup:
-        return _shape_label(tree)
-    least = f" m{tree.lookup_min}" if tree.lookup_min > 1 else ""
-    return f"{_shape_label(tree)} +lookup{tree.lookup}{least}"
+    two tokens or more) and `` +copy8`` for a copy gate on the root over suffixes of up to
+    eight tokens (:attr:`TreeSpec.copy_bias`)."""
+    label = _shape_label(tree)
+    if tree.lookup:
+        least = f" m{tree.lookup_min}" if tree.lookup_min > 1 else ""
+        label += f" +lookup{tree.lookup}{least}"
+    return label + (f" +copy{len(tree.copy_bias)}" if tree.copy_bias else "")
 
 
 def _shape_label(tree: TreeSpec) -> str:

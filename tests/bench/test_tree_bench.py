@@ -4,6 +4,7 @@ in CI, the real SmolLM2 run under ``-m bench``."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -60,6 +61,10 @@ def test_trees_at_a_budget():
     assert (capped.depth, capped.frontier) == eagle2_shape(8)
     assert tree_label(capped) == "dyspec-threshold d4 n8 f4 thr0.05"
     assert tree_label(tree_at("dyspec-topk", 8)) == "dyspec n8 top-k"
+    gated = dataclasses.replace(tree_at("chain", 1), lookup=8, lookup_min=2,
+                                copy_bias=(1.0, 3.0))
+    assert tree_label(gated) == "chain d1 +lookup8 m2 +copy2"
+    assert tree_label(dataclasses.replace(gated, lookup=0)) == "chain d1 +copy2"
     assert tree_fields(tree_at("dyspec-topk", 8))["topk_children"] is True
     with pytest.raises(ValueError, match="needs its threshold"):
         tree_at("dyspec-threshold", 4)
