@@ -24,7 +24,7 @@ from specjax.bench.breakdown import (
 )
 from specjax.bench.common import first_mismatch, pooled_difference
 from specjax.bench.partial import partial_path
-from specjax.bench.phases import random_drafter
+from specjax.bench.phases import draft_latency, random_drafter
 from specjax.bench.questions import (
     TASKS,
     calibration_prompts,
@@ -262,6 +262,16 @@ def test_spec_bench_drafts_with_the_given_vocabulary_head(tiny_model, tmp_path):
                             drafter=random_drafter(target),
                             tree=TreeSpec("chain", depth=2), vocab=head)
     assert res["per_prompt"][0]["spec"]["accept_lengths"] == spec.stats["accept_lengths"][0]
+
+
+@pytest.mark.parametrize("tree", [TreeSpec("chain", depth=1, copy_bias=(1.0, 2.0)),
+                                  TreeSpec("chain", depth=1, lookup=3)])
+def test_draft_latency_times_trees_that_read_the_committed_text(tiny_model, tree):
+    """A copy gate and a lookup chain both search the prompt: the timed state has one."""
+    target = specjax.load(tiny_model)
+    t = draft_latency(target, random_drafter(target), tree, context=12, capacity=64,
+                      out_len=8, runs=1)
+    assert _finite_positive(t["best_ms"])
 
 
 def test_breakdown_on_a_tiny_model(tiny_model, tmp_path):
