@@ -259,11 +259,12 @@ def sampled_acceptance(f, h, head, temperature: float, head_ids=None):
 
 
 def gate_inputs(target, drafter, seqs: list[tuple[list[int], list[int]]], ngram: int,
-                feats: list[tuple] | None = None) -> dict[str, np.ndarray]:
+                feats: list[tuple] | None = None, window: int = 0) -> dict[str, np.ndarray]:
     """What the root's copy gate reads at each drafted position, pooled over the pairs
     ([n] each): the pair's index, the next token, the drafter's top-1 over the whole
     vocabulary and its logit, the lookup token (longest suffix up to ``ngram``), the
-    suffix's length (0: none) and the drafter's logit for the lookup token."""
+    suffix's length (0: none) and the drafter's logit for the lookup token. ``feats`` and
+    ``window`` as in :func:`agreement`."""
     cols: dict[str, list] = {k: [] for k in ("pair", "next", "top", "l_top", "copy", "match",
                                              "l_copy")}
     for i, (prompt, answer) in enumerate(seqs):
@@ -271,7 +272,7 @@ def gate_inputs(target, drafter, seqs: list[tuple[list[int], list[int]]], ngram:
         lo, hi = len(prompt), len(ids) - 1
         if hi <= lo:
             continue
-        _, h = feats[i] if feats is not None else features(target, drafter, ids)
+        _, h = feats[i] if feats is not None else features(target, drafter, ids, window)
         logits = np.asarray(h[0, lo:hi] @ target.params.head.T)
         hist = np.where(np.arange(len(ids))[None] <= np.arange(lo, hi)[:, None],
                         np.asarray(ids)[None], -1)
@@ -287,8 +288,8 @@ def gate_inputs(target, drafter, seqs: list[tuple[list[int], list[int]]], ngram:
 
 def gated_hits(g: dict[str, np.ndarray], bias: tuple[float, ...]) -> np.ndarray:
     """[n] bool: the gated first draft (:func:`gate_inputs`' columns, ``bias`` the tree's
-    ``copy_bias``) is the next token. Ties keep the drafter's top-1, as an argmax over the
-    root's candidates does when the lookup token comes later in the head."""
+    ``copy_bias``) is the next token. An exact tie (rare with float logits) keeps the
+    drafter's top-1."""
     bonus = np.asarray((0.0, *bias))[np.minimum(g["match"], len(bias))]
     pick = np.where((g["match"] >= 1) & (g["l_copy"] + bonus > g["l_top"]), g["copy"], g["top"])
     return pick == g["next"]
@@ -555,7 +556,8 @@ def main() -> None:
                     print(f"  K={k} minus the first drafter: {g['diff']:+.3f}, 95% interval "
                           f"[{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}]", flush=True)
         if bias or args.fit_copy_bias:
-            g = gate_inputs(target, drafter, seqs, len(bias) or args.fit_copy_bias, feats)
+            g = gate_inputs(target, drafter, seqs, len(bias) or args.fit_copy_bias, feats,
+                            args.drafter_window)
             fitted = fit_copy_bias(g, args.fit_copy_bias) if args.fit_copy_bias else bias
             hits = gated_hits(g, fitted)
             gate_tasks = {t: float(hits[np.asarray(task_of)[g["pair"]] == t].mean())
