@@ -274,14 +274,11 @@ def gate_inputs(target, drafter, seqs: list[tuple[list[int], list[int]]], ngram:
             continue
         _, h = feats[i] if feats is not None else features(target, drafter, ids, window)
         logits = np.asarray(h[0, lo:hi] @ target.params.head.T)
-        hist = np.where(np.arange(len(ids))[None] <= np.arange(lo, hi)[:, None],
-                        np.asarray(ids)[None], -1)
-        toks, match = lookup_continuation(jnp.asarray(hist, jnp.int32),
-                                          jnp.asarray(np.arange(lo, hi) + 1, jnp.int32), 1, ngram)
-        copy, rows = np.maximum(np.asarray(toks[:, 0]), 0), np.arange(hi - lo)
+        first, match = lookups(ids, lo, ngram)
+        copy, rows = np.maximum(first, 0), np.arange(hi - lo)
         for k, v in (("pair", np.full(hi - lo, i)), ("next", ids[lo + 1:hi + 1]),
                      ("top", logits.argmax(-1)), ("l_top", logits.max(-1)), ("copy", copy),
-                     ("match", np.asarray(match)), ("l_copy", logits[rows, copy])):
+                     ("match", match), ("l_copy", logits[rows, copy])):
             cols[k].append(np.asarray(v))
     return {k: np.concatenate(v) for k, v in cols.items()}
 
@@ -336,6 +333,17 @@ def head_ids_for(spec: str | None, target, drafter) -> np.ndarray | None:
     raise SystemExit(f"--vocab {spec}: --temperature scores a fixed head (full or fr:N)")
 
 
+def lookups(ids: list[int], lo: int, ngram: int) -> tuple[np.ndarray, np.ndarray]:
+    """The lookup chain's first token and its suffix's length (0: none; up to ``ngram``) at
+    each drafted position t in [lo, len(ids) - 1), from the history ids[:t + 1]: two [n]
+    arrays, n = len(ids) - 1 - lo."""
+    ends = np.arange(lo, len(ids) - 1)  # history ids[:t + 1] predicts ids[t + 1]
+    hist = np.where(np.arange(len(ids))[None] <= ends[:, None], np.asarray(ids)[None], -1)
+    toks, match = lookup_continuation(jnp.asarray(hist, jnp.int32),
+                                      jnp.asarray(ends + 1, jnp.int32), 1, ngram)
+    return np.asarray(toks[:, 0]), np.asarray(match)
+
+
 def lookup_hits(seqs: list[tuple[list[int], list[int]]], ngram: int,
                 least: int, parts: bool = False):
     """Per pair, [n - 1] bool: the lookup matched >= ``least`` tokens and its chain's first
@@ -344,13 +352,9 @@ def lookup_hits(seqs: list[tuple[list[int], list[int]]], ngram: int,
     out, firsts, oks = [], [], []
     for prompt, answer in seqs:
         ids = prompt + answer
-        lo, hi = len(prompt), len(ids) - 1
-        ends = np.arange(lo, hi)  # history ids[:t + 1] predicts ids[t + 1]
-        hist = np.where(np.arange(len(ids))[None] <= ends[:, None], np.asarray(ids)[None], -1)
-        toks, match = lookup_continuation(jnp.asarray(hist, jnp.int32),
-                                          jnp.asarray(ends + 1, jnp.int32), 1, ngram)
-        ok, first = np.asarray(match) >= least, np.asarray(toks[:, 0])
-        out.append(ok & (first == np.asarray(ids[lo + 1:])))
+        first, match = lookups(ids, len(prompt), ngram)
+        ok = match >= least
+        out.append(ok & (first == np.asarray(ids[len(prompt) + 1:])))
         firsts.append(first)
         oks.append(ok)
     return (out, firsts, oks) if parts else out
@@ -505,9 +509,9 @@ def main() -> None:
     first: list[np.ndarray] | None = None  # the first drafter's hits: the others' baseline
     first_kids: dict[int, list[np.ndarray]] | None = None  # its --children figures
     for path, drafter in drafters:
-        # With --children both scores read one forward of each answer.
+        # With --children or the copy gate every score reads one forward of each answer.
         feats = ([features(target, drafter, p + a, args.drafter_window) for p, a in seqs]
-                 if ks else None)
+                 if ks or bias or args.fit_copy_bias else None)
         per = agreement(target, drafter, seqs, args.drafter_window, args.temperature, ids,
                         feats)
         either = None if sampled else [a | b for a, b in zip(per, look, strict=True)]

@@ -203,3 +203,18 @@ def test_fit_copy_bias_finds_the_smallest_bonuses_that_take_every_right_copy():
     bias = fda.fit_copy_bias(g, 2, most=4.0)
     assert fda.gated_hits(g, bias).tolist() == [True, True, True, False]
     assert 1.0 < bias[0] <= bias[1] <= 4.0
+
+
+def test_lookups_are_the_lookup_of_each_prefix():
+    """Every drafted position's lookup at once equals the lookup of that prefix alone."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    ids, lo = rng.integers(0, 5, 30).tolist(), 7
+    first, match = fda.lookups(ids, lo, 3)
+    assert len(first) == len(match) == len(ids) - 1 - lo
+    for k, t in enumerate(range(lo, len(ids) - 1)):
+        tok, m = fda.lookup_continuation(jnp.asarray([ids[:t + 1]], jnp.int32),
+                                         jnp.asarray([t + 1]), 1, 3)
+        assert int(m[0]) == match[k] and (m[0] == 0 or int(tok[0, 0]) == first[k])
+    assert match.max() == 3  # the test means something: long matches occur
