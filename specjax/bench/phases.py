@@ -74,8 +74,9 @@ def draft_latency(target: Target, drafter: Drafter, tree: TreeSpec, *, context: 
     """
     state = synthetic_state(target, drafter, context=context, capacity=capacity,
                             out_len=out_len)
-    if tree.reads_history:  # the lookup and the copy gate search a prompt as long as the
-        # context (its values do not matter)
+    # A lookup chain and a copy gate search a prompt as long as the context (its values do
+    # not matter).
+    if tree.reads_history:
         state = dataclasses.replace(state, prompt=jnp.zeros((1, context), jnp.int32))
     spec = greedy_spec(target, drafter, tree)
     head = head or full_head(target.cfg.vocab_size)
