@@ -218,3 +218,30 @@ def test_lookups_are_the_lookup_of_each_prefix():
                                          jnp.asarray([t + 1]), 1, 3)
         assert int(m[0]) == match[k] and (m[0] == 0 or int(tok[0, 0]) == first[k])
     assert match.max() == 3  # the test means something: long matches occur
+
+
+def test_loop_rate_skips_the_position_after_each_accepted_draft():
+    b = lambda *v: np.asarray(v, bool)  # noqa: E731
+    # [1, 1, 1, 0, 1]: steps at 0, 2, 4, all accepted; [0, 1, 0, 0]: steps at 0, 1, 3.
+    assert fda.loop_rate([b(1, 1, 1, 0, 1)]) == 1.0
+    assert fda.loop_rate([b(0, 1, 0, 0)]) == pytest.approx(1 / 3)
+    assert fda.loop_rate([b(1, 1, 1, 0, 1), b(0, 1, 0, 0), b()]) == pytest.approx(4 / 6)
+    assert fda.pooled([b(1, 1, 1, 0, 1), b(0, 1, 0, 0)]) == pytest.approx(5 / 9)
+    assert fda.loop_rate([b(), b()]) is None
+
+
+def test_loop_rate_of_teacher_forced_hits_is_the_loops_own(tiny_target, fitted_drafter):
+    """A greedy chain of depth 1 accepts exactly where the teacher-forced top-1 is right,
+    at the positions where its steps start: the replay counts the loop's steps."""
+    import specjax
+
+    tree = specjax.TreeSpec("chain", depth=1)
+    kinds = set()
+    for prompt in ([5, 6, 7], [9, 40, 41, 42, 43], [3, 100, 17, 18]):
+        res = specjax.generate(tiny_target, [prompt], max_new_tokens=24, stop_on_eos=False,
+                               drafter=fitted_drafter, tree=tree)
+        accept = res.stats["accept_lengths"][0]
+        hits = fda.agreement(tiny_target, fitted_drafter, [(prompt, res.tokens[0])])
+        assert fda.loop_rate(hits) == pytest.approx(sum(a - 1 for a in accept) / len(accept))
+        kinds |= set(accept)
+    assert kinds == {1, 2}  # the test means something: drafts both accepted and rejected
