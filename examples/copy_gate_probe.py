@@ -1,4 +1,4 @@
-"""How far can a learned copy gate take the drafter's first draft? An upper-bound probe.
+"""How far can a copy gate take the drafter's first draft? A learned gate and a perfect one.
 
 The root's copy gate (``TreeSpec(copy_bias=...)``) picks between the drafter's top-1 and one
 lookup token with a bonus per suffix length. This script asks what a richer gate could do
@@ -82,9 +82,10 @@ def position_features(logit: np.ndarray, stats: list[tuple], conf: float) -> np.
 
 def build(target, drafter, seqs: list[tuple[list[int], list[int]]], most: int,
           desc: str) -> dict[str, np.ndarray]:
-    """Per drafted position: candidate features [n, most, FEATURES], their mask and ids,
-    the index of the next token among them (-1: none offers it), the target's hidden state
-    [n, d] and the answer it belongs to [n]."""
+    """Per drafted position: candidate features [n, most, FEATURES] and their mask
+    [n, most] (padding past a position's candidates), the index of the next token among them
+    [n] (-1: none offers it), the target's hidden state [n, d] and the answer it belongs
+    to [n] (an index into ``seqs``)."""
     cols: dict[str, list] = {k: [] for k in ("feat", "mask", "label", "hidden", "pair")}
     for i, (prompt, answer) in enumerate(tqdm(seqs, desc=desc, leave=False)):
         ids = np.asarray(prompt + answer)
@@ -200,8 +201,9 @@ def main() -> None:
                               "source": source, "fit_hits": float(gate_hits(p, train).mean())},
               "questions": str(qpath), "prompts": n, "candidates": args.candidates,
               "l2": args.l2, "steps": args.steps, "spec_bench": {}}
-    assert np.array_equal(g["pair"], test["pair"])  # the same positions, in the same order
     pair = test["pair"]
+    if not np.array_equal(g["pair"], pair):  # both walk the answers' positions in order
+        raise SystemExit("the per-length gate and the probe scored different positions")
     for name, hits in rows.items():
         by = per_answer(hits, pair, n)
         rec = {"teacher_forced": float(hits.mean()), "loop": fda.loop_rate(by),

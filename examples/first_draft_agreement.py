@@ -13,8 +13,8 @@ the loop. It is the held-out top-1 of training, measured on the evaluation promp
 Greedy, it also replays the loop's choice of positions on those hits (:func:`loop_rate`):
 "as a depth-1 chain's loop sees it" tracks the loop's own figure on the 24 Spec-Bench
 prompts (0.426 against 0.420 for the drafter alone, 0.590 against 0.585 through the copy
-gate: the loop's drafter runs step by step from its cache, so a few near-tied logits
-fall the other way, and the last step is cut at the token limit).
+gate; on the tiny test model the two agree exactly, so the gap is presumably near-tied
+logits that fall the other way when the loop's drafter runs step by step from its cache).
 
     python examples/first_draft_agreement.py --drafter A --drafter B [--max-new-tokens 128]
     python examples/first_draft_agreement.py --model gemma3-270m --drafter A

@@ -1,14 +1,12 @@
 """examples/copy_gate_probe.py's candidates, features and fitted gate."""
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 _SCRIPT = Path(__file__).parents[2] / "examples" / "copy_gate_probe.py"
-sys.path.insert(0, str(_SCRIPT.parent))
 _spec = importlib.util.spec_from_file_location("copy_gate_probe", _SCRIPT)
 probe = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(probe)
