@@ -81,18 +81,19 @@ def position_features(logit: np.ndarray, stats: list[tuple], conf: float) -> np.
 
 
 def build(target, drafter, seqs: list[tuple[list[int], list[int]]], most: int,
-          desc: str) -> dict[str, np.ndarray]:
+          desc: str, feats: list[tuple] | None = None) -> dict[str, np.ndarray]:
     """Per drafted position: candidate features [n, most, FEATURES] and their mask
     [n, most] (padding past a position's candidates), the index of the next token among them
     [n] (-1: none offers it), the target's hidden state [n, d] and the answer it belongs
-    to [n] (an index into ``seqs``)."""
+    to [n] (an index into ``seqs``). ``feats``: each pair's :func:`fda.features`, when the
+    caller has them already."""
     cols: dict[str, list] = {k: [] for k in ("feat", "mask", "label", "hidden", "pair")}
     for i, (prompt, answer) in enumerate(tqdm(seqs, desc=desc, leave=False)):
         ids = np.asarray(prompt + answer)
         lo, hi = len(prompt), len(ids) - 1
         if hi <= lo:
             continue
-        hidden, h = fda.features(target, drafter, list(ids))
+        hidden, h = feats[i] if feats is not None else fda.features(target, drafter, list(ids))
         logits = np.asarray(h[0, lo:hi] @ target.params.head.T)
         conf = np.asarray(jax.nn.log_softmax(logits, -1).max(-1))  # the top-1's log-prob
         for k, t in enumerate(range(lo, hi)):
@@ -153,11 +154,6 @@ def gate_hits(p: dict, d: dict[str, np.ndarray]) -> np.ndarray:
     return np.asarray(jnp.argmax(s, -1)) == d["label"]
 
 
-def per_answer(hits: np.ndarray, pair: np.ndarray, n: int) -> list[np.ndarray]:
-    """Pooled [n] hits split back into the answers' own arrays (in order)."""
-    return [hits[pair == i] for i in range(n)]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calibration", type=int, default=400, metavar="N",
@@ -188,11 +184,13 @@ def main() -> None:
     train = build(target, drafter, answer(calib, "calibration answers"), args.candidates,
                   "calibration features")
     spec_seqs = answer([e["ids"] for e in evals], "Spec-Bench answers")
-    test = build(target, drafter, spec_seqs, args.candidates, "Spec-Bench features")
+    # One drafter forward of each Spec-Bench answer serves the probe and the per-length gate.
+    spec_feats = [fda.features(target, drafter, p + a) for p, a in spec_seqs]
+    test = build(target, drafter, spec_seqs, args.candidates, "Spec-Bench features", spec_feats)
     p = fit(train, args.l2, args.steps)
     bias = tuple(float(b) for b in args.copy_bias.split(","))
-    g = fda.gate_inputs(target, drafter, spec_seqs, len(bias))
-    task_of = np.asarray([e["task"] for e in evals])
+    g = fda.gate_inputs(target, drafter, spec_seqs, len(bias), spec_feats)
+    task_of = [e["task"] for e in evals]
     n = len(evals)
     rows = {"drafter alone": test["label"] == 0, f"per-length gate {list(bias)}":
             fda.gated_hits(g, bias), "learned gate": gate_hits(p, test),
@@ -205,9 +203,9 @@ def main() -> None:
     if not np.array_equal(g["pair"], pair):  # both walk the answers' positions in order
         raise SystemExit("the per-length gate and the probe scored different positions")
     for name, hits in rows.items():
-        by = per_answer(hits, pair, n)
+        by = fda.by_pair(hits, pair, n)
         rec = {"teacher_forced": float(hits.mean()), "loop": fda.loop_rate(by),
-               "per_task": {t: float(hits[task_of[pair] == t].mean()) for t in TASKS}}
+               "per_task": fda.pooled_per_task(by, task_of, TASKS)}
         result["spec_bench"][name] = rec
         print(f"{name}: teacher-forced {rec['teacher_forced']:.3f}, as a depth-1 chain's loop "
               f"sees it {rec['loop']:.3f}; " + " ".join(

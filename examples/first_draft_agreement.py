@@ -372,6 +372,12 @@ def pooled(hits: list[np.ndarray]) -> float | None:
     return sum(float(h.sum()) for h in hits) / n if n else None
 
 
+def by_pair(hits: np.ndarray, pair: np.ndarray, n: int) -> list[np.ndarray]:
+    """Pooled [m] hits (e.g. :func:`gated_hits`) split back into the ``n`` pairs' own
+    arrays, in order; ``pair`` [m] is each position's pair (:func:`gate_inputs`)."""
+    return [hits[pair == i] for i in range(n)]
+
+
 def loop_rate(hits: list[np.ndarray]) -> float | None:
     """The first-draft acceptance a chain of depth 1 would show in the loop, from each
     answer's teacher-forced greedy hits ([n] bool, every position): the loop drafts where a
@@ -588,9 +594,8 @@ def main() -> None:
                             args.drafter_window)
             fitted = fit_copy_bias(g, args.fit_copy_bias) if args.fit_copy_bias else bias
             hits = gated_hits(g, fitted)
-            gate_tasks = {t: float(hits[np.asarray(task_of)[g["pair"]] == t].mean())
-                          for t in tasks}
-            gate_loop = loop_rate([hits[g["pair"] == i] for i in range(len(seqs))])
+            gated = by_pair(hits, g["pair"], len(seqs))
+            gate_tasks, gate_loop = by_task(gated), loop_rate(gated)
             result["drafters"][path]["copy_gate"] = {"copy_bias": list(fitted),
                                                      "fitted": bool(args.fit_copy_bias),
                                                      "pooled": float(hits.mean()),

@@ -228,6 +228,8 @@ def test_loop_rate_skips_the_position_after_each_accepted_draft():
     assert fda.loop_rate([b(1, 1, 1, 0, 1), b(0, 1, 0, 0), b()]) == pytest.approx(4 / 6)
     assert fda.pooled([b(1, 1, 1, 0, 1), b(0, 1, 0, 0)]) == pytest.approx(5 / 9)
     assert fda.loop_rate([b(), b()]) is None
+    split = fda.by_pair(np.array([True, False, True]), np.array([0, 1, 0]), 2)
+    assert [a.tolist() for a in split] == [[True, True], [False]]
 
 
 def test_loop_rate_of_teacher_forced_hits_is_the_loops_own(tiny_target, fitted_drafter):
