@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from jax.typing import DTypeLike
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
@@ -104,7 +106,7 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
                                   "or corrupt, download it again") from e
 
 
-def to_f32(f, name: str) -> np.ndarray:
+def to_f32(f: Any, name: str) -> np.ndarray:
     # The numpy framework cannot represent bfloat16; the flax one can (ml_dtypes).
     return np.asarray(f.get_tensor(name), dtype=np.float32)
 
@@ -124,7 +126,7 @@ def _norm_weight(w: np.ndarray, cfg: ModelConfig | None, dtype) -> np.ndarray:
     return (w + 1.0 if cfg is not None and cfg.norm_plus_one else w).astype(dtype)
 
 
-def layer_from_hf(state: dict[str, np.ndarray], prefix: str, dtype=np.float32,
+def layer_from_hf(state: dict[str, np.ndarray], prefix: str, dtype: DTypeLike = np.float32,
                   cfg: ModelConfig | None = None) -> LayerParams:
     """One decoder layer from HF names under ``prefix`` (e.g. "model.layers.3.").
 
@@ -159,7 +161,7 @@ def layer_from_hf(state: dict[str, np.ndarray], prefix: str, dtype=np.float32,
 
 
 def params_from_hf_state(cfg: ModelConfig, state: dict[str, np.ndarray], source: str,
-                         dtype=np.float32) -> Params:
+                         dtype: DTypeLike = np.float32) -> Params:
     """Map a checked HF state dict onto the :class:`Params` pytree (numpy leaves)."""
     check_state(cfg, state, source)
 

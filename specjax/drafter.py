@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import Array
+from jax.typing import DTypeLike
 
 from specjax import checkpoint as ckpt
 from specjax import pytree
@@ -122,7 +123,8 @@ class DrafterConfig:
         return drafter_hidden(params, self, embed, tokens, features, positions, cache,
                               block_mask, write_rows, attention_impl)
 
-    def init_cache(self, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
+    def init_cache(self, batch: int, capacity: int,
+                   dtype: DTypeLike = jnp.float32) -> KVCache:
         return init_drafter_cache(self, batch, capacity, dtype)
 
     def router_context(self, embed: Array, tokens: Array, features: Array) -> Array:
@@ -261,7 +263,7 @@ _LAID: dict[int, DrafterParams] = {}  # id(stored params) -> laid out; see in_ta
 
 
 def init_drafter_cache(cfg: DrafterConfig, batch: int, capacity: int,
-                       dtype=jnp.float32) -> KVCache:
+                       dtype: DTypeLike = jnp.float32) -> KVCache:
     """The drafter's own KV cache: cfg.num_layers layers."""
     # Every layer attends globally (a Gemma target's layer pattern is not the drafter's).
     return init_cache(dataclasses.replace(cfg.target, num_layers=cfg.num_layers,

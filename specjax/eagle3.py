@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
+from jax.typing import DTypeLike
 
 from specjax import checkpoint as ckpt
 from specjax import pytree
@@ -113,7 +114,8 @@ class Eagle3Config:
         return eagle3_hidden(params, self, embed, tokens, features, positions, cache,
                              block_mask, write_rows, attention_impl)
 
-    def init_cache(self, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
+    def init_cache(self, batch: int, capacity: int,
+                   dtype: DTypeLike = jnp.float32) -> KVCache:
         return init_eagle3_cache(self, batch, capacity, dtype)
 
     def router_context(self, embed: Array, tokens: Array, features: Array) -> None:
@@ -264,7 +266,7 @@ class Eagle3Head:
 
 
 def init_eagle3_cache(cfg: Eagle3Config, batch: int, capacity: int,
-                      dtype=jnp.float32) -> KVCache:
+                      dtype: DTypeLike = jnp.float32) -> KVCache:
     """The drafter's own one-layer KV cache."""
     return init_cache(dataclasses.replace(cfg.layer, num_layers=1, layer_types=()), batch,
                       capacity, dtype)
@@ -376,7 +378,8 @@ def hf_shapes(cfg: Eagle3Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def params_from_hf_state(state: dict[str, np.ndarray], dtype=np.float32) -> Eagle3Params:
+def params_from_hf_state(state: dict[str, np.ndarray],
+                         dtype: DTypeLike = np.float32) -> Eagle3Params:
     """Map a checked HF-named state dict (see :func:`hf_shapes`) onto Eagle3Params."""
     fields = {}
     for name, (field, transpose) in HF_NAMES.items():

@@ -33,6 +33,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import Array
+from jax.typing import DTypeLike
 
 from specjax import pytree
 from specjax.config import ModelConfig
@@ -207,7 +208,8 @@ class KVCache:
         return self.k[0].shape[1]
 
 
-def init_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
+def init_cache(cfg: ModelConfig, batch: int, capacity: int,
+               dtype: DTypeLike = jnp.float32) -> KVCache:
     """Zeroed cache with ``capacity`` rows per batch row; all lengths 0."""
     shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
@@ -300,7 +302,8 @@ def _write_rows(buf: Array, rows: Array, new: Array) -> Array:
 def attention(cfg: ModelConfig, lp: LayerParams | FusedLayerParams, x: Array,
               positions: Array, inv_freq: Array, k_buf: Array, v_buf: Array, rows: Array,
               mask: Array, block: tuple[Array, Array] | None = None,
-              attention_impl: str = "dense", window: int | None = None):
+              attention_impl: str = "dense", window: int | None = None
+              ) -> tuple[Array, Array, Array]:
     """GQA self-attention of new tokens over the cache; K/V rows written at ``rows``.
 
     x: [B, T, in] (in = d, or 2d for an EAGLE-3 layer); only the attention

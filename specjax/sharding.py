@@ -298,7 +298,7 @@ def active_mesh() -> Any | None:
     return None if mesh.empty or mesh.size == 1 else mesh
 
 
-def use_mesh(mesh: Mesh | None):
+def use_mesh(mesh: Mesh | None) -> contextlib.AbstractContextManager:
     """Context manager making ``mesh`` the active one (``jax.set_mesh``); None: no mesh.
 
     Functions traced inside it see the mesh (jit keys its cache on it), so a run under a
