@@ -49,7 +49,10 @@ gate (``TreeSpec(copy_bias=...)``, :func:`specjax.tree.lookup.gate_root`): the l
 token (longest suffix up to n tokens) wins where its drafter logit plus B_m (m the suffix's
 length) beats the drafter's top-1. ``--fit-copy-bias N`` (greedy, with ``--calibration``
 only: Spec-Bench is the evaluation) fits the N bonuses on the prompts by coordinate ascent
-of that figure and prints them for a tree's ``copy_bias``.
+of that figure and prints them for a tree's ``copy_bias``. With ``--temperature`` and
+``--children``, ``--copy-bias`` also estimates each root through the gate: its children
+drawn from the gated q (:func:`gate_logits`), with the ungated estimate's draws, so the
+difference is paired.
 
 ``--drafter-window W`` lets each drafted position attend to its last W rows only (a
 diagnostic: does attention past the distances a drafter was trained on help or hurt?).
@@ -84,6 +87,7 @@ from specjax.defaults import resolve_model, shipped_drafter_for
 from specjax.loop import bucket
 from specjax.model import forward_hidden, init_cache
 from specjax.sampling import SamplingConfig, target_probs
+from specjax.train.prompts import with_long_share
 from specjax.tree.base import DraftMode, dense_dist, draft_children
 from specjax.tree.lookup import lookup_continuation
 from specjax.verify import verify_sampling
@@ -202,18 +206,46 @@ def children_acceptance(p, cand_logits, cand_ids, k: int, temperature: float, ke
     return out
 
 
+def gate_logits(logits: np.ndarray, cand_ids: np.ndarray, head_size: int, copy: np.ndarray,
+                match: np.ndarray, bias: tuple[float, ...]) -> np.ndarray:
+    """[n, C] the root's logits after the copy gate, as :func:`specjax.tree.lookup.gate_root`
+    gates them, so that q = softmax(result / T) is the loop's gated q.
+
+    logits: [n, C] the drafter's over ``cand_ids`` [C], whose first ``head_size`` are the
+    head's ids and the rest extra ids (the copies the head lacks; their columns are -inf
+    unless a row takes its own copy there); copy, match: [n] each row's lookup token and
+    suffix length (:func:`lookups` with n = len(bias)). Where the bonus B_match > 0 and the
+    head lacks the copy, it takes the place of the row's lowest head logit (which becomes
+    -inf) with the drafter's own logit for it; then B_match is added to the copy's logit."""
+    out = np.asarray(logits, np.float32).copy()
+    out[:, head_size:] = -np.inf
+    bonus = np.asarray((0.0, *bias), np.float32)[np.minimum(match, len(bias))]
+    col: dict[int, int] = {}
+    for j, t in enumerate(cand_ids):
+        col.setdefault(int(t), j)  # a padding id 0 never shadows a real column
+    rows = np.flatnonzero(bonus > 0)
+    for r in rows:
+        j = col[int(copy[r])]
+        if j >= head_size:  # the head lacks it: it displaces the lowest candidate
+            out[r, int(np.argmin(out[r, :head_size]))] = -np.inf
+            out[r, j] = logits[r, j]
+        out[r, j] += bonus[r]
+    return out
+
+
 def children_by_answer(target, seqs: list[tuple[list[int], list[int]]], feats: list[tuple],
                        ks: tuple[int, ...], temperature: float, head_ids: np.ndarray | None,
                        trials: int, seed: int = 0, greedy: int = 0,
-                       chain_first: list[np.ndarray] | None = None
-                       ) -> dict[int, list[np.ndarray]]:
+                       chain_first: list[np.ndarray] | None = None,
+                       copy_bias: tuple[float, ...] = ()) -> dict[int, list[np.ndarray]]:
     """{K: per (prompt, answer) pair, [n - 1] float}: :func:`children_acceptance` at each
     drafted position for a root with K children (the last ``greedy`` of them q's top), q
     over ``head_ids`` (None: all); ``feats`` holds each pair's :func:`features` (the same
     ones :func:`agreement` scores); ``chain_first``, per pair, the [n - 1] lookup chain's
-    first tokens (-1 where it does not fire), or None for no chain."""
+    first tokens (-1 where it does not fire), or None for no chain. ``copy_bias``: q is
+    the root's gated softmax (:func:`gate_logits`), as ``TreeSpec(copy_bias=...)`` drafts
+    it; the draws are those of the ungated call with the same ``seed``, so the two pair."""
     ids_c = np.arange(target.cfg.vocab_size) if head_ids is None else np.asarray(head_ids)
-    w = target.params.head[jnp.asarray(ids_c)]
     out: dict[int, list[np.ndarray]] = {k: [] for k in ks}
     for a, ((prompt, answer), (hidden, h)) in enumerate(zip(seqs, feats, strict=True)):
         lo, hi = len(prompt), len(prompt) + len(answer) - 1
@@ -222,11 +254,20 @@ def children_by_answer(target, seqs: list[tuple[list[int], list[int]]], feats: l
                 out[k].append(np.zeros(0))
             continue
         p = probs(hidden[0, lo:hi] @ target.params.head.T, temperature)
-        logits = h[0, lo:hi] @ w.T
+        cand = ids_c
+        if copy_bias:
+            copy, match = lookups(prompt + answer, lo, len(copy_bias))
+            extra = np.setdiff1d(copy[match >= 1], ids_c)
+            # Padded to a multiple of 128 (id 0 at -inf: no mass) so answers share compiles.
+            pad = np.zeros(-len(extra) % 128, ids_c.dtype)
+            cand = np.concatenate([ids_c, extra.astype(ids_c.dtype), pad])
+        logits = h[0, lo:hi] @ target.params.head[jnp.asarray(cand)].T
+        if copy_bias:
+            logits = gate_logits(np.asarray(logits), cand, len(ids_c), copy, match, copy_bias)
         for k in ks:
             key = jax.random.fold_in(jax.random.key(seed), a * 1000 + k)
             out[k].append(children_acceptance(
-                p, logits, ids_c, k, temperature, key, trials, greedy=greedy,
+                p, logits, cand, k, temperature, key, trials, greedy=greedy,
                 chain_first=None if chain_first is None else chain_first[a]))
     return out
 
@@ -454,20 +495,32 @@ def main() -> None:
     ap.add_argument("--calibration", type=int, default=0, metavar="N",
                     help="about N calibration prompts (ShareGPT's calibration range, never "
                          "Spec-Bench) instead of Spec-Bench's, to choose on (default 0)")
+    ap.add_argument("--long-share", type=float, default=0.0, metavar="F",
+                    help="with --calibration: share of prompts that give a long text "
+                         "(450-1,000 tokens) to summarize or answer from, Spec-Bench's mix "
+                         "of lengths at 0.333 with --max-prompt-tokens 1024 (default 0)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=320,
+                    help="with --calibration: the longest prompt taken (default 320)")
     ap.add_argument("--copy-bias", default="", metavar="B1,...,Bn",
                     help="greedy: also score the first draft through the root's copy gate "
-                         "with these bonuses (a tree's copy_bias)")
+                         "with these bonuses (a tree's copy_bias); with --temperature and "
+                         "--children: also the root's children drawn from the gated q")
     ap.add_argument("--fit-copy-bias", type=int, default=0, metavar="N",
                     help="greedy, with --calibration: fit N copy-gate bonuses on the prompts "
                          "(coordinate ascent) and score with them")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     args = ap.parse_args()
+    if not 0 <= args.long_share <= 1:  # refused before the model loads
+        raise SystemExit(f"--long-share must be in [0, 1], got {args.long_share}")
     target = specjax.load(resolve_model(args.model, progress=False))
     tasks = tuple(t for t in args.tasks.split(",") if t)
     if unknown := set(tasks) - set(TASKS):
         raise SystemExit(f"--tasks: unknown {sorted(unknown)}; known: {', '.join(TASKS)}")
     if args.calibration:  # never Spec-Bench: what a drafter or head is chosen on
-        ids, source = calibration_prompts(target, num=args.calibration)
+        ids, source = calibration_prompts(target, num=args.calibration,
+                                          weights=with_long_share(args.long_share)
+                                          if args.long_share else None,
+                                          max_prompt_tokens=args.max_prompt_tokens)
         evals, qpath, tasks = [{"task": "calibration", "ids": p} for p in ids], source, \
             ("calibration",)
     else:
@@ -486,9 +539,11 @@ def main() -> None:
         raise SystemExit(f"--greedy-children must be in [0, K) for every K of --children, "
                          f"got {args.greedy_children} with K = {args.children}")
     bias = tuple(float(b) for b in args.copy_bias.split(",") if b)
-    if (bias or args.fit_copy_bias) and sampled:
-        raise SystemExit("--copy-bias and --fit-copy-bias score the greedy first draft: drop "
-                         "--temperature")
+    if args.fit_copy_bias and sampled:
+        raise SystemExit("--fit-copy-bias fits the greedy first draft: drop --temperature")
+    if bias and sampled and not ks:
+        raise SystemExit("--copy-bias with --temperature gates the --children estimate: give "
+                         "--children K,...")
     if args.fit_copy_bias and (bias or not args.calibration):
         raise SystemExit("--fit-copy-bias fits on calibration prompts only (give "
                          "--calibration N, and no --copy-bias): Spec-Bench is the evaluation")
@@ -567,12 +622,11 @@ def main() -> None:
               + " ".join(f"{t} {fmt(hit['per_task'][t])}/{fmt(miss['per_task'][t])}"
                          for t in tasks), flush=True)
         if ks:
+            chain = ([np.where(ok, tok, -1) for tok, ok in zip(look_tok, look_ok, strict=True)]
+                     if args.children_lookup else None)
             kids = children_by_answer(target, seqs, feats, ks, args.temperature, ids,
                                       args.children_trials, args.seed,
-                                      args.greedy_children,
-                                      [np.where(ok, tok, -1) for tok, ok
-                                       in zip(look_tok, look_ok, strict=True)]
-                                      if args.children_lookup else None)
+                                      args.greedy_children, chain)
             result["drafters"][path]["children"] = {
                 str(k): {"pooled": pooled(v), "per_task": by_task(v)} for k, v in kids.items()}
             shape = (f"children (q's top {args.greedy_children} last)"
@@ -581,6 +635,20 @@ def main() -> None:
             print(f"  a root with K {shape} accepts one: " + ", ".join(
                 f"K={k} {fmt(pooled(v))}" for k, v in kids.items())
                 + f" ({args.children_trials} draws a position)", flush=True)
+            if bias:  # the same draws through the gated q: a paired difference
+                gated = children_by_answer(target, seqs, feats, ks, args.temperature, ids,
+                                           args.children_trials, args.seed,
+                                           args.greedy_children, chain, bias)
+                result["drafters"][path]["children_gated"] = {
+                    "copy_bias": list(bias), **{str(k): {
+                        "pooled": pooled(v), "per_task": by_task(v),
+                        "vs_ungated": pooled_difference(v, kids[k])}
+                        for k, v in gated.items()}}
+                for k, v in gated.items():
+                    g = pooled_difference(v, kids[k])
+                    print(f"  K={k} through the copy gate {list(bias)}: {fmt(pooled(v))}, "
+                          f"minus ungated {g['diff']:+.3f}, 95% interval "
+                          f"[{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}]", flush=True)
             if first_kids is None:
                 first_kids = kids
             else:  # the same draws' noise for every drafter: a paired difference
@@ -589,7 +657,7 @@ def main() -> None:
                     result["drafters"][path]["children"][str(k)]["vs_first"] = g
                     print(f"  K={k} minus the first drafter: {g['diff']:+.3f}, 95% interval "
                           f"[{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}]", flush=True)
-        if bias or args.fit_copy_bias:
+        if (bias or args.fit_copy_bias) and not sampled:
             g = gate_inputs(target, drafter, seqs, len(bias) or args.fit_copy_bias, feats,
                             args.drafter_window)
             fitted = fit_copy_bias(g, args.fit_copy_bias) if args.fit_copy_bias else bias

@@ -247,3 +247,51 @@ def test_loop_rate_of_teacher_forced_hits_is_the_loops_own(tiny_target, fitted_d
         assert fda.loop_rate(hits) == pytest.approx(sum(a - 1 for a in accept) / len(accept))
         kinds |= set(accept)
     assert kinds == {1, 2}  # the test means something: drafts both accepted and rejected
+
+
+def _dense_q(ids: np.ndarray, logits: np.ndarray, v: int) -> np.ndarray:
+    """[n, v] softmax(logits) scattered onto the vocabulary from ``ids`` (-inf: no mass)."""
+    z = np.exp(logits - logits.max(-1, keepdims=True))
+    q = np.zeros((logits.shape[0], v))
+    for r in range(logits.shape[0]):
+        np.add.at(q[r], ids[r] if ids.ndim == 2 else ids, z[r] / z[r].sum())
+    return q
+
+
+def test_gate_logits_give_the_loops_gated_q():
+    """The script's gate over a head plus the copies it lacks gives the q that the loop's
+    own ``gate_root`` drafts from: a row with no match, a copy the head has (match 2), a
+    copy it lacks (match 1: it displaces the lowest head logit), and a match whose bonus
+    is 0 (nothing changes)."""
+    import jax.numpy as jnp
+
+    from specjax.tree.lookup import gate_root
+    from specjax.vocab.head import Candidates
+
+    rng = np.random.default_rng(3)
+    v, d = 16, 6
+    w = rng.normal(size=(v, d)).astype(np.float32)
+    h = rng.normal(size=(4, d)).astype(np.float32)
+    head = np.asarray([5, 7, 9, 2])
+    copy, match = np.asarray([0, 7, 11, 9]), np.asarray([0, 2, 1, 1])
+    bias = (1.5, 2.5)
+    cand = np.asarray([5, 7, 9, 2, 11, 0, 0])  # the head, the copy it lacks, padding
+    logits = h @ w[cand].T
+    for b, want_change in ((bias, [False, True, True, True]),
+                           ((0.0, 2.5), [False, True, False, False])):
+        got = fda.gate_logits(logits, cand, len(head), copy, match, b)
+        assert np.all(np.isneginf(got[:, 5:]))  # padding never drafts
+        base = fda.gate_logits(logits, cand, len(head), copy, match, ())
+        changed = ~np.all(np.isclose(got, base) | (np.isneginf(got) & np.isneginf(base)),
+                          axis=1)
+        assert changed.tolist() == want_change
+        # The loop: K = 1 root copies over the head, the bonus by the match's length.
+        bonus = np.asarray((0.0, *b), np.float32)[np.minimum(match, len(b))]
+        loop = gate_root(Candidates(ids=jnp.asarray(np.tile(head, (4, 1, 1)), jnp.int32),
+                                    valid=jnp.ones((4, 1, 4), bool),
+                                    logits=jnp.asarray((h @ w[head].T)[:, None])),
+                         jnp.asarray(h[:, None]), jnp.asarray(w), jnp.asarray(copy, jnp.int32),
+                         jnp.asarray(bonus))
+        np.testing.assert_allclose(
+            _dense_q(cand, got, v),
+            _dense_q(np.asarray(loop.ids)[:, 0], np.asarray(loop.logits)[:, 0], v), atol=1e-6)
