@@ -57,6 +57,9 @@ def flatten_params(params: Params) -> dict[str, Any]:
 
 
 def unflatten_params(flat: dict[str, Any], num_layers: int) -> Params:
+    """The :class:`Params` pytree from flat ``"layers.{i}.{field}"`` names (the inverse of
+    the checkpoint's flattening); a field missing from ``flat`` is None (e.g. a tied
+    ``lm_head``)."""
     layers = []
     for i in range(num_layers):
         fields = {f.name: flat.get(f"layers.{i}.{f.name}") for f in dataclasses.fields(LayerParams)}

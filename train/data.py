@@ -351,6 +351,11 @@ def length_buckets(max_len: int, n: int = 4, multiple: int = 16) -> tuple[int, .
 
 
 def bucket_of(length: int, buckets: Sequence[int]) -> int:
+    """The smallest of the ascending ``buckets`` that holds ``length`` tokens.
+
+    Raises:
+      ValueError: ``length`` exceeds the largest bucket.
+    """
     for b in buckets:
         if length <= b:
             return b
@@ -384,6 +389,7 @@ def plan_batches(lengths: Sequence[int], buckets: Sequence[int], token_budget: i
 
 
 def rows_for(t: int, token_budget: int) -> int:
+    """Rows of bucket length ``t`` in a batch of ``token_budget`` tokens (at least one)."""
     return max(1, token_budget // t)
 
 
@@ -439,6 +445,8 @@ def _non_default_fields(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def examples_fingerprint(examples: Sequence[Example]) -> str:
+    """16 hex digits of SHA-256 over every example's tokens and assistant mask, in order: a
+    cache made from other examples (or another order) never matches."""
     h = hashlib.sha256()
     for ex in examples:
         h.update(np.int64(len(ex.tokens)).tobytes())
@@ -803,6 +811,12 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
 
 
 def read_cache_manifest(cache_dir: Path) -> dict:
+    """The manifest of a complete hidden-state cache in ``cache_dir``.
+
+    Raises:
+      FileNotFoundError: no manifest there.
+      ValueError: another format or version, or a cache whose caching did not finish.
+    """
     path = Path(cache_dir) / MANIFEST
     if not path.exists():
         raise FileNotFoundError(f"{cache_dir}: no hidden-state cache ({MANIFEST} missing)")

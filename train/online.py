@@ -298,6 +298,7 @@ def alignment_loss(lora: Lora, base: DrafterParams, cfg: DrafterConfig, embed: A
 
 
 def make_optimizer(oc: OnlineConfig) -> optax.GradientTransformation:
+    """The online LoRA's optimiser: Adam at ``oc.lr`` after clipping the global norm to 1."""
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(oc.lr))
 
 

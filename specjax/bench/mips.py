@@ -19,6 +19,10 @@ import numpy as np
 
 def run_mips_bench(model: str | None, *, max_new_tokens: int = 64, k: int = 10,
                    out: str | Path = "results/bench_mips.json") -> dict[str, Any]:
+    """HNSW against the exact top-``k`` over the LM head (recall@k and latency,
+    :func:`specjax.vocab.mips.compare`), queried with the target's final hidden states of
+    its own greedy answers to one Spec-Bench prompt per task (``max_new_tokens`` each); the
+    result is written to ``out`` and returned."""
     import jax.numpy as jnp
 
     import specjax

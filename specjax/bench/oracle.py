@@ -255,6 +255,8 @@ def plot_oracle(r: dict[str, Any], path: Path) -> Path:
 
 
 def summary(r: dict[str, Any]) -> str:
+    """The oracle bench's result ``r`` as a table: one line per chain depth (MAL, speed,
+    its ceiling and the step's parts)."""
     o = r["overall"]
     lines = [f"{r['model_name']} {r['dtype']}, oracle drafter, {r['max_new_tokens']} greedy "
              f"tokens, {len(r['per_prompt'])} prompts; vanilla "

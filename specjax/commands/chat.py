@@ -120,6 +120,13 @@ def chat_loop(target: Any, drafter: Any, kwargs: dict[str, Any], system: str | N
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    """``specjax chat``: the conversation loop in the terminal (turns read from stdin),
+    speculative throughout, the drafter optionally aligned online (``--adapt lora``);
+    returns the exit code.
+
+    Raises:
+      ValueError: a flag out of range (named in the message).
+    """
     import specjax
     from specjax.compile_cache import enable_compilation_cache
     from specjax.defaults import resolve_model

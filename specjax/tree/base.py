@@ -320,4 +320,6 @@ def finish_tree(tokens: Array, parent: Array, depth: Array, valid: Array, ancest
 
 
 def candidate_vocab(vocab_size: int | None, c: int) -> int:
+    """The width of a dense q: the vocabulary when known, else the candidates' ``c`` (a
+    head that scores ids 0..c-1)."""
     return c if vocab_size is None else int(vocab_size)

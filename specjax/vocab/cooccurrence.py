@@ -201,6 +201,12 @@ def add_parser(subparsers: Any) -> Any:
 
 
 def run_build_graph(args: Any) -> int:
+    """``specjax build-graph``: count a corpus's token co-occurrences with the model's
+    tokenizer and write the pruned graph; returns the exit code.
+
+    Raises:
+      ValueError: a threshold out of range, or a model folder without a tokenizer.
+    """
     from specjax.vocab.build_shortlist import _command_line, _load_model
     from specjax.vocab.corpus_counts import (
         corpus_description,

@@ -125,4 +125,5 @@ class FullHead:
 
 @functools.cache
 def full_head(vocab_size: int) -> FullHead:
+    """The drafter's head over all ``vocab_size`` ids (no shortlist)."""
     return FullHead(vocab_size)
