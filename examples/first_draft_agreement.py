@@ -639,14 +639,13 @@ def main() -> None:
                 gated = children_by_answer(target, seqs, feats, ks, args.temperature, ids,
                                            args.children_trials, args.seed,
                                            args.greedy_children, chain, bias)
-                result["drafters"][path]["children_gated"] = {
-                    "copy_bias": list(bias), **{str(k): {
-                        "pooled": pooled(v), "per_task": by_task(v),
-                        "vs_ungated": pooled_difference(v, kids[k])}
-                        for k, v in gated.items()}}
-                for k, v in gated.items():
-                    g = pooled_difference(v, kids[k])
-                    print(f"  K={k} through the copy gate {list(bias)}: {fmt(pooled(v))}, "
+                rec = {str(k): {"pooled": pooled(v), "per_task": by_task(v),
+                                "vs_ungated": pooled_difference(v, kids[k])}
+                       for k, v in gated.items()}
+                result["drafters"][path]["children_gated"] = {"copy_bias": list(bias), **rec}
+                for k, r in rec.items():
+                    g = r["vs_ungated"]
+                    print(f"  K={k} through the copy gate {list(bias)}: {fmt(r['pooled'])}, "
                           f"minus ungated {g['diff']:+.3f}, 95% interval "
                           f"[{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}]", flush=True)
             if first_kids is None:
