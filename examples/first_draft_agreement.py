@@ -81,7 +81,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import specjax
-from specjax.bench.common import pooled_difference, write_json
+from specjax.bench.common import dash, pooled_difference, write_json
 from specjax.bench.questions import TASKS, calibration_prompts, spec_bench_prompts
 from specjax.defaults import resolve_model, shipped_drafter_for
 from specjax.loop import bucket
@@ -575,7 +575,7 @@ def main() -> None:
               "children_trials": args.children_trials if ks else None,
               "greedy_children": args.greedy_children if ks else None,
               "children_lookup": args.children_lookup if ks else None, "drafters": {}}
-    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    fmt = partial(dash, fmt=".3f")
     task_of = [e["task"] for e in evals]
     by_task = lambda hits: pooled_per_task(hits, task_of, tasks)  # noqa: E731
     look, look_tok, look_ok = lookup_hits(seqs, args.lookup_ngram, args.lookup_min, parts=True)

@@ -49,7 +49,7 @@ from jax import Array
 from tqdm import tqdm
 
 import specjax
-from specjax.bench.common import as_command, machine_info, save_figure, write_json
+from specjax.bench.common import as_command, machine_info, pyplot, save_figure, write_json
 from specjax.bench.phases import draft_latency, random_features, resolve_drafter
 from specjax.bench.timing import time_calls, verify_latency
 from specjax.bench.trees import (
@@ -366,10 +366,7 @@ def run_breakdown(model_dir: str | Path, drafter_dir: str | Path | None, *,
 def plot_breakdown(r: dict[str, Any], path: Path) -> Path:
     """Stacked bars: each expansion of the plan (left); the whole draft step vs verify
     (right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display; must precede pyplot's import
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.8),
                                    gridspec_kw={"width_ratios": [1, 1.3]})

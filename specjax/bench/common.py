@@ -209,6 +209,21 @@ def write_json(path: Path, result: dict[str, Any]) -> Path:
     return path
 
 
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (benchmarks run without a display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # must precede pyplot's first import
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def dash(x: float | None, fmt: str = ".2f") -> str:
+    """``x`` formatted for a summary table, or ``-`` where it was not measured."""
+    return "-" if x is None else format(x, fmt)
+
+
 def save_figure(fig: Any, path: Path, dpi: int = 110) -> Path:
     """Lay out, write (creating parent folders) and close a matplotlib figure."""
     import matplotlib.pyplot as plt
@@ -226,10 +241,7 @@ def bar_plot(path: Path, series: dict[str, Sequence[float | None]], labels: Sequ
 
     A ``None`` value leaves its bar out (e.g. a figure that was not measured).
     """
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display; must precede pyplot's import
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     width = 0.8 / max(1, len(series))

@@ -345,7 +345,7 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
     from tqdm.auto import tqdm
 
     import specjax
-    from specjax.bench.common import first_mismatch, machine_info, save_figure, write_json
+    from specjax.bench.common import first_mismatch, machine_info, write_json
     from specjax.bench.dialogue import Histories
     from specjax.bench.partial import append_record, partial_path, read_partial
     from specjax.bench.phases import resolve_drafter
@@ -512,13 +512,15 @@ def run_evospec_bench(model: str | None, drafter_dir: str | None, *,
         "memory": sessions[adapted[0]].memory() if adapted else None,
     }
     write_json(out, result)
-    _plot(result, out.with_suffix(".png"), save_figure)
+    _plot(result, out.with_suffix(".png"))
     jax.clear_caches()
     return result
 
 
-def _plot(result: dict, path: Path, save_figure: Any) -> None:
-    import matplotlib.pyplot as plt
+def _plot(result: dict, path: Path) -> None:
+    from specjax.bench.common import pyplot, save_figure
+
+    plt = pyplot()
 
     talk = "by_turn" in result  # conversations, turn by turn
     fig, axes = plt.subplots(1, 2 if talk else 1, figsize=(13 if talk else 8, 4),

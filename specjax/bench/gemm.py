@@ -27,7 +27,14 @@ import numpy as np
 from jax import Array
 from tqdm import tqdm
 
-from specjax.bench.common import as_command, int_list, machine_info, save_figure, write_json
+from specjax.bench.common import (
+    as_command,
+    int_list,
+    machine_info,
+    pyplot,
+    save_figure,
+    write_json,
+)
 from specjax.bench.timing import time_calls
 from specjax.kernels.gathered_gemm import chosen_impl, gathered_matmul
 
@@ -140,10 +147,7 @@ def _size_label(c: int) -> str:
 def plot_gemm(r: dict[str, Any], path: Path) -> Path:
     """Time (left) and speedup over the full head (right) against C, log-x, one line per
     method and N; the full head's time is a dashed line per N."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display; must precede pyplot's import
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.4))
     sizes = r["sizes"]

@@ -37,6 +37,7 @@ from specjax.bench.common import (
     int_list,
     machine_info,
     measure_bandwidth,
+    pyplot,
     save_figure,
     write_json,
 )
@@ -201,10 +202,7 @@ def _ratio_at(sizes: tuple[int, ...], ratio: list[float], t: int) -> float | Non
 
 def plot_latency(r: dict[str, Any], path: Path) -> Path:
     """Two panels: latency (ms) and latency / latency(T=1), against T (log x)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display; must precede pyplot's import
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
     name = r["label"] or "this run"

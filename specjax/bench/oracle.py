@@ -36,7 +36,14 @@ from tqdm import tqdm
 import specjax
 from specjax import pytree
 from specjax.api import encode_prompts
-from specjax.bench.common import as_command, int_list, machine_info, save_figure, write_json
+from specjax.bench.common import (
+    as_command,
+    int_list,
+    machine_info,
+    pyplot,
+    save_figure,
+    write_json,
+)
 from specjax.bench.questions import uses_chat
 from specjax.defaults import resolve_model
 from specjax.drafter import DrafterConfig, DrafterParams, identity_layer
@@ -229,10 +236,7 @@ def run_oracle_bench(model_dir: Path, *, prompts: tuple[str, ...] = PROMPTS,
 
 def plot_oracle(r: dict[str, Any], path: Path) -> Path:
     """Speedup per depth: measured, the forward-latency ceiling, and MAL (the ideal)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display; must precede pyplot's import
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     deps = r["depths"]
     o = r["overall"]

@@ -52,10 +52,12 @@ from tqdm import tqdm
 import specjax
 from specjax.bench.common import (
     as_command,
+    dash,
     first_mismatch,
     generation_record,
     jsonable,
     machine_info,
+    pyplot,
     save_figure,
     write_json,
 )
@@ -479,10 +481,7 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
 
 def plot_spec(r: dict[str, Any], path: Path) -> Path:
     """Four panels: MAL per task, speedup per task, the latency curve, the tree grid."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display; must precede pyplot's import
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     tasks = list(r["per_task"]) + ["overall"]
     rows = [r["per_task"][t] for t in tasks[:-1]] + [r["overall"]]
@@ -549,10 +548,6 @@ def plot_spec(r: dict[str, Any], path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def _f(x: float | None, fmt: str = ".2f") -> str:
-    return "-" if x is None else format(x, fmt)
-
-
 def summary(r: dict[str, Any]) -> str:
     """A human-readable table of one result."""
     sel = r["tree_selection"]
@@ -575,17 +570,17 @@ def summary(r: dict[str, Any]) -> str:
     lines.append(f"{'task':<16}{'n':>3}{'MAL*':>7}{'vanilla':>9}{'spec':>9}{'speedup':>9}"
                  f"{'eager':>9}{'comp/eag':>9}{'matched':>9}")
     for name, a in list(r["per_task"].items()) + [("overall", r["overall"])]:
-        lines.append(f"{name:<16}{a['prompts']:>3}{_f(a['mal']):>7}"
-                     f"{_f(a['vanilla_decode_tokens_per_s'], '.1f'):>9}"
-                     f"{_f(a['spec_decode_tokens_per_s'], '.1f'):>9}{_f(a['speedup']):>9}"
-                     f"{_f(a['eager_decode_tokens_per_s'], '.1f'):>9}"
-                     f"{_f(a['compiled_vs_eager']):>9}{a['matched']:>5}/{a['prompts']:<3}")
+        lines.append(f"{name:<16}{a['prompts']:>3}{dash(a['mal']):>7}"
+                     f"{dash(a['vanilla_decode_tokens_per_s'], '.1f'):>9}"
+                     f"{dash(a['spec_decode_tokens_per_s'], '.1f'):>9}{dash(a['speedup']):>9}"
+                     f"{dash(a['eager_decode_tokens_per_s'], '.1f'):>9}"
+                     f"{dash(a['compiled_vs_eager']):>9}{a['matched']:>5}/{a['prompts']:<3}")
     lines.append("* " + MAL_NOTE + "; rates are decode tokens/s")
     p = r["prediction"]
-    lines.append(f"predicted {_f(p['est_tokens_per_s'], '.1f')} tok/s "
-                 f"({_f(p['est_speedup'])}x, calibration MAL {_f(p['calibration_mal'])}); "
-                 f"realized {_f(p['realized_spec_decode_tokens_per_s'], '.1f')} tok/s "
-                 f"({_f(p['realized_speedup'])}x, MAL {_f(p['evaluation_mal'])})")
+    lines.append(f"predicted {dash(p['est_tokens_per_s'], '.1f')} tok/s "
+                 f"({dash(p['est_speedup'])}x, calibration MAL {dash(p['calibration_mal'])}); "
+                 f"realized {dash(p['realized_spec_decode_tokens_per_s'], '.1f')} tok/s "
+                 f"({dash(p['realized_speedup'])}x, MAL {dash(p['evaluation_mal'])})")
     if r["timed_compiles"]:
         lines.append(f"warning: {r['timed_compiles']} XLA compiles happened inside timed "
                      "calls (recompiles); those prompts' times include them")

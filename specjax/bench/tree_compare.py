@@ -80,11 +80,13 @@ from tqdm import tqdm
 import specjax
 from specjax.bench.common import (
     as_command,
+    dash,
     first_mismatch,
     generation_record,
     int_list,
     jsonable,
     machine_info,
+    pyplot,
     save_figure,
     write_json,
 )
@@ -729,19 +731,10 @@ def _assemble(cfg: TreeBenchConfig, config: dict[str, Any], evals: Sequence[dict
 # --------------------------------------------------------------------------------------
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display; must precede pyplot's import
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_mal(r: dict[str, Any], path: Path) -> Path:
     """MAL (top) and decode speed × vanilla (bottom) against T, one line per kind, one
     column per temperature."""
-    plt = _pyplot()
+    plt = pyplot()
     temps = r["config"]["temperatures"]
     fig, axes = plt.subplots(2, len(temps), figsize=(5.5 * len(temps), 7.5), squeeze=False)
     for j, temp in enumerate(temps):
@@ -774,7 +767,7 @@ def plot_mal(r: dict[str, Any], path: Path) -> Path:
 def plot_blocks(r: dict[str, Any], path: Path) -> Path:
     """Mean non-empty mask tiles per drafted tree, BFS against DFS, per block size; bar
     labels give the ratio BFS / DFS. One group per (kind, T, temperature) counted."""
-    plt = _pyplot()
+    plt = pyplot()
     rows = [x for x in r["results"] if x["mask_blocks"]]
     blocks = r["config"]["blocks"]
     fig, axes = plt.subplots(len(blocks), 1, figsize=(max(7.0, 0.55 * len(rows) + 2), 3.6
@@ -808,10 +801,6 @@ def plot_blocks(r: dict[str, Any], path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def _f(x: float | None, fmt: str = ".2f") -> str:
-    return "-" if x is None else format(x, fmt)
-
-
 def _tiles_text(mb: dict[str, Any] | None, block: int) -> str:
     if not mb:
         return "-"
@@ -828,24 +817,25 @@ def summary(r: dict[str, Any]) -> str:
     for x in r["results"]:
         mb = x["mask_blocks"]
         lines.append(
-            f"{x['temperature']:>5g}{x['budget']:>4} {x['label']:<28}{_f(x['mal']):>6}"
-            f"{_f(x['mean_tree_size'], '.1f'):>6}{_f(x['decode_tokens_per_s'], '.1f'):>7}"
-            f"{_f(x['speedup_vs_vanilla']):>7}"
+            f"{x['temperature']:>5g}{x['budget']:>4} {x['label']:<28}{dash(x['mal']):>6}"
+            f"{dash(x['mean_tree_size'], '.1f'):>6}{dash(x['decode_tokens_per_s'], '.1f'):>7}"
+            f"{dash(x['speedup_vs_vanilla']):>7}"
             + (f"{x['greedy_matched']:>5}/{x['greedy_checked']:<2}" if x["greedy_checked"]
                else f"{'-':>8}")
             + "".join(f"{_tiles_text(mb, b):>15}" for b in blocks))
     lines.append("* " + MAL_NOTE + "; size = mean valid nodes per step, root included")
     lines.append("vanilla decode tokens/s: " + ", ".join(
-        f"{k}: {_f(v, '.1f')}" for k, v in r["vanilla_decode_tokens_per_s"].items()))
+        f"{k}: {dash(v, '.1f')}" for k, v in r["vanilla_decode_tokens_per_s"].items()))
     for c in r["threshold_selection"]["per_budget"]:
         lines.append(f"dyspec-threshold T={c['budget']} t={c['temperature']:g}: chose "
                      f"{c['chosen_threshold']:g} from " + ", ".join(
-                         f"{g['threshold']:g} ({_f(g['decode_tokens_per_s'], '.1f')} tok/s, "
+                         f"{g['threshold']:g} ({dash(g['decode_tokens_per_s'], '.1f')} tok/s, "
                          f"MAL {g['mal']:.2f}, size {g['mean_tree_size']:.1f}, calls "
-                         f"{_f(g.get('drafter_calls'), '.1f')})" for g in c["grid"]))
+                         f"{dash(g.get('drafter_calls'), '.1f')})" for g in c["grid"]))
     lines.append("best budget by tokens/s ÷ paired vanilla: " + "; ".join(
-        f"{b['kind']} t{b['temperature']:g}: T={b['budget']} ({_f(b['decode_tokens_per_s'], '.1f')}"
-        f" tok/s, {_f(b['speedup_vs_vanilla'])}x)" for b in r["best_budget"]))
+        f"{b['kind']} t{b['temperature']:g}: T={b['budget']} "
+        f"({dash(b['decode_tokens_per_s'], '.1f')} tok/s, {dash(b['speedup_vs_vanilla'])}x)"
+        for b in r["best_budget"]))
     large = r["mask_blocks"]["trees_of_32_nodes_or_more"]
     if large:
         lines.append("trees of 32+ nodes, BFS/DFS tiles: " + ", ".join(

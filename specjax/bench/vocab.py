@@ -44,6 +44,7 @@ from specjax.bench.common import (
     as_command,
     first_mismatch,
     machine_info,
+    pyplot,
     save_figure,
     write_json,
 )
@@ -253,10 +254,7 @@ def summarize(records: Sequence[dict], spec: str, latency: dict, full_latency: d
 
 def plot_vocab(r: dict[str, Any], path: Path) -> Path:
     """MAL per task per head (left); draft-step time vs mean shortlist size (right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     heads, tasks = list(r["heads"]), r["config"]["tasks"]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 4.8))
