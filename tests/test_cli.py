@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 
 import pytest
 
+from specjax import cli
 from specjax.cli import main
 
 
@@ -87,3 +89,61 @@ def test_env_reports_backend_versions_and_caches(capsys, monkeypatch, tmp_path):
     assert main(["env"]) == 0
     text = capsys.readouterr().out
     assert f"backend: {jax.default_backend()}" in text and f"  jax: {jax.__version__}" in text
+
+
+def _main_running(monkeypatch, run):
+    """``main`` with one command, ``probe``, whose ``run`` is ``run``."""
+    def parser():
+        p = argparse.ArgumentParser(prog="specjax")
+        sub = p.add_subparsers(dest="command", required=True)
+        probe = sub.add_parser("probe")
+        probe.add_argument("--rate", type=float, default=1.0)
+        probe.set_defaults(run=run)
+        return p
+
+    monkeypatch.setattr(cli, "build_parser", parser)
+
+
+@pytest.mark.parametrize("error, code, message", [
+    (ValueError("the shortlist omits EOS"), 2, "specjax probe: error: the shortlist omits EOS"),
+    (FileNotFoundError("no such model folder"), 2, "specjax probe: error: no such model folder"),
+    (PermissionError(13, "Permission denied", "/ro/out"), 1,
+     "specjax probe: error: Permission denied: /ro/out"),
+    (KeyboardInterrupt(), 130, "specjax probe: interrupted"),
+])
+def test_main_turns_refusals_into_one_line_and_an_exit_code(monkeypatch, capsys, error, code,
+                                                             message):
+    def run(args):
+        raise error
+
+    _main_running(monkeypatch, run)
+    assert cli.main(["probe"]) == code
+    assert capsys.readouterr().err.strip() == message
+
+
+def test_main_names_a_failing_chat_template_and_lets_bugs_through(monkeypatch, capsys):
+    import jinja2
+
+    def template(args):
+        jinja2.Environment().from_string("{{ messages[0]['content'] }}").render(messages=[])
+
+    _main_running(monkeypatch, template)
+    assert cli.main(["probe"]) == 2
+    err = capsys.readouterr().err
+    assert "the chat template failed (UndefinedError" in err and "chat_template" in err
+
+    def bug(args):
+        raise ZeroDivisionError("a bug")
+
+    _main_running(monkeypatch, bug)
+    with pytest.raises(ZeroDivisionError):  # not dressed up as bad input
+        cli.main(["probe"])
+
+
+def test_float_flags_refuse_words_and_non_finite_numbers(monkeypatch, capsys):
+    _main_running(monkeypatch, lambda args: 0 if args.rate == 0.5 else 3)
+    assert cli.main(["probe", "--rate", "0.5"]) == 0
+    assert cli.main(["probe", "--rate", "fast"]) == 2
+    assert "expected a number, got 'fast'" in capsys.readouterr().err
+    assert cli.main(["probe", "--rate", "nan"]) == 2
+    assert "must be a finite number, got 'nan'" in capsys.readouterr().err
