@@ -157,3 +157,13 @@ def test_the_buffer_carries_over_between_requests(tiny_target, fitted_drafter):
     with pytest.raises(ValueError, match="stateful"):
         specjax.generate(tiny_target, PROMPTS[:1], vocab_state=first.vocab_state,
                          max_new_tokens=4, drafter=fitted_drafter)
+    # A state from a head with a larger buffer, or not a head's state at all.
+    bigger = evospec_head(tiny_target.params.head, np.arange(v), [0], v // 8, n_dyn=v // 4,
+                          arc=ArcConfig(capacity=v // 4, ghost=v // 4, p_init=v // 8, warmup=2,
+                                        min_residency=1, max_insert=8))
+    with pytest.raises(ValueError, match="another buffer size"):
+        specjax.generate(tiny_target, PROMPTS[1:2], vocab_state=first.vocab_state,
+                         **(kw | {"vocab": bigger}))
+    with pytest.raises(ValueError, match="does not have the .* head's structure"):
+        specjax.generate(tiny_target, PROMPTS[1:2], vocab_state={"step": first.vocab_state.step},
+                         **kw)
