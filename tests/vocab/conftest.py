@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import numpy as np
@@ -55,3 +56,19 @@ def toy_docs(n=50, fail_after=None):
             raise RuntimeError("interrupted")
         yield " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(i % 6 + 1))
 
+
+@pytest.fixture(scope="module")
+def model_dir(tok, tmp_path_factory):
+    """A converted-target stand-in: a manifest (no tensors are read) and tokenizer files."""
+    from specjax.checkpoint import FORMAT, MANIFEST, VERSION
+    from specjax.config import ModelConfig
+
+    d = tmp_path_factory.mktemp("model")
+    cfg = ModelConfig(model_type="llama", vocab_size=32, hidden_size=8, intermediate_size=8,
+                      num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-5,
+                      rope_theta=1e4, max_position_embeddings=64, tie_word_embeddings=True,
+                      eos_token_ids=(1,))
+    (d / MANIFEST).write_text(json.dumps({"format": FORMAT, "version": VERSION,
+                                          "config": cfg.to_json()}))
+    tok.save_pretrained(d)
+    return d

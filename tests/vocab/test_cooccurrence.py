@@ -78,3 +78,30 @@ def test_graph_files_round_trip_and_refuse_mismatches(tok, tmp_path):
         load_graph(tmp_path / "g")
     with pytest.raises(FileNotFoundError, match="missing"):
         load_graph(tmp_path / "nowhere")
+
+
+def test_build_graph_command_end_to_end(tok, model_dir, tmp_path, capsys):
+    from specjax.cli import main
+
+    txt = tmp_path / "corpus.txt"
+    txt.write_text("\n\n".join(DOCS))
+    out = tmp_path / "graph" / "g"
+    argv = ["build-graph", "--model", str(model_dir), "--corpus", str(txt), "--out", str(out),
+            "--min-count", "2", "--min-prob", "0", "--max-degree", "3", "--no-progress"]
+    assert main(argv) == 0
+    assert "edges over" in capsys.readouterr().out
+    keys, counts, _ = count_bigrams(tok, DOCS, vocab_size=32, out_dir=None, corpus="toy",
+                                    progress=False)
+    expect = successor_table(keys, counts, 32, min_count=2, min_prob=0.0, max_degree=3)
+    fp = tokenizer_fingerprint(tok)
+    np.testing.assert_array_equal(load_graph(out, vocab_size=32, fingerprint=fp), expect)
+    vocab = tok.get_vocab()
+    assert vocab["cat"] in load_graph(out)[vocab["the"]]  # "the cat" is the commonest pair
+    # A rerun resumes from the finished count and writes the same graph.
+    assert main(argv) == 0
+    np.testing.assert_array_equal(load_graph(out), expect)
+    # Thresholds out of range are refused before anything is read or written.
+    bad = tmp_path / "bad" / "g"
+    assert main(["build-graph", "--model", str(model_dir), "--corpus", str(txt), "--out",
+                 str(bad), "--min-prob", "2", "--no-progress"]) == 2
+    assert "--min-prob in [0, 1]" in capsys.readouterr().err and not bad.parent.exists()

@@ -146,23 +146,6 @@ def test_counts_round_trip(tok, tmp_path):
         load_counts(tmp_path / "freq_counts", fingerprint="0" * 64)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tok, tmp_path_factory):
-    """A converted-target stand-in: a manifest (no tensors are read) and tokenizer files."""
-    from specjax.checkpoint import FORMAT, MANIFEST, VERSION
-    from specjax.config import ModelConfig
-
-    d = tmp_path_factory.mktemp("model")
-    cfg = ModelConfig(model_type="llama", vocab_size=32, hidden_size=8, intermediate_size=8,
-                      num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-5,
-                      rope_theta=1e4, max_position_embeddings=64, tie_word_embeddings=True,
-                      eos_token_ids=(1,))
-    (d / MANIFEST).write_text(json.dumps({"format": FORMAT, "version": VERSION,
-                                          "config": cfg.to_json()}))
-    tok.save_pretrained(d)
-    return d
-
-
 def _cli(*argv):
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))
