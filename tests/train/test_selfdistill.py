@@ -80,3 +80,51 @@ def _greedy(target, tmp_path):
     out = tmp_path / "greedy.jsonl"
     _run(target, out)
     return out.read_text().splitlines()
+
+
+@pytest.fixture(scope="module")
+def word_target_dir(tmp_path_factory):
+    """A tiny random Llama with a word-level tokenizer and a ChatML template."""
+    from tests.tiny import make_hf_checkpoint
+    from tests.vocab.conftest import toy_tokenizer
+
+    tmp = tmp_path_factory.mktemp("sd_cli")
+    src = make_hf_checkpoint(tmp / "hf", "llama")
+    toy_tokenizer().save_pretrained(src)
+    return specjax.convert(src, tmp / "sj", progress=False)
+
+
+def test_the_self_distill_command_answers_first_user_turns(word_target_dir, tmp_path, capsys):
+    from specjax.cli import main
+    from specjax.train.prompts import encode_user_turn
+
+    turns = ["the cat sat on a mat", "hello", "a dog ran"]
+    src = tmp_path / "sharegpt.json"
+    src.write_text(json.dumps([{"conversations": [{"from": "human", "value": t},
+                                                  {"from": "gpt", "value": "hi"}]}
+                               for t in turns]))
+    out = tmp_path / "sd.jsonl"
+    common = ["train", "self-distill", "--target", str(word_target_dir), "--prompts", str(src),
+              "--max-new-tokens", "3", "--batch-size", "2", "--engine", "specjax",
+              "--no-progress"]
+    assert main([*common, "--out", str(out), "--skip", "1", "--num-prompts", "5"]) == 0
+    assert json.loads(capsys.readouterr().out)["records"] == 2
+    target = specjax.load(word_target_dir)
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    for turn, rec in zip(turns[1:], recs, strict=True):  # --skip 1 passes over the first
+        prompt = list(encode_user_turn(target.tokenizer, turn))
+        answer = specjax.generate(target, [prompt], max_new_tokens=3).tokens[0]
+        assert rec["tokens"] == prompt + answer
+        assert rec["assistant"] == [0] * len(prompt) + [1] * len(answer)
+
+    # Refusals, each before any answer is written.
+    for flags, message in [
+        (["--mix", "default", "--self-prompts", str(out)], "two prompt sources; choose one"),
+        (["--mix", "chat:1"], "expected 'default' or KIND=WEIGHT pairs"),
+        (["--skip", "3"], "no usable prompts after 3 records"),
+        (["--prompts", "sharegpt", "--mix", "chat=1", "--skip", "10000000"],
+         "calibration prompts, never training data"),
+    ]:
+        bad = tmp_path / "bad.jsonl"
+        assert main([*common, "--out", str(bad), *flags]) == 2
+        assert message in capsys.readouterr().err and not bad.exists()
