@@ -93,6 +93,24 @@ def test_refuses_missing_source(tmp_path):
         specjax.convert(tmp_path / "empty", tmp_path / "out", progress=False)
 
 
+
+def test_refuses_bad_arguments_and_sources_before_writing(src, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="dtype must be 'float32' or 'bfloat16'"):
+        specjax.convert(src, out, dtype="float16", progress=False)
+    with pytest.raises(TypeError, match="src and out must be str or Path"):
+        specjax.convert(src, 7, progress=False)
+    with pytest.raises(ValueError, match="tokenizer= is for a .gguf source"):
+        specjax.convert(src, out, tokenizer=src, progress=False)
+    (tmp_path / "model.bin").write_bytes(b"\0" * 16)
+    with pytest.raises(CheckpointError, match="unrecognised source"):
+        specjax.convert(tmp_path / "model.bin", out, progress=False)
+    # A supported architecture with a malformed field: the error names the file and field.
+    edit_config(src, num_attention_heads="four")
+    with pytest.raises(CheckpointError, match=r"config\.json: num_heads must be a positive"):
+        specjax.convert(src, out, progress=False)
+    assert not out.exists()
+
 def test_existing_out_needs_overwrite(src, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
