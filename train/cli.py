@@ -617,6 +617,15 @@ def run_train_router(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise ValueError(f"--eval-ks must be comma-separated integers, got {args.eval_ks!r}") \
             from e
+    try:
+        k0, k1, kf = (int(k) for k in args.budget.split(","))
+    except ValueError as e:
+        raise ValueError(f"--budget must be K0,K1,KF (three integers), got {args.budget!r}") \
+            from e
+    # The budgets routed_head accepts; a router stored with others would be refused at use.
+    if not (1 <= k1 <= k0 and kf >= 1) or args.cluster_cap < 0:
+        raise ValueError(f"--budget {args.budget!r} needs 1 <= K1 <= K0 and KF >= 1, and "
+                         f"--cluster-cap >= 0 (got {args.cluster_cap})")
     target_dir, target = _load_target(args, progress)
     if args.drafter is None:
         from specjax.defaults import default_drafter_dir, shipped_drafter_for
@@ -628,11 +637,6 @@ def run_train_router(args: argparse.Namespace) -> int:
     # one with a --target of another shape.
     drafter = specjax.load_drafter(drafter_dir, target)
     drafter_fp = fingerprint(drafter.params)
-    try:
-        k0, k1, kf = (int(k) for k in args.budget.split(","))
-    except ValueError as e:
-        raise ValueError(f"--budget must be K0,K1,KF (three integers), got {args.budget!r}") \
-            from e
     if args.collect and not (Path(args.data) / "meta.json").exists():
         from specjax.train.router_data import collect_router_data
 

@@ -221,3 +221,17 @@ def test_cli_end_to_end(tiny, tmp_path, capsys):
     wrong[wrong.index(str(tmp_path / "r"))] = str(tmp_path / "r3")
     assert train_main(wrong) == 2
     assert "another drafter" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--eval-ks", "2,four"], "--eval-ks must be comma-separated integers"),
+    (["--budget", "64,32"], "--budget must be K0,K1,KF"),
+    (["--budget", "32,64,32"], "needs 1 <= K1 <= K0"),  # routed_head would refuse it at use
+    (["--budget", "64,32,0"], "KF >= 1"),
+    (["--cluster-cap", "-1"], "--cluster-cap >= 0"),
+])
+def test_cli_refuses_bad_flags_before_loading(tmp_path, capsys, flags, message):
+    args = ["router", "--target", str(tmp_path / "no-target"), "--data", str(tmp_path / "d"),
+            "--out", str(tmp_path / "r"), "--no-progress", *flags]
+    assert train_main(args) == 2  # the target folder does not exist: refused before it
+    assert message in capsys.readouterr().err and not (tmp_path / "r").exists()
