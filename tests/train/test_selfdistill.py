@@ -82,6 +82,20 @@ def _greedy(target, tmp_path):
     return out.read_text().splitlines()
 
 
+
+def test_the_transformers_engine_answers_as_specjax_does(tiny_target, tmp_path):
+    """The default engine (transformers' batched generate, left-padded) and specjax's give
+    the same greedy records, on prompts of different lengths in one batch."""
+    pytest.importorskip("torch")
+    ours = _run(tiny_target, tmp_path / "specjax.jsonl", max_new_tokens=8)
+    theirs = _run(tiny_target, tmp_path / "hf.jsonl", max_new_tokens=8, engine="transformers")
+    assert theirs["answer_tokens"] == ours["answer_tokens"]
+    for a, b in zip((tmp_path / "specjax.jsonl").read_text().splitlines(),
+                    (tmp_path / "hf.jsonl").read_text().splitlines(), strict=True):
+        a, b = json.loads(a), json.loads(b)
+        assert (a["tokens"], a["assistant"], a["finished"]) == (
+            b["tokens"], b["assistant"], b["finished"])
+
 @pytest.fixture(scope="module")
 def word_target_dir(tmp_path_factory):
     """A tiny random Llama with a word-level tokenizer and a ChatML template."""
