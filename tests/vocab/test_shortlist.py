@@ -130,3 +130,31 @@ def test_import_export_npy_json(tmp_path):
     assert json.loads((tmp_path / "e.json").read_text()) == [7, 0, 3]
     with pytest.raises(ValueError, match="export to .npy or .json"):
         export_token_list(sl, tmp_path / "e.pt")
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("missing.json", None, "no such token-list file"),
+    ("list.txt", b"1 2 3", "unsupported token-list suffix '.txt'"),
+    ("bad.json", b"[1, 2,", "not JSON"),
+    ("dict.json", b'{"ids": [1, 2]}', "expected a list of token ids or a 1-D integer tensor"),
+    ("bools.json", b"[true, false]", "list of integer token ids"),
+    ("empty.json", b"[]", "non-empty 1-D list of token ids"),
+    ("twice.json", b"[3, 1, 3]", r"duplicate token ids \[3\]"),
+    ("negative.json", b"[3, -1]", "outside the vocabulary"),
+    ("floats.npy", "floats", "must be integers"),
+    ("grid.npy", "grid", "non-empty 1-D"),
+    ("objects.npy", "objects", "not a plain numpy array"),
+    ("legacy.pt", b"\x80\x02}q\x00.", "not a zip-format torch file"),
+])
+def test_import_refuses_what_is_not_a_token_list(tmp_path, name, content, message):
+    path = tmp_path / name
+    if content == "floats":
+        np.save(path, np.array([1.0, 2.0]))
+    elif content == "grid":
+        np.save(path, np.arange(6).reshape(2, 3))
+    elif content == "objects":
+        np.save(path, np.array([1, "a"], object), allow_pickle=True)
+    elif content is not None:
+        path.write_bytes(content)
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        import_token_list(path, vocab_size=8)
