@@ -623,9 +623,10 @@ def run_train_router(args: argparse.Namespace) -> int:
         raise ValueError(f"--budget must be K0,K1,KF (three integers), got {args.budget!r}") \
             from e
     # The budgets routed_head accepts; a router stored with others would be refused at use.
-    if not (1 <= k1 <= k0 and kf >= 1) or args.cluster_cap < 0:
-        raise ValueError(f"--budget {args.budget!r} needs 1 <= K1 <= K0 and KF >= 1, and "
-                         f"--cluster-cap >= 0 (got {args.cluster_cap})")
+    if not (1 <= k1 <= k0 and kf >= 1):
+        raise ValueError(f"--budget {args.budget!r} needs 1 <= K1 <= K0 and KF >= 1")
+    if args.cluster_cap < 0:
+        raise ValueError(f"--cluster-cap must be >= 0 (0: no cap), got {args.cluster_cap}")
     target_dir, target = _load_target(args, progress)
     if args.drafter is None:
         from specjax.defaults import default_drafter_dir, shipped_drafter_for

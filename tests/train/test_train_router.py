@@ -228,7 +228,7 @@ def test_cli_end_to_end(tiny, tmp_path, capsys):
     (["--budget", "64,32"], "--budget must be K0,K1,KF"),
     (["--budget", "32,64,32"], "needs 1 <= K1 <= K0"),  # routed_head would refuse it at use
     (["--budget", "64,32,0"], "KF >= 1"),
-    (["--cluster-cap", "-1"], "--cluster-cap >= 0"),
+    (["--cluster-cap", "-1"], "--cluster-cap must be >= 0"),
 ])
 def test_cli_refuses_bad_flags_before_loading(tmp_path, capsys, flags, message):
     args = ["router", "--target", str(tmp_path / "no-target"), "--data", str(tmp_path / "d"),
