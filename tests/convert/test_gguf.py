@@ -106,10 +106,16 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _write_gguf(path: Path, model, arch: str, drop=(), rope_freqs=None) -> Path:
-    """Write ``model`` as llama.cpp's converter would: F32, GGUF names, Q/K permuted for llama."""
+def _write_gguf(path: Path, model, arch: str, drop=(), rope_freqs=None, extra=None,
+                skip_meta=()) -> Path:
+    """Write ``model`` as llama.cpp's converter would: F32, GGUF names, Q/K permuted for llama.
+
+    ``extra``: more tensors by GGUF name; ``skip_meta``: ``add_*`` calls left out (a file
+    missing that metadata)."""
     c = model.config
     w = gguf.GGUFWriter(str(path), arch)
+    for name in skip_meta:
+        setattr(w, name, lambda *a, **k: None)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(c.intermediate_size)
@@ -147,6 +153,8 @@ def _write_gguf(path: Path, model, arch: str, drop=(), rope_freqs=None) -> Path:
             w.add_tensor(name, np.ascontiguousarray(data))
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs)
+    for name, data in (extra or {}).items():
+        w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -214,6 +222,26 @@ def test_missing_tensor_and_unsupported_architecture(tmp_path):
     with pytest.raises(GGUFError, match="'gemma2' is not supported.*llama, qwen2, qwen3, gemma3"):
         read_gguf(tmp_path / "gemma2.gguf")
 
+
+def test_gguf_features_specjax_lacks_are_refused_by_name(tmp_path):
+    model = make_hf_model("llama")
+    moe = _write_gguf(tmp_path / "moe.gguf", model, "llama",
+                      extra={"blk.0.ffn_gate_exps.weight": np.zeros((2, 4, 4), np.float32)})
+    with pytest.raises(GGUFError, match=r"does not know how to load.*ffn_gate_exps"):
+        read_gguf(moe, progress=False)
+    d = model.config.head_dim
+    odd = _write_gguf(tmp_path / "rope.gguf", model, "llama",
+                      rope_freqs=np.linspace(1.0, 3.0, d // 2).astype(np.float32))
+    with pytest.raises(GGUFError, match="rope_freqs.weight does not match Llama-3"):
+        read_gguf(odd, progress=False)
+    headless = _write_gguf(tmp_path / "heads.gguf", model, "llama",
+                           skip_meta=("add_head_count",))
+    with pytest.raises(GGUFError, match="'llama.attention.head_count' is missing"):
+        read_gguf(headless, progress=False)
+    # These synthetic files carry no tokenizer: converting one asks for the HF files.
+    plain = _write_gguf(tmp_path / "plain.gguf", model, "llama")
+    with pytest.raises(GGUFError, match="no tokenizer.ggml.tokens.*HF tokenizer files"):
+        save_gguf_tokenizer(plain, tmp_path / "tok")
 
 def test_gemma3_round_trip(tmp_path):
     """A tiny Gemma 3 written with llama.cpp's conventions (norms stored as 1 + w, a global
