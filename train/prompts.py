@@ -61,6 +61,7 @@ def with_long_share(long_share: float) -> dict[str, float]:
     return ({k: (1 - long_share) * w / short for k, w in DEFAULT_WEIGHTS.items()}
             | {"summarize_long": long_share / 2, "passage_qa_long": long_share / 2})
 
+
 _SUMMARIZE = ("Summarize: {text}",
               "Summarize the following text in a few sentences.\n\n{text}",
               "Write a short summary of this text:\n{text}")

@@ -193,8 +193,6 @@ def summary(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-
-
 def add_gemm_args(p: argparse.ArgumentParser) -> None:
     """Attach ``specjax bench gemm``'s flags to a (sub)parser."""
     p.add_argument("--vocab-size", type=int, default=49152,

@@ -273,8 +273,6 @@ def summary(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-
-
 def add_latency_args(p: argparse.ArgumentParser) -> None:
     """Attach ``specjax bench latency``'s flags to a (sub)parser."""
     p.add_argument("--model", default=None,

@@ -283,8 +283,6 @@ def summary(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-
-
 def add_oracle_args(p: argparse.ArgumentParser) -> None:
     """Attach ``specjax bench oracle``'s flags to a (sub)parser."""
     p.add_argument("--model", default=None,

@@ -93,7 +93,6 @@ def test_refuses_missing_source(tmp_path):
         specjax.convert(tmp_path / "empty", tmp_path / "out", progress=False)
 
 
-
 def test_refuses_bad_arguments_and_sources_before_writing(src, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(ValueError, match="dtype must be 'float32' or 'bfloat16'"):
@@ -110,6 +109,7 @@ def test_refuses_bad_arguments_and_sources_before_writing(src, tmp_path):
     with pytest.raises(CheckpointError, match=r"config\.json: num_heads must be a positive"):
         specjax.convert(src, out, progress=False)
     assert not out.exists()
+
 
 def test_existing_out_needs_overwrite(src, tmp_path):
     out = tmp_path / "out"

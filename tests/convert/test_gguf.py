@@ -243,6 +243,7 @@ def test_gguf_features_specjax_lacks_are_refused_by_name(tmp_path):
     with pytest.raises(GGUFError, match="no tokenizer.ggml.tokens.*HF tokenizer files"):
         save_gguf_tokenizer(plain, tmp_path / "tok")
 
+
 def test_gemma3_round_trip(tmp_path):
     """A tiny Gemma 3 written with llama.cpp's conventions (norms stored as 1 + w, a global
     layer every sixth, attention scale 1/sqrt(head_dim)) reads back as transformers' state,

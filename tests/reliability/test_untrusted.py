@@ -115,7 +115,6 @@ def test_chat_template_errors_are_messages(rel_dir, copy_of, capsys, template, m
     assert snapshot(m) == before
 
 
-
 def test_a_model_without_a_chat_template_refuses_chat_prompts_by_name(rel_dir, copy_of):
     m = copy_of(rel_dir)
     config = json.loads((m / "tokenizer_config.json").read_text())
@@ -127,6 +126,7 @@ def test_a_model_without_a_chat_template_refuses_chat_prompts_by_name(rel_dir, c
     with pytest.raises(ValueError, match="no chat template.*chat=False"):
         specjax.generate(target, "hi", max_new_tokens=1)
     assert len(specjax.generate(target, "hi", max_new_tokens=1, chat=False).tokens[0]) == 1
+
 
 def _from_pretrained_calls(path: Path):
     tree = ast.parse(path.read_text(), str(path))

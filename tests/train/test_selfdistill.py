@@ -82,7 +82,6 @@ def _greedy(target, tmp_path):
     return out.read_text().splitlines()
 
 
-
 def test_the_transformers_engine_answers_as_specjax_does(tiny_target, tmp_path):
     """The default engine (transformers' batched generate, left-padded) and specjax's give
     the same greedy records, on prompts of different lengths in one batch."""
@@ -95,6 +94,7 @@ def test_the_transformers_engine_answers_as_specjax_does(tiny_target, tmp_path):
         a, b = json.loads(a), json.loads(b)
         assert (a["tokens"], a["assistant"], a["finished"]) == (
             b["tokens"], b["assistant"], b["finished"])
+
 
 @pytest.fixture(scope="module")
 def word_target_dir(tmp_path_factory):

@@ -267,6 +267,7 @@ def test_greedy_children_are_q_top_tried_last(kind, static):
     assert (tokens[:, 3] == top).all() and (fixed == [False, False, False, True]).all()
     np.testing.assert_allclose(np.asarray(tree.draft_dist[0, 0, :C]), rest, rtol=1e-4,
                                atol=1e-7)
+
     def pvalue_on_support(samples, probs):  # the top token has probability 0: never drawn
         counts = np.bincount(samples, minlength=C)
         assert counts[probs == 0].sum() == 0
