@@ -54,6 +54,18 @@ def make_hf_checkpoint(path: Path, family: str, seed: int = 0, **overrides) -> P
     return Path(path)
 
 
+
+def make_word_target(path: Path, family: str = "llama") -> Path:
+    """A tiny random checkpoint with a word-level tokenizer and a ChatML template
+    (``tests.vocab.conftest.toy_tokenizer``), converted into ``path / "sj"``: a target that
+    takes text prompts, for commands and benchmarks that read text."""
+    import specjax
+    from tests.vocab.conftest import toy_tokenizer
+
+    src = make_hf_checkpoint(Path(path) / "hf", family)
+    toy_tokenizer().save_pretrained(src)
+    return specjax.convert(src, Path(path) / "sj", progress=False)
+
 def edit_config(src: Path, **changes) -> None:
     """Change fields of an HF folder's config.json in place (for refusal tests)."""
     cfg = json.loads((src / "config.json").read_text())

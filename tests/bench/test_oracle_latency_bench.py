@@ -8,20 +8,15 @@ import math
 
 import pytest
 
-import specjax
 from specjax.bench.latency import run_latency_bench
 from specjax.bench.oracle import run_oracle_bench
-from tests.tiny import make_hf_checkpoint
-from tests.vocab.conftest import toy_tokenizer
+from tests.tiny import make_word_target
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    """A tiny random Llama with a word-level tokenizer: the oracle bench takes text prompts."""
-    tmp = tmp_path_factory.mktemp("oracle_latency")
-    src = make_hf_checkpoint(tmp / "hf", "llama")
-    toy_tokenizer().save_pretrained(src)
-    return specjax.convert(src, tmp / "sj", progress=False)
+    """The oracle bench takes text prompts."""
+    return make_word_target(tmp_path_factory.mktemp("oracle_latency"))
 
 
 def test_oracle_bench_accepts_every_draft(tiny_model, tmp_path):

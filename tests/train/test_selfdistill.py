@@ -98,14 +98,10 @@ def test_the_transformers_engine_answers_as_specjax_does(tiny_target, tmp_path):
 
 @pytest.fixture(scope="module")
 def word_target_dir(tmp_path_factory):
-    """A tiny random Llama with a word-level tokenizer and a ChatML template."""
-    from tests.tiny import make_hf_checkpoint
-    from tests.vocab.conftest import toy_tokenizer
+    """Self-distillation reads text prompts."""
+    from tests.tiny import make_word_target
 
-    tmp = tmp_path_factory.mktemp("sd_cli")
-    src = make_hf_checkpoint(tmp / "hf", "llama")
-    toy_tokenizer().save_pretrained(src)
-    return specjax.convert(src, tmp / "sj", progress=False)
+    return make_word_target(tmp_path_factory.mktemp("sd_cli"))
 
 
 def test_the_self_distill_command_answers_first_user_turns(word_target_dir, tmp_path, capsys):
