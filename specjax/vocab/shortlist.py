@@ -49,8 +49,9 @@ from specjax.vocab._files import (
 # --------------------------------------------------------------------------- shortlists
 
 
-def _check_ids(ids: np.ndarray, vocab_size: int, where: str) -> np.ndarray:
-    """``ids`` as an int32 array after refusing shapes, types, out-of-range and repeats."""
+def _check_ids(ids: np.ndarray, vocab_size: int, where: str, fix: str = REBUILD) -> np.ndarray:
+    """``ids`` as an int32 array after refusing shapes, types, out-of-range and repeats;
+    ``fix`` ends the message of a list with ids out of range or repeated."""
     ids = np.asarray(ids)
     if ids.ndim != 1 or ids.size == 0:
         raise ValueError(f"{where}: expected a non-empty 1-D list of token ids, got shape "
@@ -61,11 +62,11 @@ def _check_ids(ids: np.ndarray, vocab_size: int, where: str) -> np.ndarray:
     if bad.size:
         raise ValueError(f"{where}: token ids outside the vocabulary [0, {vocab_size}): "
                          f"{bad[:5].tolist()}; the list was made for a larger vocabulary "
-                         f"(another model?); {REBUILD}")
+                         f"(another model?); {fix}")
     uniq, n = np.unique(ids, return_counts=True)
     if (n > 1).any():
         raise ValueError(f"{where}: duplicate token ids {uniq[n > 1][:5].tolist()}; a "
-                         f"shortlist names each token once; {REBUILD}")
+                         f"shortlist names each token once; {fix}")
     return ids.astype(np.int32)
 
 
@@ -358,7 +359,9 @@ def import_token_list(path: str | Path, *, vocab_size: int) -> Shortlist:
     else:
         raise ValueError(f"{path}: unsupported token-list suffix {path.suffix!r}; use .pt/.pth "
                          "(FR-Spec, SGLang), .npy or .json")
-    ids = _check_ids(_as_id_array(obj, path), vocab_size, str(path))
+    # Another tool's file: it is the file to fix, not a shortlist specjax wrote to rebuild.
+    ids = _check_ids(_as_id_array(obj, path), vocab_size, str(path),
+                     fix="fix the file, or build a shortlist with `specjax build-shortlist`")
     return Shortlist(ids, vocab_size, None, f"imported from {path.name}")
 
 
