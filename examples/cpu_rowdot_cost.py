@@ -73,9 +73,9 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
     if args.plot:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from specjax.bench.common import pyplot
+
+        plt = pyplot()
         fig, ax = plt.subplots(figsize=(6, 4))
         for name, v in res.items():
             ax.plot(rows, [v[m] for m in rows], marker="o", label=name)

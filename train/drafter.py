@@ -789,10 +789,9 @@ def train_drafter(target_cfg: ModelConfig, target_params: Params, train: HiddenS
 
 def plot_log(log: dict, out: Path) -> Path:
     """Loss curve (training loss, smoothed, and held-out points) as a PNG."""
-    import matplotlib
+    from specjax.bench.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(1, 3, figsize=(16, 4))
     steps = np.array([r["step"] for r in log["train"]])

@@ -598,10 +598,9 @@ def train_router(data_dir: Path, clusters: Clusters, cfg: RouterTrainConfig, out
 
 def plot_log(log: dict, out: Path, baseline: dict | None = None) -> Path:
     """Training / held-out BCE, and held-out recall@k against the static baseline, as a PNG."""
-    import matplotlib
+    from specjax.bench.common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     steps = np.array([r["step"] for r in log["train"]])
