@@ -1,10 +1,20 @@
-"""What one sampled token costs on this machine: ``jax.random.categorical`` against
-``specjax.sampling.categorical`` (the same token, through two plain reductions), and
-``jnp.argmax`` against ``first_argmax`` on plain logits, over a vocabulary of V ids.
+"""What one sampled or greedy token costs on this machine: ``jax.random.categorical``
+against ``specjax.sampling.categorical`` (the same token, through two plain reductions),
+and ``jnp.argmax`` against ``first_argmax`` on plain logits, over a vocabulary of V ids.
 
-Each function is jitted and timed alone, in turn, ``--runs`` times (median and best, ms;
-:func:`specjax.bench.timing.time_calls`); the draws are checked equal first. Rows: 1 is
-vanilla decoding's draw and speculative decoding's bonus token; more rows are a batch.
+Each function is timed two ways, and the results are checked equal first:
+
+* ``called``: jitted and called alone, ``--runs`` times (median and best, ms;
+  :func:`specjax.bench.timing.time_calls`). This includes a dispatch of tens of
+  microseconds, which the decode loops never pay: they run inside one compiled
+  ``lax.while_loop``.
+* ``in_loop``: ``--inner`` applications inside one jitted ``lax.fori_loop``, each on logits
+  nudged at one id so that XLA cannot hoist it, per application (best of ``--loop-runs``
+  loops, ms). This is what a step of the loop pays.
+
+Rows: 1 is vanilla decoding's token and speculative decoding's bonus token; 4 and 14 are
+the shipped greedy tree's verify rows without and with its lookup chain (greedy
+verification takes the argmax of every row).
 
     python examples/sampling_cost.py --out results/sampling_cost.json
 """
@@ -12,44 +22,80 @@ vanilla decoding's draw and speculative decoding's bonus token; more rows are a 
 from __future__ import annotations
 
 import argparse
+import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax import Array
 
 from specjax.bench.common import write_json
 from specjax.bench.timing import time_calls
 from specjax.sampling import categorical, first_argmax
 
 
+def in_loop_ms(fn: Callable[[Array, Array], Array], key: Array, logits: Array, inner: int,
+               runs: int) -> float:
+    """Milliseconds per application of ``fn(key, logits)`` ([n, V] -> [n] int32) inside a
+    jitted ``fori_loop`` of ``inner`` applications, best of ``runs`` loops. Each application
+    sees logits nudged at one id and its own key, and the results are summed, so none is
+    hoisted or dropped."""
+
+    @jax.jit
+    def loop(key: Array, logits: Array) -> Array:
+        def body(i, carry):
+            acc, x = carry
+            x = x.at[:, i % 7].add(1e-3)
+            return acc + fn(jax.random.fold_in(key, i), x), x
+
+        init = (jnp.zeros(logits.shape[:-1], jnp.int32), logits)
+        return jax.lax.fori_loop(0, inner, body, init)[0]
+
+    jax.block_until_ready(loop(key, logits))
+    best = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(key, logits))
+        best = min(best, time.perf_counter() - t0)
+    return 1e3 * best / inner
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int, default=49_152, help="V (default SmolLM2's)")
-    ap.add_argument("--rows", default="1,2,10")
-    ap.add_argument("--runs", type=int, default=200)
+    ap.add_argument("--rows", default="1,4,14")
+    ap.add_argument("--runs", type=int, default=200, help="timed calls (called)")
+    ap.add_argument("--inner", type=int, default=100, help="applications a loop (in_loop)")
+    ap.add_argument("--loop-runs", type=int, default=15, help="timed loops (in_loop)")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     args = ap.parse_args()
-    fns = {"jax.random.categorical": jax.jit(lambda k, x: jax.random.categorical(k, x, -1)),
-           "specjax categorical": jax.jit(categorical),
-           "jnp.argmax": jax.jit(lambda x: jnp.argmax(x, -1)),
-           "first_argmax": jax.jit(first_argmax)}
+    fns = {"jax.random.categorical": lambda k, x: jax.random.categorical(k, x, -1),
+           "specjax categorical": categorical,
+           "jnp.argmax": lambda k, x: jnp.argmax(x, -1).astype(jnp.int32),
+           "first_argmax": lambda k, x: first_argmax(x)}
     rows = []
     for n in (int(r) for r in args.rows.split(",")):
         key, sub = jax.random.split(jax.random.PRNGKey(n))
         logits = 3.0 * jax.random.normal(key, (n, args.vocab))
-        assert (fns["specjax categorical"](sub, logits)
-                == fns["jax.random.categorical"](sub, logits)).all()
-        assert (fns["first_argmax"](logits) == fns["jnp.argmax"](logits)).all()
+        jitted = {name: jax.jit(fn) for name, fn in fns.items()}
+        assert (jitted["specjax categorical"](sub, logits)
+                == jitted["jax.random.categorical"](sub, logits)).all()
+        assert (jitted["first_argmax"](sub, logits) == jitted["jnp.argmax"](sub, logits)).all()
         row = {"rows": n}
         for name, fn in fns.items():
-            call = (sub, logits) if "categorical" in name else (logits,)
-            row[name] = time_calls(lambda fn=fn, call=call: fn(*call), args.runs)
+            call = partial(jitted[name], sub, logits)
+            row[name] = {"called": time_calls(call, args.runs),
+                         "in_loop_ms": in_loop_ms(fn, sub, logits, args.inner, args.loop_runs)}
         rows.append(row)
-        print(f"rows {n:3d}: " + "  ".join(f"{k} {v['median_ms']:.3f}" for k, v in row.items()
-                                           if k != "rows") + "  (median ms)")
+        print(f"rows {n:3d}: " + "  ".join(
+            f"{k} {v['called']['median_ms']:.3f} / {v['in_loop_ms']:.3f}"
+            for k, v in row.items() if k != "rows") + "  (ms: called, median / in a loop)")
     if args.out:
         write_json(Path(args.out), {"vocab": args.vocab, "runs": args.runs,
+                                    "inner": args.inner, "loop_runs": args.loop_runs,
                                     "backend": jax.default_backend(), "rows": rows})
 
 

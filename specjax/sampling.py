@@ -76,7 +76,7 @@ def filter_logits(logits: Array, s: StaticSampling, temperature: Array, top_p: A
 def target_probs(logits: Array, s: StaticSampling, temperature: Array, top_p: Array) -> Array:
     """The distribution sampling draws from, [..., V] (one-hot argmax if greedy)."""
     if s.greedy:
-        return jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=jnp.float32)
+        return jax.nn.one_hot(first_argmax(logits), logits.shape[-1], dtype=jnp.float32)
     return jax.nn.softmax(filter_logits(logits, s, temperature, top_p), axis=-1)
 
 
@@ -86,8 +86,10 @@ def first_argmax(x: Array) -> Array:
     XLA:CPU runs argmax's (value, index) reduction as a scalar loop, and fuses the argument's
     elementwise producer into it: for a draw, the Gumbel noise (two logs per id) then runs
     unvectorised too. A max, then the smallest index holding it, are plain reductions it
-    vectorises; a draw over SmolLM2's 49,152 ids costs a third as much (docs/benchmarks.md).
-    The index is jnp.argmax's, ties and NaN included (the first NaN wins, as there).
+    vectorises; a draw over SmolLM2's 49,152 ids costs a third as much, and greedy
+    verification's argmax over a tree's rows a sixth (docs/benchmarks.md). Every argmax over
+    the vocabulary in the loops is this one. The index is jnp.argmax's, ties and NaN
+    included (the first NaN wins, as there).
     """
     v = x.shape[-1]
     top = jnp.max(x, axis=-1, keepdims=True)
@@ -109,5 +111,5 @@ def sample(key: Array, logits: Array, s: StaticSampling, temperature: Array,
            top_p: Array) -> Array:
     """One token per row. logits: [B, V] -> [B] int32."""
     if s.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return first_argmax(logits)
     return categorical(key, filter_logits(logits, s, temperature, top_p))

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from specjax.loaded import Target
 from specjax.loop import bucket
 from specjax.model import KVCache, Params, forward_hidden, init_cache, lm_head
+from specjax.sampling import first_argmax
 from specjax.speculative import cache_capacity
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -91,7 +92,7 @@ def _verify_forward(params: Params, cfg, tokens: Array, positions: Array,
     rows are written in place instead of copying every layer's buffer each call.
     """
     hidden, cache, _ = forward_hidden(params, cfg, tokens, positions, cache)
-    return jnp.argmax(lm_head(params, hidden), axis=-1), cache
+    return first_argmax(lm_head(params, hidden)), cache  # verify_greedy's argmax
 
 
 def verify_call(target: Target, num_tokens: int, *, context: int,

@@ -4,6 +4,10 @@ rewrites (ties, infinities, NaN, rows with one finite logit)."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,3 +50,43 @@ def test_categorical_jits_and_keeps_one_finite_logit():
     draw = jax.jit(categorical)
     for k in range(3):
         np.testing.assert_array_equal(draw(jax.random.PRNGKey(k), logits), [5, 0, 49_151, 77])
+
+
+def _sampling_cost():
+    path = Path(__file__).parents[2] / "examples" / "sampling_cost.py"
+    spec = importlib.util.spec_from_file_location("sampling_cost", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_sampling_cost_example_times_both_ways_and_writes_json(tmp_path, monkeypatch):
+    """examples/sampling_cost.py: every function checked equal, then timed called and in a
+    loop; the JSON holds both for each row count."""
+    mod = _sampling_cost()
+    out = tmp_path / "cost.json"
+    monkeypatch.setattr("sys.argv", ["sampling_cost.py", "--vocab", "300", "--rows", "1,3",
+                                     "--runs", "2", "--inner", "3", "--loop-runs", "1",
+                                     "--out", str(out)])
+    mod.main()
+    res = json.loads(out.read_text())
+    assert [r["rows"] for r in res["rows"]] == [1, 3] and res["inner"] == 3
+    for row in res["rows"]:
+        for name in ("jax.random.categorical", "specjax categorical", "jnp.argmax",
+                     "first_argmax"):
+            assert row[name]["called"]["runs"] == 2
+            assert 0 < row[name]["in_loop_ms"] < row[name]["called"]["median_ms"] * 50
+
+
+def test_in_loop_ms_applies_the_function_to_nudged_logits_each_time():
+    mod = _sampling_cost()
+    seen = []
+
+    def fn(key, x):
+        jax.debug.callback(lambda v: seen.append(np.asarray(v)), x[0, :7])
+        return first_argmax(x)
+
+    mod.in_loop_ms(fn, jax.random.PRNGKey(0), jnp.zeros((1, 10)), inner=4, runs=1)
+    # Compile run + one timed loop, four applications each, each on newly nudged logits.
+    assert len(seen) == 8
+    np.testing.assert_allclose(seen[3], [1e-3, 1e-3, 1e-3, 1e-3, 0, 0, 0], atol=1e-7)
