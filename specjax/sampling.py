@@ -83,11 +83,9 @@ def target_probs(logits: Array, s: StaticSampling, temperature: Array, top_p: Ar
 def first_argmax(x: Array) -> Array:
     """``jnp.argmax(x, axis=-1)`` as two single-operand reductions: [..., V] -> [...] int32.
 
-    XLA:CPU runs argmax's (value, index) reduction as a scalar loop, and fuses the argument's
-    elementwise producer into it: for a draw, the Gumbel noise (two logs per id) then runs
-    unvectorised too. A max, then the smallest index holding it, are plain reductions it
-    vectorises; a draw over SmolLM2's 49,152 ids costs a third as much, and greedy
-    verification's argmax over a tree's rows a sixth (docs/benchmarks.md). Every argmax over
+    XLA:CPU runs argmax's (value, index) reduction as a scalar loop. A max, then the
+    smallest index holding it, are plain reductions it vectorises: greedy verification's
+    argmax over a tree's rows costs a sixth as much (docs/benchmarks.md). Every argmax over
     the vocabulary in the loops is this one. The index is jnp.argmax's, ties and NaN
     included (the first NaN wins, as there).
     """
@@ -97,14 +95,64 @@ def first_argmax(x: Array) -> Array:
     return jnp.min(jnp.where(hit, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
 
 
-def categorical(key: Array, logits: Array) -> Array:
-    """One draw per row from softmax(logits): [..., V] -> [...] int32.
+# Ids per block of draw()'s two-level search: a block's prefix sums are a short scan, and
+# the blocks' sums one reduction XLA vectorises.
+DRAW_BLOCK = 128
 
-    The token ``jax.random.categorical(key, logits, axis=-1)`` draws (the argmax of the
-    logits plus Gumbel noise from the same key), through :func:`first_argmax`. -inf logits
-    are never drawn unless every logit of the row is -inf (then id 0, as there).
+
+def draw(key: Array, weights: Array) -> Array:
+    """One draw per row with probability weights / sum(weights): [..., V] -> [...] int32.
+
+    Inverse-CDF sampling with one uniform a row, in two levels: the block whose running
+    sum first exceeds u * total (over :data:`DRAW_BLOCK`-id blocks), then the id inside it
+    whose running sum does. An id of zero weight is never drawn: the first running sum to
+    exceed a threshold belongs to an id that added weight, and a threshold that rounding
+    pushes past the last sum takes the last block or id of positive weight. A row of all
+    zeros gives id 0.
+
+    Against Gumbel-max over the vocabulary (``jax.random.categorical``: a uniform, two logs
+    and a comparison per id) this costs one pass of sums: 0.03 against 0.29 ms a draw over
+    SmolLM2's 49,152 ids inside a compiled loop (docs/benchmarks.md). The law is the same;
+    the token a given key draws is not.
+
+    Args:
+      key: PRNG key (one for all rows).
+      weights: [..., V] float, >= 0, not necessarily normalised.
     """
-    return first_argmax(logits + jax.random.gumbel(key, logits.shape, logits.dtype))
+    *lead, v = weights.shape
+    w = weights.astype(jnp.float32)
+    pad = (-v) % DRAW_BLOCK
+    if pad:
+        w = jnp.pad(w, [(0, 0)] * len(lead) + [(0, pad)])
+    blocks = w.reshape(*lead, -1, DRAW_BLOCK)  # [..., NB, DRAW_BLOCK]
+    block_sum = jnp.sum(blocks, axis=-1)
+    block_cum = jnp.cumsum(block_sum, axis=-1)  # [..., NB]
+    threshold = jax.random.uniform(key, tuple(lead)) * block_cum[..., -1]
+    b = _first_past(block_cum, block_sum, threshold)
+    before = jnp.take_along_axis(block_cum - block_sum, b[..., None], axis=-1)[..., 0]
+    row = jnp.take_along_axis(blocks, b[..., None, None], axis=-2)[..., 0, :]
+    j = _first_past(jnp.cumsum(row, axis=-1), row, threshold - before)
+    return (b * DRAW_BLOCK + j).astype(jnp.int32)
+
+
+def _first_past(cum: Array, part: Array, threshold: Array) -> Array:
+    """The first index whose running sum ``cum`` [..., N] exceeds ``threshold`` [...], or the
+    last index of positive ``part`` where rounding leaves none past it (0 if none is)."""
+    i = jnp.arange(cum.shape[-1], dtype=jnp.int32)
+    last = jnp.max(jnp.where(part > 0, i, 0), axis=-1)
+    return jnp.minimum(jnp.sum(cum <= threshold[..., None], axis=-1, dtype=jnp.int32), last)
+
+
+def categorical(key: Array, logits: Array) -> Array:
+    """One draw per row from softmax(logits): [..., V] -> [...] int32, through :func:`draw`.
+
+    -inf logits are never drawn unless every logit of the row is -inf (then id 0). A row
+    whose largest logit is +inf draws among its +inf ids alike.
+    """
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    weights = jnp.where(jnp.isposinf(top), (logits == jnp.inf).astype(jnp.float32),
+                        jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0)))
+    return draw(key, weights)
 
 
 def sample(key: Array, logits: Array, s: StaticSampling, temperature: Array,

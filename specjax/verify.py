@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from specjax import pytree
-from specjax.sampling import categorical, first_argmax
+from specjax.sampling import draw, first_argmax
 
 NO_NODE = -1  # Path slots after the end of a row's accepted path.
 
@@ -220,5 +220,5 @@ def verify_sampling(key: Array, tree_tokens: Array, parent: Array, valid: Array,
     init = (jnp.zeros((b,), jnp.int32), _empty_path(b, t), jnp.zeros((b,), jnp.int32),
             probs[:, 0], dists[:, 0] if use_q else None)
     _, path, n, p, _ = jax.lax.fori_loop(1, t, step, init)
-    bonus = categorical(k_bonus, jnp.log(p))
+    bonus = draw(k_bonus, p)
     return Acceptance(path=path, num_accepted=n, bonus=bonus)

@@ -1,6 +1,7 @@
-"""The draw behind every sampled token: ``first_argmax`` and ``categorical`` give exactly
-what ``jnp.argmax`` and ``jax.random.categorical`` give, on the values that trip argmax
-rewrites (ties, infinities, NaN, rows with one finite logit)."""
+"""The argmax and the draw behind every token: ``first_argmax`` gives exactly what
+``jnp.argmax`` gives, on the values that trip argmax rewrites (ties, infinities, NaN);
+``draw`` and ``categorical`` have the law of their weights and logits (chi-square bounds
+that a wrong block or id search fails), and never draw an id of zero weight."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scipy.stats import chisquare
 
-from specjax.sampling import categorical, first_argmax
+from specjax.sampling import DRAW_BLOCK, _first_past, categorical, draw, first_argmax
 
 # Few distinct values, so ties are common; the specials argmax rewrites get wrong.
 VALUES = st.sampled_from([-np.inf, -2.0, -0.5, 0.0, 0.5, 3.0, np.inf, np.nan])
@@ -30,18 +33,77 @@ def test_first_argmax_is_argmax(rows):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.sampled_from([(1, 5), (3, 64), (2, 3, 257)]),
-       st.floats(0.0, 0.9))
-def test_categorical_draws_jax_categoricals_token(seed, shape, masked):
+@given(st.integers(0, 2**31 - 1), st.sampled_from([(1, 5), (3, 64), (2, 3, 257), (2, 700)]),
+       st.floats(0.0, 0.99))
+def test_categorical_never_draws_a_masked_id(seed, shape, masked):
     key_logits, key_mask, key = jax.random.split(jax.random.PRNGKey(seed), 3)
     logits = 3.0 * jax.random.normal(key_logits, shape)
     # Mask a share of the ids (as top-k / top-p filtering does), never a whole row.
     drop = jax.random.uniform(key_mask, shape) < masked
-    drop = drop.at[..., 0].set(False)
+    drop = drop.at[..., -1].set(False)
     logits = jnp.where(drop, -jnp.inf, logits)
     got = categorical(key, logits)
-    np.testing.assert_array_equal(got, jax.random.categorical(key, logits, axis=-1))
+    assert got.shape == shape[:-1] and got.dtype == jnp.int32
     assert not np.any(np.take_along_axis(np.asarray(drop), np.asarray(got)[..., None], -1))
+
+
+def _draws(fn, x, n=120_000):
+    keys = jax.random.split(jax.random.PRNGKey(3), n)
+    return np.asarray(jax.jit(jax.vmap(lambda k: fn(k, x)))(keys))
+
+
+@pytest.mark.parametrize("v", [5, DRAW_BLOCK, 700, 49_152])
+def test_draw_has_the_law_of_its_weights(v):
+    """Weights on ids at block edges and inside blocks, zeros elsewhere, not normalised: the
+    counts pass a chi-square test against w / sum(w), and no zero-weight id is drawn."""
+    ids = np.unique(np.array([0, 1, DRAW_BLOCK - 1, DRAW_BLOCK, 2 * DRAW_BLOCK + 5, v // 2,
+                              v - 1]) % v)
+    w = np.zeros(v, np.float32)
+    w[ids] = np.arange(1, len(ids) + 1, dtype=np.float32) * 0.37
+    counts = np.bincount(_draws(draw, jnp.asarray(w)), minlength=v)
+    assert counts[w == 0].sum() == 0
+    exp = w[ids].astype(np.float64) / w[ids].astype(np.float64).sum() * counts.sum()
+    assert chisquare(counts[ids], exp).pvalue > 1e-4
+
+
+def test_draw_fails_the_test_when_the_law_is_shifted():
+    # The same bound rejects draws whose law moved mass between two ids in different blocks.
+    v = 700
+    w = np.zeros(v, np.float32)
+    w[[3, 300, 650]] = [0.2, 0.3, 0.5]
+    shifted = w.copy()
+    shifted[[3, 300]] = [0.17, 0.33]
+    counts = np.bincount(_draws(draw, jnp.asarray(shifted)), minlength=v)
+    exp = np.array([0.2, 0.3, 0.5]) * counts.sum()
+    assert chisquare(counts[[3, 300, 650]], exp).pvalue < 1e-4
+
+
+def test_categorical_has_the_softmax_law():
+    logits = jnp.asarray([2.0, -jnp.inf, 0.5, -1.0, 1.5] + [-jnp.inf] * 200 + [1.0])
+    p = np.asarray(jax.nn.softmax(logits), np.float64)
+    p /= p.sum()
+    counts = np.bincount(_draws(categorical, logits), minlength=logits.shape[0])
+    assert counts[p == 0].sum() == 0
+    assert chisquare(counts[p > 0], p[p > 0] * counts.sum()).pvalue > 1e-4
+
+
+def test_first_past_falls_back_to_the_last_positive_part():
+    cum = jnp.asarray([[0.5, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [0.25, 0.5, 0.75, 1.0]])
+    part = jnp.asarray([[0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [0.25] * 4])
+    # Row 0: a threshold that rounding put at the total takes id 1, not a trailing zero.
+    # Row 1: all zeros gives 0. Row 2: an exact running sum is not past its threshold.
+    got = _first_past(cum, part, jnp.asarray([1.0, 0.0, 0.5]))
+    np.testing.assert_array_equal(got, [1, 0, 2])
+
+
+def test_categorical_edge_rows():
+    x = jnp.zeros((3, 300))
+    x = x.at[0].set(-jnp.inf)  # every logit -inf: id 0
+    x = x.at[1, [7, 200]].set(jnp.inf)  # +inf ids share the row
+    x = x.at[2].set(-jnp.inf).at[2, 299].set(-1e30)  # one finite logit, however small
+    for k in range(8):
+        got = np.asarray(categorical(jax.random.PRNGKey(k), x))
+        assert got[0] == 0 and got[1] in (7, 200) and got[2] == 299
 
 
 def test_categorical_jits_and_keeps_one_finite_logit():
@@ -61,8 +123,8 @@ def _sampling_cost():
 
 
 def test_sampling_cost_example_times_both_ways_and_writes_json(tmp_path, monkeypatch):
-    """examples/sampling_cost.py: every function checked equal, then timed called and in a
-    loop; the JSON holds both for each row count."""
+    """examples/sampling_cost.py: every function checked, then timed called and in a loop;
+    the JSON holds both for each row count."""
     mod = _sampling_cost()
     out = tmp_path / "cost.json"
     monkeypatch.setattr("sys.argv", ["sampling_cost.py", "--vocab", "300", "--rows", "1,3",
