@@ -105,10 +105,9 @@ def draw(key: Array, weights: Array) -> Array:
 
     Inverse-CDF sampling with one uniform a row, in two levels: the block whose running
     sum first exceeds u * total (over :data:`DRAW_BLOCK`-id blocks), then the id inside it
-    whose running sum does. An id of zero weight is never drawn: the first running sum to
-    exceed a threshold belongs to an id that added weight, and a threshold that rounding
-    pushes past the last sum takes the last block or id of positive weight. A row of all
-    zeros gives id 0.
+    whose running sum does. An id of zero weight is never drawn (a search that rounding
+    leaves on one moves to the next id of positive weight, or the last; see
+    :func:`_first_past`); a row of all zeros gives id 0.
 
     Against Gumbel-max over the vocabulary (``jax.random.categorical``: a uniform, two logs
     and a comparison per id) this costs one pass of sums: 0.03 against 0.29 ms a draw over
@@ -119,28 +118,53 @@ def draw(key: Array, weights: Array) -> Array:
       key: PRNG key (one for all rows).
       weights: [..., V] float, >= 0, not necessarily normalised.
     """
+    blocks, block_sum, block_cum = _blocks(weights)
+    threshold = jax.random.uniform(key, block_cum.shape[:-1]) * block_cum[..., -1]
+    return _search(blocks, block_sum, block_cum, threshold)
+
+
+def _blocks(weights: Array) -> tuple[Array, Array, Array]:
+    """weights [..., V] as (blocks [..., NB, DRAW_BLOCK] zero-padded, their sums [..., NB],
+    and the running sums of those [..., NB])."""
     *lead, v = weights.shape
     w = weights.astype(jnp.float32)
     pad = (-v) % DRAW_BLOCK
     if pad:
         w = jnp.pad(w, [(0, 0)] * len(lead) + [(0, pad)])
-    blocks = w.reshape(*lead, -1, DRAW_BLOCK)  # [..., NB, DRAW_BLOCK]
+    blocks = w.reshape(*lead, -1, DRAW_BLOCK)
     block_sum = jnp.sum(blocks, axis=-1)
-    block_cum = jnp.cumsum(block_sum, axis=-1)  # [..., NB]
-    threshold = jax.random.uniform(key, tuple(lead)) * block_cum[..., -1]
+    return blocks, block_sum, jnp.cumsum(block_sum, axis=-1)
+
+
+def _search(blocks: Array, block_sum: Array, block_cum: Array, threshold: Array) -> Array:
+    """The id whose running sum first passes ``threshold`` [...] (see :func:`draw`)."""
     b = _first_past(block_cum, block_sum, threshold)
-    before = jnp.take_along_axis(block_cum - block_sum, b[..., None], axis=-1)[..., 0]
+    # The running sum before block b, read from block_cum itself: threshold >= it exactly,
+    # so the remainder is >= 0 and the search inside the block skips its leading zeros
+    # (block_cum[b] - block_sum[b] can round above it, and a negative remainder would
+    # pick the block's first id whatever its weight).
+    before = jnp.take_along_axis(block_cum, jnp.maximum(b - 1, 0)[..., None], axis=-1)[..., 0]
+    before = jnp.where(b > 0, before, 0.0)
     row = jnp.take_along_axis(blocks, b[..., None, None], axis=-2)[..., 0, :]
     j = _first_past(jnp.cumsum(row, axis=-1), row, threshold - before)
     return (b * DRAW_BLOCK + j).astype(jnp.int32)
 
 
 def _first_past(cum: Array, part: Array, threshold: Array) -> Array:
-    """The first index whose running sum ``cum`` [..., N] exceeds ``threshold`` [...], or the
-    last index of positive ``part`` where rounding leaves none past it (0 if none is)."""
-    i = jnp.arange(cum.shape[-1], dtype=jnp.int32)
-    last = jnp.max(jnp.where(part > 0, i, 0), axis=-1)
-    return jnp.minimum(jnp.sum(cum <= threshold[..., None], axis=-1, dtype=jnp.int32), last)
+    """The first index whose running sum ``cum`` [..., N] exceeds ``threshold`` [...], moved
+    to the next index of positive ``part`` at or after it, else the last one (0 if none).
+
+    XLA may compute a cumsum as a tree of partial sums (an associative scan), so a running
+    sum can step up by a rounding error where ``part`` is 0; moving to a positive part
+    keeps every id of zero weight undrawn whatever the association.
+    """
+    n = cum.shape[-1]
+    i = jnp.arange(n, dtype=jnp.int32)
+    first = jnp.sum(cum <= threshold[..., None], axis=-1, dtype=jnp.int32)
+    positive = part > 0
+    after = jnp.min(jnp.where(positive & (i >= first[..., None]), i, n), axis=-1)
+    last = jnp.max(jnp.where(positive, i, 0), axis=-1)
+    return jnp.where(after < n, after, last)
 
 
 def categorical(key: Array, logits: Array) -> Array:

@@ -17,7 +17,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from specjax.sampling import DRAW_BLOCK, _first_past, categorical, draw, first_argmax
+from specjax.sampling import (
+    DRAW_BLOCK,
+    _blocks,
+    _first_past,
+    _search,
+    categorical,
+    draw,
+    first_argmax,
+)
 
 # Few distinct values, so ties are common; the specials argmax rewrites get wrong.
 VALUES = st.sampled_from([-np.inf, -2.0, -0.5, 0.0, 0.5, 3.0, np.inf, np.nan])
@@ -87,13 +95,33 @@ def test_categorical_has_the_softmax_law():
     assert chisquare(counts[p > 0], p[p > 0] * counts.sum()).pvalue > 1e-4
 
 
-def test_first_past_falls_back_to_the_last_positive_part():
-    cum = jnp.asarray([[0.5, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [0.25, 0.5, 0.75, 1.0]])
-    part = jnp.asarray([[0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [0.25] * 4])
+def test_first_past_lands_on_a_positive_part():
+    cum = jnp.asarray([[0.5, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [0.25, 0.5, 0.75, 1.0],
+                       [0.5, 0.5 + 1e-7, 0.75, 1.0]])
+    part = jnp.asarray([[0.5, 0.5, 0.0, 0.0], [0.0] * 4, [0.25] * 4, [0.5, 0.0, 0.25, 0.25]])
     # Row 0: a threshold that rounding put at the total takes id 1, not a trailing zero.
     # Row 1: all zeros gives 0. Row 2: an exact running sum is not past its threshold.
-    got = _first_past(cum, part, jnp.asarray([1.0, 0.0, 0.5]))
-    np.testing.assert_array_equal(got, [1, 0, 2])
+    # Row 3: an associative scan's rounding stepped the sum up at a zero part: id 2.
+    got = _first_past(cum, part, jnp.asarray([1.0, 0.0, 0.5, 0.5]))
+    np.testing.assert_array_equal(got, [1, 0, 2, 2])
+
+
+def test_draw_never_lands_on_a_zero_weight_at_block_edges():
+    """Thresholds at every block's running sum, and an ulp either side, on weights whose
+    blocks start and end with zeros and span eight orders of magnitude: every id found has
+    positive weight (a remainder computed as cum[b] - sum[b] went negative on some)."""
+    rng = np.random.default_rng(0)
+    w = np.zeros((4, 20 * DRAW_BLOCK), np.float32)
+    for r in range(4):
+        for b in range(20):
+            lo, hi = b * DRAW_BLOCK + 3, (b + 1) * DRAW_BLOCK - 3
+            w[r, lo:hi] = 10.0 ** rng.uniform(-4, 4, hi - lo) * (rng.random(hi - lo) < 0.3)
+    blocks, block_sum, block_cum = _blocks(jnp.asarray(w))
+    edges = np.asarray(block_cum, np.float32)
+    for t in (edges, np.nextafter(edges, np.inf), np.nextafter(edges, -np.inf)):
+        for b in range(20):
+            got = np.asarray(_search(blocks, block_sum, block_cum, jnp.asarray(t[:, b])))
+            assert (w[np.arange(4), got] > 0).all(), (b, got)
 
 
 def test_categorical_edge_rows():
