@@ -1,10 +1,11 @@
 """What one sampled or greedy token costs on this machine: ``jax.random.categorical``
-(Gumbel-max) against ``specjax.sampling.categorical`` (the same law, inverse-CDF through
-:func:`specjax.sampling.draw`), and ``jnp.argmax`` against ``first_argmax`` (the same
-index), over a vocabulary of V ids.
+(Gumbel-max), the same token through ``first_argmax`` (specjax's draw until the
+sixty-seventh session), and ``specjax.sampling.categorical`` (the same law, inverse CDF
+through :func:`specjax.sampling.draw`); ``jnp.argmax`` against ``first_argmax`` (the same
+index); over a vocabulary of V ids.
 
-The argmaxes are checked equal and the draws checked to be ids of finite logits first;
-each function is then timed two ways:
+The argmaxes and the two Gumbel-max draws are checked equal, and the inverse-CDF draw
+checked to be an id, first; each function is then timed two ways:
 
 * ``called``: jitted and called alone, ``--runs`` times (median and best, ms;
   :func:`specjax.bench.timing.time_calls`). This includes a dispatch of tens of
@@ -75,6 +76,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     args = ap.parse_args()
     fns = {"jax.random.categorical": lambda k, x: jax.random.categorical(k, x, -1),
+           # specjax's draw until the sixty-seventh session: jax's token, two reductions.
+           "gumbel + first_argmax": lambda k, x: first_argmax(
+               x + jax.random.gumbel(k, x.shape, x.dtype)),
            "specjax categorical": categorical,
            "jnp.argmax": lambda k, x: jnp.argmax(x, -1).astype(jnp.int32),
            "first_argmax": lambda k, x: first_argmax(x)}
@@ -83,9 +87,10 @@ def main() -> None:
         key, sub = jax.random.split(jax.random.PRNGKey(n))
         logits = 3.0 * jax.random.normal(key, (n, args.vocab))
         jitted = {name: jax.jit(fn) for name, fn in fns.items()}
-        for name in ("specjax categorical", "jax.random.categorical"):
-            tok = jitted[name](sub, logits)
-            assert tok.shape == (n,) and bool((tok >= 0).all() & (tok < args.vocab).all())
+        assert (jitted["gumbel + first_argmax"](sub, logits)
+                == jitted["jax.random.categorical"](sub, logits)).all()
+        tok = jitted["specjax categorical"](sub, logits)
+        assert tok.shape == (n,) and bool((tok >= 0).all() & (tok < args.vocab).all())
         assert (jitted["first_argmax"](sub, logits) == jitted["jnp.argmax"](sub, logits)).all()
         row = {"rows": n}
         for name, fn in fns.items():
