@@ -85,7 +85,8 @@ def first_argmax(x: Array) -> Array:
 
     XLA:CPU runs argmax's (value, index) reduction as a scalar loop. A max, then the
     smallest index holding it, are plain reductions it vectorises: greedy verification's
-    argmax over a tree's rows costs a sixth as much (docs/benchmarks.md). Every argmax over
+    argmax over a tree's rows costs a third (4 rows) to a sixth (14 rows) as much inside a
+    compiled loop (docs/benchmarks.md). Every argmax over
     the vocabulary in the loops is this one. The index is jnp.argmax's, ties and NaN
     included (the first NaN wins, as there).
     """
@@ -139,12 +140,12 @@ def _blocks(weights: Array) -> tuple[Array, Array, Array]:
 def _search(blocks: Array, block_sum: Array, block_cum: Array, threshold: Array) -> Array:
     """The id whose running sum first passes ``threshold`` [...] (see :func:`draw`)."""
     b = _first_past(block_cum, block_sum, threshold)
-    # The running sum before block b, read from block_cum itself: threshold >= it exactly,
-    # so the remainder is >= 0 and the search inside the block skips its leading zeros
-    # (block_cum[b] - block_sum[b] can round above it, and a negative remainder would
-    # pick the block's first id whatever its weight).
-    before = jnp.take_along_axis(block_cum, jnp.maximum(b - 1, 0)[..., None], axis=-1)[..., 0]
-    before = jnp.where(b > 0, before, 0.0)
+    # The running sum before block b, read from block_cum itself (0, then block_cum shifted
+    # by one): threshold >= it exactly, so the remainder is >= 0 (block_cum[b] -
+    # block_sum[b] can round above it, and a negative remainder would pick the block's
+    # first id whatever its weight).
+    starts = jnp.pad(block_cum[..., :-1], [(0, 0)] * (block_cum.ndim - 1) + [(1, 0)])
+    before = jnp.take_along_axis(starts, b[..., None], axis=-1)[..., 0]
     row = jnp.take_along_axis(blocks, b[..., None, None], axis=-2)[..., 0, :]
     j = _first_past(jnp.cumsum(row, axis=-1), row, threshold - before)
     return (b * DRAW_BLOCK + j).astype(jnp.int32)

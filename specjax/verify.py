@@ -90,8 +90,8 @@ def verify_greedy(tree_tokens: Array, parent: Array, valid: Array,
       The accepted path, its length, and ``bonus`` = argmax at the last accepted node.
     """
     b, t = tree_tokens.shape
-    # Not jnp.argmax: XLA:CPU runs its (value, index) reduction as a scalar loop, 1.3 ms over
-    # a 12-node tree's 49,152-id rows against 0.2 ms for first_argmax (docs/benchmarks.md).
+    # Not jnp.argmax: XLA:CPU runs its (value, index) reduction as a scalar loop, 1.50 ms over
+    # a 14-node tree's 49,152-id rows against 0.26 ms for first_argmax (docs/benchmarks.md).
     best = first_argmax(target_logits)  # [B, T]
 
     def step(i, carry):
