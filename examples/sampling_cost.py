@@ -82,11 +82,11 @@ def main() -> None:
            "specjax categorical": categorical,
            "jnp.argmax": lambda k, x: jnp.argmax(x, -1).astype(jnp.int32),
            "first_argmax": lambda k, x: first_argmax(x)}
+    jitted = {name: jax.jit(fn) for name, fn in fns.items()}
     rows = []
     for n in (int(r) for r in args.rows.split(",")):
         key, sub = jax.random.split(jax.random.PRNGKey(n))
         logits = 3.0 * jax.random.normal(key, (n, args.vocab))
-        jitted = {name: jax.jit(fn) for name, fn in fns.items()}
         assert (jitted["gumbel + first_argmax"](sub, logits)
                 == jitted["jax.random.categorical"](sub, logits)).all()
         tok = jitted["specjax categorical"](sub, logits)
