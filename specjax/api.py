@@ -17,7 +17,7 @@ from specjax import eagle3
 from specjax import sharding as sh
 from specjax._checks import check_bool, check_int, check_real, check_seed, check_text
 from specjax.checkpoint import CheckpointError, load_target, read_manifest
-from specjax.compile_cache import CompileTimer
+from specjax.compile_cache import CompileTimer, release_programs_near_map_limit
 from specjax.loaded import Drafter, Target
 from specjax.loop import PAD
 from specjax.model import fuse_params, to_out_major
@@ -329,6 +329,7 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
         _check_vocab_state(runner, vocab_state, n)
         runner.vocab_state = _pad_state(runner.head, vocab_state, req.prompt.shape[0])
     runner, req = _runner_on_mesh(runner, req, n, mesh)
+    release_programs_near_map_limit()
     t0 = time.perf_counter()
     with CompileTimer() as compiled, sh.use_mesh(mesh):  # compile time apart from speed
         state = jax.block_until_ready(runner.prefill(req))

@@ -10,6 +10,9 @@ small or quick to compile: the CLI's programs are few and a hit costs millisecon
 :class:`CompileTimer` adds up the time JAX spends tracing, lowering and compiling (or
 loading from the persistent cache) inside a block, so statistics can report compile time
 apart from decoding speed, and counts persistent-cache hits and misses.
+
+:func:`release_programs_near_map_limit` drops the compiled programs a long session has
+accumulated before Linux's per-process limit on memory maps makes the next compile fail.
 """
 
 from __future__ import annotations
@@ -108,3 +111,64 @@ class CompileTimer:
 
     def since(self, t: float) -> float:
         return sum(d for end, _, d in self.events if end > t)
+
+
+# Memory maps. XLA:CPU maps each executable's code and data sections on their own: a
+# speculative program pair (prefill + loop) at batch 1 holds about 1,100 of the process's
+# memory maps, a batch-16 loop up to about 3,000 (sixty-seventh and sixty-eighth sessions,
+# counted in /proc/self/maps). Linux refuses a process more than vm.max_map_count of them
+# (65,530 by default), and LLVM then fails to compile the next program with "Cannot allocate
+# memory" however much memory is free: about 55 speculative configurations tried in one
+# process (trees, heads, lengths) reach it. Dropping JAX's in-memory programs gives the maps
+# back; a program that is needed again compiles, or loads from the persistent cache.
+MAPS_FILE = Path("/proc/self/maps")
+MAP_LIMIT_FILE = Path("/proc/sys/vm/max_map_count")
+# Maps kept free: room for a few more programs (a generate call compiles two) before the
+# next check.
+MAP_HEADROOM = 12_000
+_compiles_since_check = 0
+_listening = False
+
+
+def memory_maps() -> tuple[int, int] | None:
+    """(memory maps this process holds, the kernel's per-process limit), or None where
+    /proc does not say (not Linux)."""
+    try:
+        limit = int(MAP_LIMIT_FILE.read_text())
+        with MAPS_FILE.open("rb") as f:
+            return f.read().count(b"\n"), limit
+    except (OSError, ValueError):
+        return None
+
+
+def _count_compile(event: str, duration: float, **kwargs: Any) -> None:
+    global _compiles_since_check
+    if event == COMPILE_EVENTS[2]:
+        _compiles_since_check += 1
+
+
+def release_programs_near_map_limit(headroom: int = MAP_HEADROOM) -> bool:
+    """Drop JAX's compiled programs (``jax.clear_caches``) when this process holds more
+    than ``limit - headroom`` memory maps; True when it did.
+
+    Called by :func:`specjax.generate` before it compiles, so a session that tries many
+    trees or heads keeps running instead of failing in LLVM. Reading /proc/self/maps costs
+    about a microsecond a map, so it is read only when a program was compiled (or loaded
+    from the persistent cache) since the last check.
+    """
+    global _compiles_since_check, _listening
+    if not _listening:  # counting starts at the first call; the first call always checks
+        jax.monitoring.register_event_duration_secs_listener(_count_compile)
+        _listening, _compiles_since_check = True, 1
+    if _compiles_since_check == 0:
+        return False
+    _compiles_since_check = 0
+    maps = memory_maps()
+    if maps is None or maps[0] <= maps[1] - headroom:
+        return False
+    jax.clear_caches()
+    print(f"specjax: this process holds {maps[0]:,} memory maps, near the kernel's limit of "
+          f"{maps[1]:,} (vm.max_map_count; each compiled program holds about a thousand): "
+          f"dropped the compiled programs, which recompile (or load from the persistent "
+          f"cache) when used again", file=sys.stderr)
+    return True

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import jax
+import pytest
 
 import specjax
 
@@ -60,3 +61,34 @@ def test_cache_path_env(monkeypatch, tmp_path):
     monkeypatch.delenv("SPECJAX_JAX_CACHE")
     monkeypatch.setenv("SPECJAX_HOME", str(tmp_path))
     assert default_cache_path() == tmp_path / "jax-cache"
+
+
+def test_memory_maps_reads_this_process():
+    from specjax.compile_cache import memory_maps
+
+    maps = memory_maps()
+    if maps is None:
+        return  # not Linux: nothing to read, and nothing to guard
+    held, limit = maps
+    assert 0 < held < limit
+
+
+def test_generate_drops_programs_near_the_map_limit(tiny_target, monkeypatch, capsys):
+    import specjax.compile_cache as cc
+
+    specjax.generate(tiny_target, [[1, 2, 3]], max_new_tokens=8)  # compiled (or loaded)
+    specjax.generate(tiny_target, [[1, 2, 3]], max_new_tokens=8)  # checks, finds room
+    # Nothing compiled since the last check: /proc/self/maps is not read at all.
+    monkeypatch.setattr(cc, "memory_maps", lambda: pytest.fail("read without a compile"))
+    again = specjax.generate(tiny_target, [[1, 2, 3]], max_new_tokens=8)
+    assert again.stats["compiles"] == 0
+    # Near the limit after a compile: the programs are dropped, so the same call compiles
+    # (or loads) them again, and says why.
+    cc._compiles_since_check = 1
+    monkeypatch.setattr(cc, "memory_maps", lambda: (60_000, 65_530))
+    res = specjax.generate(tiny_target, [[1, 2, 3]], max_new_tokens=8)
+    assert res.stats["compiles"] > 0 and res.tokens == again.tokens
+    assert "vm.max_map_count" in capsys.readouterr().err
+    # Far from it: kept.
+    monkeypatch.setattr(cc, "memory_maps", lambda: (2_000, 65_530))
+    assert specjax.generate(tiny_target, [[1, 2, 3]], max_new_tokens=8).stats["compiles"] == 0
