@@ -54,7 +54,6 @@ import argparse
 import json
 from pathlib import Path
 
-import jax
 import numpy as np
 from tqdm import tqdm
 
@@ -206,12 +205,6 @@ def main() -> None:
     mal = sampled_mal(target, drafter, trees, prompts, temperature=args.temperature,
                       seeds=args.seeds, batch=args.batch, max_new_tokens=args.max_new_tokens,
                       done=done, save=lambda: write_json(args.out, result))
-    # Drop the MAL phase's batch programs before timing. Each compiled speculative program
-    # holds about 2,300 memory maps (LLVM's code and data sections; 788 -> 3,081 for one),
-    # and the MAL phase's trees x length buckets plus the timing phase's passed Linux's
-    # default limit of 65,530 with four trees: LLVM then failed with "Cannot allocate
-    # memory" (sixty-seventh session). The persistent cache reloads any that come back.
-    jax.clear_caches()
     timed = length_stratified(prompts, args.timing_prompts)
     ms = step_times(target, drafter, trees, timed, temperature=args.temperature,
                     reps=args.timing_reps, max_new_tokens=args.max_new_tokens)
