@@ -133,12 +133,28 @@ void Tile(const float* x, const Src& src, float* y, int64_t K, int64_t m0, int64
       for (int t = 0; t < NT; ++t) acc[r][t] = Fma(xv, wv[t], acc[r][t]);
     }
   }
+  // The MR * NT horizontal sums, kLanes at a time by one transposing tree of adds
+  // (SumEach) instead of one reduction each. Every output's lanes are added in the same
+  // order whatever its place in the tile (the unused places are zeros), so a product's
+  // bits do not depend on M: a verify step's logits equal a decode step's.
+  constexpr int kSums = MR * NT, kGroups = (kSums + kLanes - 1) / kLanes;
+  alignas(64) float sums[kGroups * kLanes];
+#pragma GCC unroll 4
+  for (int g = 0; g < kGroups; ++g) {
+    Vec v[kLanes];
+#pragma GCC unroll 16
+    for (int i = 0; i < kLanes; ++i) {
+      const int a = g * kLanes + i;
+      v[i] = a < kSums ? acc[a / NT][a % NT] : Zero();
+    }
+    Store(sums + g * kLanes, SumEach(v));
+  }
   const int64_t ld = src.cols;
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) {
-      float v = Sum(acc[r][t]);
+      float v = sums[r * NT + t];
       // 0 * inf in x would make a padding column NaN; its output is 0 by definition.
       if constexpr (Src::kGathered) v = src.Valid(n0 + t) ? v : 0.0f;
       y[(m0 + r) * ld + n0 + t] = v;
