@@ -135,8 +135,9 @@ void Tile(const float* x, const Src& src, float* y, int64_t K, int64_t m0, int64
   }
   // The MR * NT horizontal sums, kLanes at a time by one transposing tree of adds
   // (SumEach) instead of one reduction each. Every output's lanes are added in the same
-  // order whatever its place in the tile (the unused places are zeros), so a product's
-  // bits do not depend on M: a verify step's logits equal a decode step's.
+  // order whatever its place in the tile (the unused places are zeros), so a row's products
+  // have the same bits at every M, as with one reduction each: the kernel puts no
+  // difference between a verify step's rows and a decode step's.
   constexpr int kSums = MR * NT, kGroups = (kSums + kLanes - 1) / kLanes;
   alignas(64) float sums[kGroups * kLanes];
 #pragma GCC unroll 4

@@ -43,9 +43,10 @@ def test_matches_reference(m, n, k):
 @needs_kernel
 @pytest.mark.parametrize("n,k", [(1030, 576), (37, 1536)])
 def test_a_rows_bits_do_not_depend_on_how_many_rows(n, k):
-    """A verify step's logits must equal a decode step's to the bit, or greedy speculative
-    output could part from vanilla on a near tie: each row's products are the same whatever
-    the tile heights (and output tile widths) M rows are cut into."""
+    """The kernel must put no difference between a verify step's rows and a decode step's,
+    which could make greedy speculative output part from vanilla on a near tie: each row's
+    products have the same bits whatever tile heights (and output tile widths) M rows are
+    cut into."""
     x, w = _xw(16, n, k, seed=5)
     alone = np.concatenate([np.asarray(jax.jit(rowdot)(x[i:i + 1], w)) for i in range(16)])
     for m in range(2, 17):
