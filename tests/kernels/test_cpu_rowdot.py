@@ -1,11 +1,12 @@
 """The CPU rowdot kernel (C++ through XLA FFI) against its jnp reference: every remainder of
 the 6-row tiles and of the output tiles (4 wide on AVX-512; 8, 6, 4, 3 or 2 wide on AVX2,
-by the number of rows), leading batch axes, many calls in one program (the pool deadlock
-this kernel's work sharing avoids), the argument checks and the dispatch (the build: in
-test_cpu_build.py)."""
+by the number of rows), a row's bits at every M, the AVX2 build run on an AVX-512 host,
+leading batch axes, many calls in one program (the pool deadlock this kernel's work sharing
+avoids), the argument checks and the dispatch (the build: in test_cpu_build.py)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax.kernels.cpu_build import _cpu_flags
 from specjax.kernels.cpu_rowdot import available, rowdot, rowdot_reference
 
 OK, WHY = available()
@@ -52,6 +54,42 @@ def test_a_rows_bits_do_not_depend_on_how_many_rows(n, k):
     for m in range(2, 17):
         np.testing.assert_array_equal(np.asarray(jax.jit(rowdot)(x[:m], w)), alone[:m],
                                       err_msg=f"M = {m}")
+
+
+def test_the_avx2_build_matches_reference(tmp_path):
+    """On an AVX-512 host the kernel runs AVX-512 code; the AVX2 build (8 lanes: other tile
+    widths, and its own transposing sums) is built here for Haswell, which any such host
+    also runs, and checked dense and gathered at every row count, with a row's bits the
+    same at every M."""
+    if not {"avx2", "fma"} <= _cpu_flags():
+        pytest.skip("this CPU cannot run AVX2 code")
+    code = """
+import numpy as np, jax, jax.numpy as jnp
+from specjax.kernels import cpu_build
+cpu_build._FLAGS = tuple("-march=haswell" if f == "-march=native" else f
+                         for f in cpu_build._FLAGS)
+from specjax.kernels.cpu_rowdot import (rowdot, rowdot_gathered, rowdot_gathered_reference,
+                                        rowdot_reference)
+rng = np.random.default_rng(0)
+for n, k in ((1030, 576), (37, 1536), (7, 32)):
+    x = jnp.asarray(rng.standard_normal((16, k), np.float32))
+    w = jnp.asarray(rng.standard_normal((n, k), np.float32) / np.sqrt(k))
+    idx = jnp.asarray(rng.integers(-2, n + 2, (1, 300)), jnp.int32)
+    alone = np.concatenate([np.asarray(rowdot(x[i:i + 1], w)) for i in range(16)])
+    for m in range(1, 17):
+        got = np.asarray(jax.jit(rowdot)(x[:m], w))
+        np.testing.assert_allclose(got, rowdot_reference(x[:m], w), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(got, alone[:m], err_msg=f"M = {m}")
+        np.testing.assert_allclose(rowdot_gathered(x[:m], w, idx),
+                                   rowdot_gathered_reference(x[:m], w, idx),
+                                   rtol=1e-5, atol=1e-5, err_msg=f"gathered, M = {m}")
+print("ok")
+"""
+    env = {**os.environ, "SPECJAX_HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+    assert list((tmp_path / "kernels").glob("cpu_kernels-*.so"))  # built apart from the cache
 
 
 @needs_kernel
