@@ -6,7 +6,6 @@ the model's dispatch (the same logits with the kernel off)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -24,6 +23,7 @@ from specjax.kernels.cpu_attention import (
     use_cpu_attention,
 )
 from specjax.kernels.cpu_build import _cpu_flags, _cpu_isa, available
+from tests.kernels.avx2_build import run_on_the_avx2_build
 
 OK, WHY = available()
 needs_kernel = pytest.mark.skipif(not OK, reason=f"CPU kernels unavailable: {WHY}")
@@ -187,13 +187,8 @@ def test_the_avx2_build_matches_reference(tmp_path):
     """On an AVX-512 host the kernels run AVX-512 code; the AVX2 build (8 lanes: other query
     groups, tiles and slabs) is built here for Haswell, which any such host also runs, and
     checked on random shapes in both layouts."""
-    if not {"avx2", "fma"} <= _cpu_flags():
-        pytest.skip("this CPU cannot run AVX2 code")
-    code = """
+    run_on_the_avx2_build("""
 import numpy as np, jax.numpy as jnp
-from specjax.kernels import cpu_build
-cpu_build._FLAGS = tuple("-march=haswell" if f == "-march=native" else f
-                         for f in cpu_build._FLAGS)
 from specjax.kernels.cpu_attention import cache_attention, cache_attention_reference
 rng = np.random.default_rng(0)
 for case in range(15):
@@ -209,12 +204,7 @@ for case in range(15):
         got = cache_attention(q, k, v, lens, mask, 0.2, splits, scores)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6, err_msg=str(case))
 print("ok")
-"""
-    env = {**os.environ, "SPECJAX_HOME": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=600, env=env)
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
-    assert list((tmp_path / "kernels").glob("cpu_kernels-*.so"))  # built apart from the cache
+""", tmp_path)
 
 
 @pytest.mark.parametrize("shapes,dtype,err", [

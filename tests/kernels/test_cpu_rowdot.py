@@ -6,7 +6,6 @@ avoids), the argument checks and the dispatch (the build: in test_cpu_build.py).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -15,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.kernels.cpu_build import _cpu_flags
 from specjax.kernels.cpu_rowdot import available, rowdot, rowdot_reference
+from tests.kernels.avx2_build import run_on_the_avx2_build
 
 OK, WHY = available()
 needs_kernel = pytest.mark.skipif(not OK, reason=f"CPU rowdot unavailable: {WHY}")
@@ -56,18 +55,14 @@ def test_a_rows_bits_do_not_depend_on_how_many_rows(n, k):
                                       err_msg=f"M = {m}")
 
 
+@needs_kernel
 def test_the_avx2_build_matches_reference(tmp_path):
     """On an AVX-512 host the kernel runs AVX-512 code; the AVX2 build (8 lanes: other tile
     widths, and its own transposing sums) is built here for Haswell, which any such host
     also runs, and checked dense and gathered at every row count, with a row's bits the
     same at every M."""
-    if not {"avx2", "fma"} <= _cpu_flags():
-        pytest.skip("this CPU cannot run AVX2 code")
-    code = """
+    run_on_the_avx2_build("""
 import numpy as np, jax, jax.numpy as jnp
-from specjax.kernels import cpu_build
-cpu_build._FLAGS = tuple("-march=haswell" if f == "-march=native" else f
-                         for f in cpu_build._FLAGS)
 from specjax.kernels.cpu_rowdot import (rowdot, rowdot_gathered, rowdot_gathered_reference,
                                         rowdot_reference)
 rng = np.random.default_rng(0)
@@ -84,12 +79,7 @@ for n, k in ((1030, 576), (37, 1536), (7, 32)):
                                    rowdot_gathered_reference(x[:m], w, idx),
                                    rtol=1e-5, atol=1e-5, err_msg=f"gathered, M = {m}")
 print("ok")
-"""
-    env = {**os.environ, "SPECJAX_HOME": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=600, env=env)
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
-    assert list((tmp_path / "kernels").glob("cpu_kernels-*.so"))  # built apart from the cache
+""", tmp_path)
 
 
 @needs_kernel
