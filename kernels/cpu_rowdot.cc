@@ -60,8 +60,9 @@ constexpr int kChunkRows = std::lcm(std::lcm(std::lcm(kColTile[1], kColTile[2]),
                                     std::lcm(kColTile[5], kColTile[6]));
 static_assert(16 % kLanes == 0, "K % 16 == 0 must make every row whole vectors");
 
-// Every tile asks for the next tile's weight rows while it works on its own, one prefetch
-// per cache line, into L2 (_MM_HINT_T1). Unasked, a tile with several rows of x keeps each
+// Every column tile asks for the next one's weight rows while it works on its own, one
+// prefetch per cache line, into L2 (_MM_HINT_T1), shared among its passes over x's rows
+// (Rows, below). Unasked, a tile with several rows of x keeps each
 // weight row busy in the FMAs and the next rows arrive only when they are loaded: the
 // memory stream and the FMAs take turns instead of overlapping. Until the fifty-ninth
 // session the prefetch went into L1 (T0) and only from three rows on; into L2 from one row,
@@ -98,11 +99,12 @@ struct Gathered {
 };
 
 // MR rows of x times the weight rows of columns [n0, n0 + NT), into y (row stride
-// ``src.cols``). ``kPrefetch``: also ask for the rows of columns [n0 + NT, n0 + 2 NT) (a
-// template argument: the later row groups of a column tile, and a ragged end's single
-// columns, run without it).
+// ``src.cols``). ``kPrefetch``: also ask for this tile's share of the rows of columns
+// [n0 + NT, n0 + 2 NT): cache line i of each row where i % passes == pass (a template
+// argument: a ragged end's single columns run without it).
 template <int MR, int NT, bool kPrefetch, class Src>
-void Tile(const float* x, const Src& src, float* y, int64_t K, int64_t m0, int64_t n0) {
+void Tile(const float* x, const Src& src, float* y, int64_t K, int64_t m0, int64_t n0,
+          int64_t pass = 0, int64_t passes = 1) {
   Vec acc[MR][NT];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
@@ -115,9 +117,11 @@ void Tile(const float* x, const Src& src, float* y, int64_t K, int64_t m0, int64
     row[t] = src.At(n0 + t);
     if constexpr (kPrefetch) next[t] = src.At(n0 + NT + t);
   }
+  int64_t due = pass * kLineFloats;  // the next k whose line this pass asks for
   for (int64_t k = 0; k < K; k += kLanes) {
     if constexpr (kPrefetch) {
-      if (k % kLineFloats == 0) {
+      if (k == due) {
+        due += passes * kLineFloats;
 #pragma GCC unroll 8
         for (int t = 0; t < NT; ++t)
           _mm_prefetch(reinterpret_cast<const char*>(next[t] + k), _MM_HINT_T1);
@@ -128,7 +132,13 @@ void Tile(const float* x, const Src& src, float* y, int64_t K, int64_t m0, int64
     for (int t = 0; t < NT; ++t) wv[t] = Load(row[t] + k);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      const Vec xv = Load(x + (m0 + r) * K + k);
+      Vec xv = Load(x + (m0 + r) * K + k);
+      // Keep x's vector in a register. Left free, GCC folds the load into each of the NT
+      // FMAs (vfmadd231ps mem, w, acc): NT loads of the same line instead of one, 28 loads
+      // per 24 FMAs on a 6x4 tile, plus the prefetches, so the tile waits on the load ports
+      // at about 70% of the FMA peak even with w in L1 (a standalone copy of this loop on
+      // Zen 4, one core: 40 -> 54 GFMA/s from L1, 27 -> 53 from L2, 21 -> 38 from memory).
+      KeepInRegister(xv);
 #pragma GCC unroll 8
       for (int t = 0; t < NT; ++t) acc[r][t] = Fma(xv, wv[t], acc[r][t]);
     }
@@ -165,28 +175,34 @@ void Tile(const float* x, const Src& src, float* y, int64_t K, int64_t m0, int64
 // Rows [m, m + rows) of x, rows < kRowTile, against columns [n0, n0 + NT).
 template <int NT, bool kPrefetch, class Src>
 void Rest(const float* x, const Src& src, float* y, int64_t rows, int64_t K, int64_t m,
-          int64_t n0) {
+          int64_t n0, int64_t pass = 0, int64_t passes = 1) {
   static_assert(kRowTile == 6, "the cases below are 5..1");
   switch (rows) {
-    case 5: return Tile<5, NT, kPrefetch>(x, src, y, K, m, n0);
-    case 4: return Tile<4, NT, kPrefetch>(x, src, y, K, m, n0);
-    case 3: return Tile<3, NT, kPrefetch>(x, src, y, K, m, n0);
-    case 2: return Tile<2, NT, kPrefetch>(x, src, y, K, m, n0);
-    case 1: return Tile<1, NT, kPrefetch>(x, src, y, K, m, n0);
+    case 5: return Tile<5, NT, kPrefetch>(x, src, y, K, m, n0, pass, passes);
+    case 4: return Tile<4, NT, kPrefetch>(x, src, y, K, m, n0, pass, passes);
+    case 3: return Tile<3, NT, kPrefetch>(x, src, y, K, m, n0, pass, passes);
+    case 2: return Tile<2, NT, kPrefetch>(x, src, y, K, m, n0, pass, passes);
+    case 1: return Tile<1, NT, kPrefetch>(x, src, y, K, m, n0, pass, passes);
     default: return;
   }
 }
 
-// All M rows of x against columns [n0, n0 + NT): row groups of kRowTile, then the
-// remainder. The NT weight rows stay in L1 across the groups, so w is read from memory once,
-// by the first group (the one that prefetches).
+// All M rows of x against columns [n0, n0 + NT): passes of kRowTile rows, then the
+// remainder. The NT weight rows stay in L1 across the passes, so w is read from memory once,
+// by the first pass; every pass asks for its share of the next tile's rows. Only the first
+// pass waits on memory (it hides up to kRowTile rows' FMAs under the stream); the later ones
+// compute from L1. When the first pass asked for the whole next tile, the memory idled
+// through the later passes and they added their full time: spread over every pass, a
+// forward's products at 12 / 14 rows took 0.82 / 0.87 of the time (both changes here
+// together: without the x vector held in a register, the later passes' extra prefetches
+// made them slower, 1.04 / 1.06; docs/benchmarks.md, seventieth session).
 template <int NT, bool kPrefetch, class Src>
 void Rows(const float* x, const Src& src, float* y, int64_t M, int64_t K, int64_t n0) {
-  if (M < kRowTile) return Rest<NT, kPrefetch>(x, src, y, M, K, 0, n0);
-  Tile<kRowTile, NT, kPrefetch>(x, src, y, K, 0, n0);
-  int64_t m = kRowTile;
-  for (; m + kRowTile <= M; m += kRowTile) Tile<kRowTile, NT, false>(x, src, y, K, m, n0);
-  Rest<NT, false>(x, src, y, M - m, K, m, n0);
+  const int64_t passes = (M + kRowTile - 1) / kRowTile;
+  int64_t m = 0, pass = 0;
+  for (; m + kRowTile <= M; m += kRowTile, ++pass)
+    Tile<kRowTile, NT, kPrefetch>(x, src, y, K, m, n0, pass, passes);
+  Rest<NT, kPrefetch>(x, src, y, M - m, K, m, n0, pass, passes);
 }
 
 // Columns [n0, n1): whole tiles, which prefetch (for a gathered source too, where no

@@ -87,6 +87,11 @@ inline Vec SumEach(const Vec* v) {
 #error "the specjax CPU kernels need AVX-512F, or AVX2 with FMA (-march=native on such a CPU)"
 #endif
 
+// An optimisation barrier that makes the compiler hold v in a register from here on, so
+// that it cannot fold v's load into each instruction that reads it (one load per use
+// instead of one). It emits no instruction and changes no value.
+inline void KeepInRegister(Vec& v) { asm("" : "+v"(v)); }
+
 // exp(x) for x <= 0 (a softmax's shifted scores), within 2 ulp of expf for x >= -87; below,
 // where expf's result would be denormal or 0, it returns exp(-87) ~ 1.6e-38, which no sum of
 // at least one exp(0) = 1 can tell from 0. Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a
