@@ -187,22 +187,29 @@ void Rest(const float* x, const Src& src, float* y, int64_t rows, int64_t K, int
   }
 }
 
-// All M rows of x against columns [n0, n0 + NT): passes of kRowTile rows, then the
-// remainder. The NT weight rows stay in L1 across the passes, so w is read from memory once,
-// by the first pass; every pass asks for its share of the next tile's rows. Only the first
-// pass waits on memory (it hides up to kRowTile rows' FMAs under the stream); the later ones
-// compute from L1. When the first pass asked for the whole next tile, the memory idled
-// through the later passes and they added their full time: spread over every pass, a
-// forward's products at 12 / 14 rows took 0.82 / 0.87 of the time (both changes here
-// together: without the x vector held in a register, the later passes' extra prefetches
-// made them slower, 1.04 / 1.06; docs/benchmarks.md, seventieth session).
+// All M rows of x against columns [n0, n0 + NT), in passes over x's rows. The NT weight rows
+// stay in L1 across the passes, so w is read from memory once, by the first pass, which hides
+// up to kRowTile rows' FMAs under that stream; the later passes compute from L1. Every pass
+// asks for its share of the next tile's rows: when the first pass asked for the whole next
+// tile, the memory idled through the later passes and they added their full time. Spread
+// over every pass, a forward's products at 12 / 14 rows took 0.82 / 0.87 of the time (with
+// x's vector held in a register: without it, the later passes' extra prefetches made them
+// slower, 1.04 / 1.06). The first pass takes kRowTile rows and the rest share the others
+// evenly: 14 rows as 6 + 4 + 4 took 0.95 of 6 + 6 + 2's time, whose last pass of 2 rows
+// loads 6 vectors for 8 FMAs (docs/benchmarks.md, seventieth session).
 template <int NT, bool kPrefetch, class Src>
 void Rows(const float* x, const Src& src, float* y, int64_t M, int64_t K, int64_t n0) {
   const int64_t passes = (M + kRowTile - 1) / kRowTile;
-  int64_t m = 0, pass = 0;
-  for (; m + kRowTile <= M; m += kRowTile, ++pass)
-    Tile<kRowTile, NT, kPrefetch>(x, src, y, K, m, n0, pass, passes);
-  Rest<NT, kPrefetch>(x, src, y, M - m, K, m, n0, pass, passes);
+  for (int64_t m = 0, pass = 0; pass < passes; ++pass) {
+    const int64_t left = passes - pass;  // passes left, this one included
+    const int64_t rows = pass == 0 ? std::min<int64_t>(M, kRowTile) : (M - m + left - 1) / left;
+    if (rows == kRowTile) {
+      Tile<kRowTile, NT, kPrefetch>(x, src, y, K, m, n0, pass, passes);
+    } else {
+      Rest<NT, kPrefetch>(x, src, y, rows, K, m, n0, pass, passes);
+    }
+    m += rows;
+  }
 }
 
 // Columns [n0, n1): whole tiles, which prefetch (for a gathered source too, where no
