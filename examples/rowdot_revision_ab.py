@@ -1,9 +1,13 @@
 """The CPU rowdot kernel of a git revision against the working tree's, on the target's
 forward: the same SmolLM2-135M forward (30 layers + LM head + argmax) over T = 1..16 rows
 of a ``--context``-row cache, traced once with each kernel and timed call by call in turn;
-best and median of ``--runs`` calls each. Writes JSON.
+best and median of ``--runs`` calls each. Writes JSON. ``--products``: only the forward's
+weight products instead (30 layers' Q/K/V, O, gate/up and down, then the LM head, on random
+weights of those shapes), streamed from memory, or with ``--cached`` one 960 x 576 matrix
+120 times over (2.2 MB, in the last-level cache: the kernel's compute rate alone).
 
     python examples/rowdot_revision_ab.py --rev HEAD~1 --out results/rowdot_ab.json
+    python examples/rowdot_revision_ab.py --rev HEAD~1 --products --rows 6,12,14
 
 The revision's ``kernels/cpu_rowdot.cc`` is compiled with the flags ``cpu_rowdot`` uses, its
 handler symbol renamed, and registered as a second FFI target; the forward traced while
@@ -57,45 +61,94 @@ def register_revision(rev: str) -> str:
     return name
 
 
+# One layer's products as [out, in] weights (fused Q/K/V, O, fused gate/up, down), and the
+# tied LM head: SmolLM2-135M's shapes.
+LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+HEAD = (49152, 576)
+
+
+def forward_case(args) -> tuple:
+    """The target's forward (+ LM head + argmax) at T rows: (make_fn, example(T), what)."""
+    target = specjax.load(resolve_model(None, progress=False))
+    if not is_out_major(target.params):
+        raise SystemExit("the target was not loaded out-major here (no rowdot kernel, or "
+                         "SPECJAX_CPU_ROWDOT=off): there is no kernel to compare")
+    cfg, params = target.cfg, target.params
+    cache = dataclasses.replace(init_cache(cfg, 1, args.context + 64),
+                                lengths=jnp.full((1,), args.context, jnp.int32))
+
+    def make():
+        return jax.jit(lambda p, t, pos, c: jnp.argmax(
+            lm_head(p, forward_hidden(p, cfg, t, pos, c)[0]), -1))
+
+    def example(m: int) -> tuple:
+        return (params, jnp.ones((1, m), jnp.int32),
+                args.context + jnp.arange(m, dtype=jnp.int32)[None], cache)
+
+    return make, example, "jitted forward_hidden + lm_head + argmax, B=1"
+
+
+def products_case(args) -> tuple:
+    """The forward's weight products alone at M rows: (make_fn, example(M), what)."""
+    rng = np.random.default_rng(0)
+    if args.cached:
+        w = jnp.asarray(rng.standard_normal((960, 576), np.float32) * 0.02)
+        ws = [w] * 120
+    else:
+        ws = [jnp.asarray(rng.standard_normal(s, np.float32) * 0.02)
+              for s in LAYER * 30 + [HEAD]]
+
+    def make():
+        return jax.jit(lambda xs, ws: [cpu_rowdot.rowdot(xs[w.shape[1]], w) for w in ws])
+
+    def example(m: int) -> tuple:
+        return ({k: jnp.asarray(rng.standard_normal((m, k), np.float32)) for k in (576, 1536)},
+                ws)
+
+    what = "one 960 x 576 matrix x 120 (cached)" if args.cached else "30 layers' products + LM head"
+    return make, example, what
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rev", default="HEAD", help="git revision to compare with (default HEAD)")
     ap.add_argument("--rows", default="1,2,3,4,6,8,10,12,16")
     ap.add_argument("--context", type=int, default=300, help="committed cache rows")
     ap.add_argument("--runs", type=int, default=12)
+    ap.add_argument("--products", action="store_true",
+                    help="time the forward's weight products alone, not the forward")
+    ap.add_argument("--cached", action="store_true",
+                    help="with --products: one cache-resident matrix, the compute rate alone")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    target = specjax.load(resolve_model(None, progress=False))
-    if not is_out_major(target.params):
-        raise SystemExit("the target was not loaded out-major here (no rowdot kernel, or "
-                         "SPECJAX_CPU_ROWDOT=off): there is no kernel to compare")
+    if args.cached and not args.products:
+        ap.error("--cached goes with --products")
+    if not cpu_rowdot.available()[0]:
+        raise SystemExit(f"the rowdot kernel is not available here: {cpu_rowdot.available()[1]}")
+    make, example_of, what = (products_case if args.products else forward_case)(args)
     kernels = {args.rev: register_revision(args.rev), "working tree": cpu_rowdot.TARGET}
-    cfg, params = target.cfg, target.params
-    cache = dataclasses.replace(init_cache(cfg, 1, args.context + 64),
-                                lengths=jnp.full((1,), args.context, jnp.int32))
 
     def traced(name: str, example: tuple):
-        """A fresh jit of the forward, traced while ``TARGET`` is ``name``."""
-        fn = jax.jit(lambda p, t, pos, c: jnp.argmax(
-            lm_head(p, forward_hidden(p, cfg, t, pos, c)[0]), -1))
+        """A fresh jit, traced while ``TARGET`` is ``name``."""
         default, cpu_rowdot.TARGET = cpu_rowdot.TARGET, name
         try:
-            return fn.lower(params, *example).compile()
+            return make().lower(*example).compile()
         finally:
             cpu_rowdot.TARGET = default
 
     rows = {}
     for m in (int(x) for x in args.rows.split(",")):
-        example = (jnp.ones((1, m), jnp.int32),
-                   args.context + jnp.arange(m, dtype=jnp.int32)[None], cache)
+        example = example_of(m)
         fns = {k: traced(name, example) for k, name in kernels.items()}
-        outs = [np.asarray(f(params, *example)) for f in fns.values()]
-        assert all((o == outs[0]).all() for o in outs), "the kernels disagree"
+        outs = [jax.tree.leaves(f(*example)) for f in fns.values()]
+        same = all((np.asarray(a) == np.asarray(b)).all()
+                   for o in outs[1:] for a, b in zip(o, outs[0], strict=True))
+        assert same, "the kernels disagree"
         ms = {k: [] for k in fns}
         for _ in range(args.runs):
             for k, f in fns.items():
                 t = time.perf_counter()
-                jax.block_until_ready(f(params, *example))
+                jax.block_until_ready(f(*example))
                 ms[k].append(1e3 * (time.perf_counter() - t))
         rows[m] = {k: {"best_ms": min(v), "median_ms": float(np.median(v))}
                    for k, v in ms.items()}
@@ -106,8 +159,8 @@ def main() -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(
-            {"rev": args.rev, "context": args.context, "runs": args.runs,
-             "what": "jitted forward_hidden + lm_head + argmax, B=1", "rows": rows}, indent=1))
+            {"rev": args.rev, "context": args.context, "runs": args.runs, "what": what,
+             "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
