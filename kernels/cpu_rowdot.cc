@@ -62,9 +62,9 @@ static_assert(16 % kLanes == 0, "K % 16 == 0 must make every row whole vectors")
 
 // Every column tile asks for the next one's weight rows while it works on its own, one
 // prefetch per cache line, into L2 (_MM_HINT_T1), shared among its passes over x's rows
-// (Rows, below). Unasked, a tile with several rows of x keeps each
-// weight row busy in the FMAs and the next rows arrive only when they are loaded: the
-// memory stream and the FMAs take turns instead of overlapping. Until the fifty-ninth
+// (Rows, below). Unasked, a tile with several rows of x keeps each weight row busy in the
+// FMAs and the next rows arrive only when they are loaded: the memory stream and the FMAs
+// take turns instead of overlapping. Until the fifty-ninth
 // session the prefetch went into L1 (T0) and only from three rows on; into L2 from one row,
 // a SmolLM2 LM head (113 MB) at M = 1 / 2 / 4 / 6 takes 0.85 / 0.81 / 0.75 / 0.68 of that
 // kernel's time on this Zen 4 host (in-process A/B; T2 reads as T1, NTA as T0, and asking

@@ -88,8 +88,8 @@ inline Vec SumEach(const Vec* v) {
 #endif
 
 // An optimisation barrier that makes the compiler hold v in a register from here on, so
-// that it cannot fold v's load into each instruction that reads it (one load per use
-// instead of one). It emits no instruction and changes no value.
+// that it cannot fold v's load into every instruction that reads v (a load per use instead
+// of one load). It emits no instruction and changes no value.
 inline void KeepInRegister(Vec& v) { asm("" : "+v"(v)); }
 
 // exp(x) for x <= 0 (a softmax's shifted scores), within 2 ulp of expf for x >= -87; below,
