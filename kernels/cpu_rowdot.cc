@@ -73,6 +73,17 @@ static_assert(16 % kLanes == 0, "K % 16 == 0 must make every row whole vectors")
 // arrives, where an L2 one leaves them to the tile's own loads, which then hit in L2.
 constexpr int kLineFloats = 16;  // one 64-byte cache line
 
+// Two changes of the seventieth session pay where loads are 512 bits wide: x's vector pinned
+// in a register (kPinX, Tile) and the next tile's prefetch shared among the passes over x's
+// rows (kSharedPrefetch, Rows). The AVX2 build, run on this Zen 4 host (no AVX2-only machine
+// was at hand), was slower with them: 1.03 of its products' time at 6 rows with the pin,
+// 1.04-1.13 at 8-14 rows with the shared prefetch. It keeps the loop it had.
+#if defined(__AVX512F__)
+constexpr bool kPinX = true, kSharedPrefetch = true;
+#else
+constexpr bool kPinX = false, kSharedPrefetch = false;
+#endif
+
 // Where output column j's weight row lives. Dense: row j of w (rowdot). Gathered: row
 // idx[j] of w, or a row of zeros for a padding id outside [0, N), whose output is then
 // written as exactly 0 (rowdot_gathered). ``At`` clamps j to the last column, so a tile may
@@ -104,7 +115,7 @@ struct Gathered {
 // argument: a ragged end's single columns run without it).
 template <int MR, int NT, bool kPrefetch, class Src>
 void Tile(const float* x, const Src& src, float* y, int64_t K, int64_t m0, int64_t n0,
-          int64_t pass = 0, int64_t passes = 1) {
+          int64_t pass, int64_t passes) {
   Vec acc[MR][NT];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
@@ -138,7 +149,7 @@ void Tile(const float* x, const Src& src, float* y, int64_t K, int64_t m0, int64
       // per 24 FMAs on a 6x4 tile, plus the prefetches, so the tile waits on the load ports
       // at about 70% of the FMA peak even with w in L1 (a standalone copy of this loop on
       // Zen 4, one core: 40 -> 54 GFMA/s from L1, 27 -> 53 from L2, 21 -> 38 from memory).
-      KeepInRegister(xv);
+      if constexpr (kPinX) KeepInRegister(xv);
 #pragma GCC unroll 8
       for (int t = 0; t < NT; ++t) acc[r][t] = Fma(xv, wv[t], acc[r][t]);
     }
@@ -172,12 +183,13 @@ void Tile(const float* x, const Src& src, float* y, int64_t K, int64_t m0, int64
     }
 }
 
-// Rows [m, m + rows) of x, rows < kRowTile, against columns [n0, n0 + NT).
+// One pass: rows [m, m + rows) of x, rows <= kRowTile, against columns [n0, n0 + NT).
 template <int NT, bool kPrefetch, class Src>
-void Rest(const float* x, const Src& src, float* y, int64_t rows, int64_t K, int64_t m,
-          int64_t n0, int64_t pass = 0, int64_t passes = 1) {
-  static_assert(kRowTile == 6, "the cases below are 5..1");
+void Pass(const float* x, const Src& src, float* y, int64_t rows, int64_t K, int64_t m,
+          int64_t n0, int64_t pass, int64_t passes) {
+  static_assert(kRowTile == 6, "the cases below are 6..1");
   switch (rows) {
+    case 6: return Tile<6, NT, kPrefetch>(x, src, y, K, m, n0, pass, passes);
     case 5: return Tile<5, NT, kPrefetch>(x, src, y, K, m, n0, pass, passes);
     case 4: return Tile<4, NT, kPrefetch>(x, src, y, K, m, n0, pass, passes);
     case 3: return Tile<3, NT, kPrefetch>(x, src, y, K, m, n0, pass, passes);
@@ -197,16 +209,21 @@ void Rest(const float* x, const Src& src, float* y, int64_t rows, int64_t K, int
 // slower, 1.04 / 1.06). The first pass takes kRowTile rows and the rest share the others
 // evenly: 14 rows as 6 + 4 + 4 took 0.95 of 6 + 6 + 2's time, whose last pass of 2 rows
 // loads 6 vectors for 8 FMAs (docs/benchmarks.md, seventieth session).
+// Without kSharedPrefetch (AVX2): passes of kRowTile rows, the first asking for the whole
+// next tile, the later ones for nothing.
 template <int NT, bool kPrefetch, class Src>
 void Rows(const float* x, const Src& src, float* y, int64_t M, int64_t K, int64_t n0) {
   const int64_t passes = (M + kRowTile - 1) / kRowTile;
   for (int64_t m = 0, pass = 0; pass < passes; ++pass) {
     const int64_t left = passes - pass;  // passes left, this one included
-    const int64_t rows = pass == 0 ? std::min<int64_t>(M, kRowTile) : (M - m + left - 1) / left;
-    if (rows == kRowTile) {
-      Tile<kRowTile, NT, kPrefetch>(x, src, y, K, m, n0, pass, passes);
+    const int64_t rows = kSharedPrefetch && pass > 0 ? (M - m + left - 1) / left
+                                                     : std::min<int64_t>(M - m, kRowTile);
+    if (kSharedPrefetch) {
+      Pass<NT, kPrefetch>(x, src, y, rows, K, m, n0, pass, passes);
+    } else if (pass == 0) {
+      Pass<NT, kPrefetch>(x, src, y, rows, K, m, n0, 0, 1);
     } else {
-      Rest<NT, kPrefetch>(x, src, y, rows, K, m, n0, pass, passes);
+      Pass<NT, false>(x, src, y, rows, K, m, n0, 0, 1);
     }
     m += rows;
   }
