@@ -64,13 +64,13 @@ static_assert(16 % kLanes == 0, "K % 16 == 0 must make every row whole vectors")
 // prefetch per cache line, into L2 (_MM_HINT_T1), shared among its passes over x's rows
 // (Rows, below). Unasked, a tile with several rows of x keeps each weight row busy in the
 // FMAs and the next rows arrive only when they are loaded: the memory stream and the FMAs
-// take turns instead of overlapping. Until the fifty-ninth
-// session the prefetch went into L1 (T0) and only from three rows on; into L2 from one row,
-// a SmolLM2 LM head (113 MB) at M = 1 / 2 / 4 / 6 takes 0.85 / 0.81 / 0.75 / 0.68 of that
-// kernel's time on this Zen 4 host (in-process A/B; T2 reads as T1, NTA as T0, and asking
-// 2-8 tiles ahead is no better than one; docs/benchmarks.md, fifty-ninth session). A
-// likely reason: an L1 prefetch holds one of the core's few L1 miss buffers until its line
-// arrives, where an L2 one leaves them to the tile's own loads, which then hit in L2.
+// take turns instead of overlapping. Until the fifty-ninth session the prefetch went into L1
+// (T0) and only from three rows on; into L2 from one row, a SmolLM2 LM head (113 MB) at
+// M = 1 / 2 / 4 / 6 takes 0.85 / 0.81 / 0.75 / 0.68 of that kernel's time on this Zen 4 host
+// (in-process A/B; T2 reads as T1, NTA as T0, and asking 2-8 tiles ahead is no better than
+// one; docs/benchmarks.md, fifty-ninth session). A likely reason: an L1 prefetch holds one of
+// the core's few L1 miss buffers until its line arrives, where an L2 one leaves them to the
+// tile's own loads, which then hit in L2.
 constexpr int kLineFloats = 16;  // one 64-byte cache line
 
 // Two changes of the seventieth session pay where loads are 512 bits wide: x's vector pinned
@@ -112,7 +112,7 @@ struct Gathered {
 // MR rows of x times the weight rows of columns [n0, n0 + NT), into y (row stride
 // ``src.cols``). ``kPrefetch``: also ask for this tile's share of the rows of columns
 // [n0 + NT, n0 + 2 NT): cache line i of each row where i % passes == pass (a template
-// argument: a ragged end's single columns run without it).
+// argument: a ragged end's single columns, and on AVX2 a tile's later passes, run without it).
 template <int MR, int NT, bool kPrefetch, class Src>
 void Tile(const float* x, const Src& src, float* y, int64_t K, int64_t m0, int64_t n0,
           int64_t pass, int64_t passes) {
