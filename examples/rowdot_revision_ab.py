@@ -123,8 +123,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.cached and not args.products:
         ap.error("--cached goes with --products")
-    if not cpu_rowdot.available()[0]:
-        raise SystemExit(f"the rowdot kernel is not available here: {cpu_rowdot.available()[1]}")
+    ok, why = cpu_rowdot.available()
+    if not ok:
+        raise SystemExit(f"the rowdot kernel is not available here: {why}")
     make, example_of, what = (products_case if args.products else forward_case)(args)
     kernels = {args.rev: register_revision(args.rev), "working tree": cpu_rowdot.TARGET}
 
