@@ -218,7 +218,7 @@ void Rows(const float* x, const Src& src, float* y, int64_t M, int64_t K, int64_
     const int64_t left = passes - pass;  // passes left, this one included
     const int64_t rows = kSharedPrefetch && pass > 0 ? (M - m + left - 1) / left
                                                      : std::min<int64_t>(M - m, kRowTile);
-    if (kSharedPrefetch) {
+    if constexpr (kSharedPrefetch) {
       Pass<NT, kPrefetch>(x, src, y, rows, K, m, n0, pass, passes);
     } else if (pass == 0) {
       Pass<NT, kPrefetch>(x, src, y, rows, K, m, n0, 0, 1);
