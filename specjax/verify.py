@@ -12,7 +12,10 @@ Because parents precede children and siblings are in index order, the walk is on
 node indices 1..T-1: node i is *considered* iff it is valid and its parent is the current
 node. After accepting i, the later siblings of i no longer match (their parent is not i) and
 the children of i all come later; after the last child of the current node is rejected,
-nothing later matches. So a ``fori_loop`` over i with a fixed trip count does the whole walk.
+nothing later matches. So one pass over i does the whole walk: a ``fori_loop`` with a fixed
+trip count for greedy verification, whose steps are cheap, and for sampling a ``while_loop``
+that stops once no row has a candidate left (a valid child of its current node at or after
+i), since each of its steps may update distributions over the whole vocabulary.
 
 Everything is batched over B rows and jittable; ``sampled`` and ``assume_q_one`` are static.
 """
@@ -106,19 +109,9 @@ def verify_greedy(tree_tokens: Array, parent: Array, valid: Array,
     return Acceptance(path=path, num_accepted=n, bonus=bonus)
 
 
-def _normalize(x: Array, fallback: Array) -> Array:
-    """x / sum(x) over the last axis; ``fallback`` where the mass is (numerically) zero."""
-    s = jnp.sum(x, axis=-1, keepdims=True)
-    return jnp.where(s > 1e-30, x / jnp.where(s > 1e-30, s, 1.0), fallback)
-
-
 def _pick(x: Array, tok: Array) -> Array:
     """x[b, tok[b]] for x [B, V], tok [B]."""
     return jnp.take_along_axis(x, tok[:, None], axis=1)[:, 0]
-
-
-def _zero_at(x: Array, tok: Array) -> Array:
-    return jnp.where(jnp.arange(x.shape[-1])[None, :] == tok[:, None], 0.0, x)
 
 
 def verify_sampling(key: Array, tree_tokens: Array, parent: Array, valid: Array,
@@ -178,47 +171,87 @@ def verify_sampling(key: Array, tree_tokens: Array, parent: Array, valid: Array,
     k_coin, k_bonus = jax.random.split(key)
     coins = jax.random.uniform(k_coin, (b, t))  # coins[:, i] decides node i.
     probs = target_probs.astype(jnp.float32)
-    dists = draft_dist.astype(jnp.float32) if use_q else None
+    # Without q (deterministic children) a [B, 1] placeholder rides in the carry.
+    dists = draft_dist.astype(jnp.float32) if use_q else jnp.zeros((b, t, 1), jnp.float32)
+    nodes = jnp.arange(t)
 
-    def step(i, carry):
-        cur, path, n, p, q = carry
+    # The walk carries p and q unnormalised, as weights P, Q [B, V] and their masses zp, zq
+    # [B] (p = P / zp, q = Q / zq; zq = 0: no q left), so that a rejection costs two passes
+    # over the vocabulary for each (the residual and its mass) and no normalising pass. A
+    # node's own rows are distributions already: mass 1 (or 0 for a q never expanded).
+    def q_mass(q_rows: Array) -> Array:
+        return jnp.where(jnp.sum(q_rows, axis=-1) > 0, 1.0, 0.0)
+
+    def step(carry):
+        i, cur, path, n, p, zp, q, zq = carry
         tok = tree_tokens[:, i]
         tried = valid[:, i] & (parent[:, i] == cur)
         is_fixed = None if fixed is None else fixed[:, i]  # [B]
-        px = _pick(p, tok)
+        px = _pick(p, tok) / zp
         if use_q:
             # DySpec's algorithm 3: once the draft residual is all zeros, no sibling is left
             # that q could have drawn; stop trying the sampled children of this node.
-            has_q = jnp.sum(q, axis=-1) > 0
+            has_q = zq > 0
             tried = tried & (has_q if is_fixed is None else has_q | is_fixed)
-            qx = _pick(q, tok)
+            qx = _pick(q, tok) / jnp.where(has_q, zq, 1.0)
             # q(x) = 0 only if the caller's q is not the law x was drawn from; keep it finite.
             ratio = jnp.where(qx > 0, px / jnp.where(qx > 0, qx, 1.0), (px > 0).astype(p.dtype))
             accept_prob = jnp.minimum(ratio, 1.0)
-            # Zero residual mass means p <= q everywhere, i.e. p == q and a rejection had
-            # probability 0; keep p rather than dividing by zero.
-            p_rej = _normalize(jnp.maximum(p - q, 0.0), p)
-            q_rej = _normalize(_zero_at(q, tok), jnp.zeros_like(q))
             if is_fixed is not None:  # deterministic drafts: the point-mass rule below
                 accept_prob = jnp.where(is_fixed, px, accept_prob)
-                p_rej = jnp.where(is_fixed[:, None], _normalize(_zero_at(p, tok), p), p_rej)
-                q_rej = jnp.where(is_fixed[:, None], q, q_rej)
         else:
             accept_prob = px
-            p_rej = _normalize(_zero_at(p, tok), p)  # zero mass iff p was a point mass on x
-            q_rej = q
         accept = tried & (coins[:, i] < accept_prob)
         reject = tried & ~accept
         cur, path, n = _accept(i, accept, cur, path, n)
-        p_next = jax.lax.dynamic_index_in_dim(probs, i, axis=1, keepdims=False)
-        p = jnp.where(accept[:, None], p_next, jnp.where(reject[:, None], p_rej, p))
-        if use_q:
-            q_next = jax.lax.dynamic_index_in_dim(dists, i, axis=1, keepdims=False)
-            q = jnp.where(accept[:, None], q_next, jnp.where(reject[:, None], q_rej, q))
-        return cur, path, n, p, q
 
-    init = (jnp.zeros((b,), jnp.int32), _empty_path(b, t), jnp.zeros((b,), jnp.int32),
-            probs[:, 0], dists[:, 0] if use_q else None)
-    _, path, n, p, _ = jax.lax.fori_loop(1, t, step, init)
-    bonus = draw(k_bonus, p)
+        def rejected(p, zp, q, zq):
+            """The residuals after x = tok is rejected, in the rows that rejected."""
+            at_x = jnp.arange(p.shape[-1])[None, :] == tok[:, None]
+            # The point-mass rule: p without x. Zero mass iff p was a point mass on x, and
+            # then a rejection had probability 0: p is kept rather than divided by zero.
+            rest = jnp.where(at_x, 0.0, p)
+            if use_q:
+                # max(p - q, 0); zero mass likewise means p == q, a rejection of
+                # probability 0. Deterministic drafts take the point-mass rule, q unchanged.
+                # (Reciprocals: a division per id costs as much again as the rest.)
+                inv_zq = 1.0 / jnp.where(zq > 0, zq, 1.0)
+                resid = jnp.maximum(p * (1.0 / zp)[:, None] - q * inv_zq[:, None], 0.0)
+                rest = resid if is_fixed is None else jnp.where(is_fixed[:, None], rest, resid)
+                sampled = reject if is_fixed is None else reject & ~is_fixed
+                q = jnp.where(sampled[:, None] & at_x, 0.0, q)
+                mass = jnp.sum(q, axis=-1)
+                zq = jnp.where(sampled, jnp.where(mass > 1e-30, mass, 0.0), zq)
+            mass = jnp.sum(rest, axis=-1)
+            moved = reject & (mass > 1e-30)
+            return jnp.where(moved[:, None], rest, p), jnp.where(moved, mass, zp), q, zq
+
+        def accepted(p, zp, q, zq):
+            """Node i's own distributions, in the rows that accepted it."""
+            p_i = jax.lax.dynamic_index_in_dim(probs, i, axis=1, keepdims=False)
+            q_i = jax.lax.dynamic_index_in_dim(dists, i, axis=1, keepdims=False)
+            return (jnp.where(accept[:, None], p_i, p), jnp.where(accept, 1.0, zp),
+                    jnp.where(accept[:, None], q_i, q), jnp.where(accept, q_mass(q_i), zq))
+
+        # The vocabulary-wide updates run only where some row needs them: a step that
+        # accepts skips the residuals, one that only rejects skips the switch to the child.
+        def unchanged(*state):
+            return state
+
+        state = (p, zp, q, zq)
+        state = jax.lax.cond(jnp.any(reject), rejected, unchanged, *state)
+        state = jax.lax.cond(jnp.any(accept), accepted, unchanged, *state)
+        return (i + 1, cur, path, n, *state)
+
+    def may_try(carry):
+        """Whether a node from i on is still a candidate in some row: a valid child of the
+        current node. None is once every row has stopped, so the walk ends there."""
+        i, cur = carry[0], carry[1]
+        return (i < t) & jnp.any(valid & (parent == cur[:, None]) & (nodes >= i))
+
+    init = (jnp.int32(1), jnp.zeros((b,), jnp.int32), _empty_path(b, t),
+            jnp.zeros((b,), jnp.int32),
+            probs[:, 0], jnp.ones((b,)), dists[:, 0], q_mass(dists[:, 0]))
+    _, _, path, n, p, _, _, _ = jax.lax.while_loop(may_try, step, init)
+    bonus = draw(k_bonus, p)  # draw() takes unnormalised weights
     return Acceptance(path=path, num_accepted=n, bonus=bonus)
