@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from specjax.sampling import StaticSampling, target_probs
+from specjax.sampling import StaticSampling, draw, target_probs
 from specjax.verify import NO_NODE, committed_tokens, verify_greedy, verify_sampling
 
 # ---------------------------------------------------------------------------------------------
@@ -281,3 +281,79 @@ def test_greedy_multidraft_is_exact_and_needs_the_point_mass_rule():
     assert abs(accepted.mean() - want) < 4 * np.sqrt(want * (1 - want) / n)
     wrong, _ = first(None)
     assert _pvalue(wrong, p) < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# The walk against its textbook form.
+#
+# verify_sampling stops once no row has a candidate left, updates p and q only in the branch a
+# step needs, and carries them unnormalised. The reference below is the walk as the papers
+# write it: every node in turn, p and q normalised after each rejection. With the same coins
+# both must take the same decisions on every row (their arithmetic differs only in rounding).
+# ---------------------------------------------------------------------------------------------
+def _reference_walk(key, tokens, parent, valid, probs, dist, fixed):
+    b, t, _ = probs.shape
+    k_coin, k_bonus = jax.random.split(key)
+    coins = jax.random.uniform(k_coin, (b, t))
+
+    def norm(x, fallback):
+        s = jnp.sum(x, -1, keepdims=True)
+        return jnp.where(s > 1e-30, x / jnp.where(s > 1e-30, s, 1.0), fallback)
+
+    def step(i, carry):
+        cur, path, n, p, q = carry
+        tok = tokens[:, i]
+        pick = lambda x: jnp.take_along_axis(x, tok[:, None], 1)[:, 0]  # noqa: E731
+        zero = lambda x: jnp.where(jnp.arange(x.shape[-1]) == tok[:, None], 0.0, x)  # noqa: E731
+        tried = valid[:, i] & (parent[:, i] == cur) & ((jnp.sum(q, -1) > 0) | fixed[:, i])
+        px, qx = pick(p), pick(q)
+        ratio = jnp.where(qx > 0, px / jnp.where(qx > 0, qx, 1.0), (px > 0) * 1.0)
+        accept_prob = jnp.where(fixed[:, i], px, jnp.minimum(ratio, 1.0))
+        accept = tried & (coins[:, i] < accept_prob)
+        reject = tried & ~accept
+        p_rej = jnp.where(fixed[:, i, None], norm(zero(p), p), norm(jnp.maximum(p - q, 0), p))
+        q_rej = jnp.where(fixed[:, i, None], q, norm(zero(q), jnp.zeros_like(q)))
+        slot = jnp.where(accept, n + 1, t)
+        path = path.at[jnp.arange(b), slot].set(i, mode="drop")
+        p = jnp.where(accept[:, None], probs[:, i], jnp.where(reject[:, None], p_rej, p))
+        q = jnp.where(accept[:, None], dist[:, i], jnp.where(reject[:, None], q_rej, q))
+        return jnp.where(accept, i, cur), path, n + accept, p, q
+
+    path0 = jnp.full((b, t), NO_NODE, jnp.int32).at[:, 0].set(0)
+    init = (jnp.zeros(b, jnp.int32), path0, jnp.zeros(b, jnp.int32), probs[:, 0], dist[:, 0])
+    _, path, n, p, _ = jax.lax.fori_loop(1, t, step, init)
+    return path, n, draw(k_bonus, p)
+
+
+def test_sampled_walk_takes_the_textbook_walks_decisions():
+    """Random trees over a 40-token vocabulary, q zero outside a shortlist (and everywhere
+    for some nodes), a fifth of the nodes fixed: the same path on each of 512 rows, and the
+    same bonus token on all but a rounding's share of them (draw() searches unnormalised
+    weights there, normalised here)."""
+    rs = np.random.RandomState(7)
+    b, t, v = 512, 10, 40
+    _, parent, valid = _random_trees(rs, b, t, v)
+    probs = jnp.asarray(rs.dirichlet(np.full(v, 0.3), size=(b, t)).astype(np.float32))
+    q = rs.dirichlet(np.full(v, 0.3), size=(b, t))
+    q[rs.rand(b, t, v) < 0.3] = 0.0  # a shortlist: zeros outside it
+    q[:, :, 0] += 1e-3
+    q /= q.sum(-1, keepdims=True)
+    q[rs.rand(b, t) < 0.15] = 0.0  # nodes never expanded: no sampled child of theirs is tried
+    q = jnp.asarray(q.astype(np.float32))
+    # Siblings are distinct tokens (whose law does not matter to the decisions compared).
+    order = np.stack([rs.permutation(v)[:t] for _ in range(t)])  # parent u's children
+    parent_np = np.asarray(parent)
+    rank = np.zeros((b, t), np.int32)
+    for i in range(1, t):
+        rank[:, i] = (parent_np[:, 1:i] == parent_np[:, i:i + 1]).sum(1)
+    tokens = order[np.clip(parent_np, 0, None), rank].astype(np.int32)
+    tokens[:, 0] = 0
+    tokens = jnp.asarray(tokens)
+    fixed = jnp.asarray(rs.rand(b, t) < 0.2)
+    key = jax.random.key(11)
+    got = verify_sampling(key, tokens, parent, valid, probs, q, sampled=True, fixed=fixed)
+    want_path, want_n, want_bonus = _reference_walk(key, tokens, parent, valid, probs, q, fixed)
+    np.testing.assert_array_equal(got.path, want_path)
+    np.testing.assert_array_equal(got.num_accepted, want_n)
+    assert float(np.mean(np.asarray(got.bonus) == np.asarray(want_bonus))) > 0.99
+    assert 0.2 < float(np.mean(np.asarray(want_n) > 0)) < 0.95  # both outcomes are common
