@@ -214,7 +214,7 @@ def verify_sampling(key: Array, tree_tokens: Array, parent: Array, valid: Array,
             if use_q:
                 # max(p - q, 0); zero mass likewise means p == q, a rejection of
                 # probability 0. Deterministic drafts take the point-mass rule, q unchanged.
-                # (Reciprocals: a division per id costs as much again as the rest.)
+                # (Reciprocals: a division per id costs several multiplications.)
                 inv_zq = 1.0 / jnp.where(zq > 0, zq, 1.0)
                 resid = jnp.maximum(p * (1.0 / zp)[:, None] - q * inv_zq[:, None], 0.0)
                 rest = resid if is_fixed is None else jnp.where(is_fixed[:, None], rest, resid)
@@ -244,8 +244,8 @@ def verify_sampling(key: Array, tree_tokens: Array, parent: Array, valid: Array,
         return (i + 1, cur, path, n, *state)
 
     def may_try(carry):
-        """Whether a node from i on is still a candidate in some row: a valid child of the
-        current node. None is once every row has stopped, so the walk ends there."""
+        """Whether some row still has a candidate from node i on (a valid child of its
+        current node); once none has, no later step could change anything."""
         i, cur = carry[0], carry[1]
         return (i < t) & jnp.any(valid & (parent == cur[:, None]) & (nodes >= i))
 
