@@ -43,7 +43,7 @@ V, SHORTLIST, CHILDREN = 49152, 8192, 5
 def revision_verifier(rev: str):
     """``verify_sampling`` as ``rev``'s ``specjax/verify.py`` defines it."""
     text = subprocess.run(["git", "show", f"{rev}:specjax/verify.py"], check=True,
-                          capture_output=True, text=True).stdout
+                          capture_output=True, text=True, cwd=Path(__file__).parents[1]).stdout
     path = Path(tempfile.mkdtemp(prefix="verify_ab_")) / "verify_rev.py"
     path.write_text(text)
     spec = importlib.util.spec_from_file_location("verify_rev", path)
