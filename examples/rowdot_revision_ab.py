@@ -1,7 +1,10 @@
 """The CPU rowdot kernel of a git revision against the working tree's, on the target's
 forward: the same SmolLM2-135M forward (30 layers + LM head + argmax) over T = 1..16 rows
 of a ``--context``-row cache, traced once with each kernel and timed call by call in turn;
-best and median of ``--runs`` calls each. Writes JSON. ``--products``: only the forward's
+best and median of ``--runs`` calls each. Each kernel's forward donates its cache and gets
+the written one back for the next call, as the decode loop carries it (a cache passed in
+and kept would be copied to take the new rows: about 1 ms a forward at 300 rows, 15 at
+900, which would dilute the kernels' ratio). Writes JSON. ``--products``: only the forward's
 weight products instead (30 layers' Q/K/V, O, gate/up and down, then the LM head, on random
 weights of those shapes), streamed from memory, or with ``--cached`` one 960 x 576 matrix
 120 times over (2.2 MB, in the last-level cache: the kernel's compute rate alone).
@@ -68,7 +71,8 @@ HEAD = (49152, 576)
 
 
 def forward_case(args) -> tuple:
-    """The target's forward (+ LM head + argmax) at T rows: (make_fn, example(T), what)."""
+    """The target's forward (+ LM head + argmax) at T rows: (make_fn, example(T),
+    carry(example, out) -> the next call's example, what)."""
     target = specjax.load(resolve_model(None, progress=False))
     if not is_out_major(target.params):
         raise SystemExit("the target was not loaded out-major here (no rowdot kernel, or "
@@ -78,18 +82,28 @@ def forward_case(args) -> tuple:
                                 lengths=jnp.full((1,), args.context, jnp.int32))
 
     def make():
-        return jax.jit(lambda p, t, pos, c: jnp.argmax(
-            lm_head(p, forward_hidden(p, cfg, t, pos, c)[0]), -1))
+        # A new function each time: JAX reuses a function's trace, which names one kernel.
+        def forward(p, t, pos, c):
+            hidden, c, _ = forward_hidden(p, cfg, t, pos, c)
+            return jnp.argmax(lm_head(p, hidden), -1), c
+
+        return jax.jit(forward, donate_argnums=3)
 
     def example(m: int) -> tuple:
+        # Every call writes the same rows (positions context .. context + m - 1).
         return (params, jnp.ones((1, m), jnp.int32),
-                args.context + jnp.arange(m, dtype=jnp.int32)[None], cache)
+                args.context + jnp.arange(m, dtype=jnp.int32)[None],
+                jax.tree.map(jnp.copy, cache))
 
-    return make, example, "jitted forward_hidden + lm_head + argmax, B=1"
+    def carry(example: tuple, out: tuple) -> tuple:
+        return (*example[:3], out[1])  # the donated cache's successor
+
+    return make, example, carry, "jitted forward_hidden + lm_head + argmax, B=1, cache carried"
 
 
 def products_case(args) -> tuple:
-    """The forward's weight products alone at M rows: (make_fn, example(M), what)."""
+    """The forward's weight products alone at M rows: (make_fn, example(M), carry, what);
+    nothing is carried."""
     rng = np.random.default_rng(0)
     if args.cached:
         w = jnp.asarray(rng.standard_normal((960, 576), np.float32) * 0.02)
@@ -101,12 +115,13 @@ def products_case(args) -> tuple:
     def make():
         return jax.jit(lambda xs, ws: [cpu_rowdot.rowdot(xs[w.shape[1]], w) for w in ws])
 
-    def example(m: int) -> tuple:
-        return ({k: jnp.asarray(rng.standard_normal((m, k), np.float32)) for k in (576, 1536)},
+    def example(m: int) -> tuple:  # the same x for every call at m rows
+        xs = np.random.default_rng(m)
+        return ({k: jnp.asarray(xs.standard_normal((m, k), np.float32)) for k in (576, 1536)},
                 ws)
 
     what = "one 960 x 576 matrix x 120 (cached)" if args.cached else "30 layers' products + LM head"
-    return make, example, what
+    return make, example, lambda example, out: example, what
 
 
 def main() -> None:
@@ -126,7 +141,7 @@ def main() -> None:
     ok, why = cpu_rowdot.available()
     if not ok:
         raise SystemExit(f"the rowdot kernel is not available here: {why}")
-    make, example_of, what = (products_case if args.products else forward_case)(args)
+    make, example_of, carry, what = (products_case if args.products else forward_case)(args)
     kernels = {args.rev: register_revision(args.rev), "working tree": cpu_rowdot.TARGET}
 
     def traced(name: str, example: tuple):
@@ -139,18 +154,24 @@ def main() -> None:
 
     rows = {}
     for m in (int(x) for x in args.rows.split(",")):
-        example = example_of(m)
-        fns = {k: traced(name, example) for k, name in kernels.items()}
-        outs = [jax.tree.leaves(f(*example)) for f in fns.values()]
-        same = all((np.asarray(a) == np.asarray(b)).all()
-                   for o in outs[1:] for a, b in zip(o, outs[0], strict=True))
-        assert same, "the kernels disagree"
+        fns = {k: traced(name, example_of(m)) for k, name in kernels.items()}
+        examples = {k: example_of(m) for k in fns}  # each kernel's own (donated) cache
+        outs = {}
+        for k, f in fns.items():
+            out = f(*examples[k])
+            examples[k] = carry(examples[k], out)
+            outs[k] = jax.tree.leaves(out[0] if isinstance(out, tuple) else out)
+        first = outs[args.rev]  # the tokens (forward) or the products
+        assert all((np.asarray(a) == np.asarray(b)).all()
+                   for o in outs.values() for a, b in zip(o, first, strict=True)), \
+            "the kernels disagree"
         ms = {k: [] for k in fns}
         for _ in range(args.runs):
             for k, f in fns.items():
                 t = time.perf_counter()
-                jax.block_until_ready(f(*example))
+                out = jax.block_until_ready(f(*examples[k]))
                 ms[k].append(1e3 * (time.perf_counter() - t))
+                examples[k] = carry(examples[k], out)
         rows[m] = {k: {"best_ms": min(v), "median_ms": float(np.median(v))}
                    for k, v in ms.items()}
         a, b = (rows[m][k]["median_ms"] for k in kernels)
