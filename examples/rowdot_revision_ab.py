@@ -72,7 +72,8 @@ HEAD = (49152, 576)
 
 def forward_case(args) -> tuple:
     """The target's forward (+ LM head + argmax) at T rows: (make_fn, example(T),
-    carry(example, out) -> the next call's example, what)."""
+    carry(example, out) -> the next call's example, what). Every case's function returns a
+    tuple whose first item is what both kernels must agree on."""
     target = specjax.load(resolve_model(None, progress=False))
     if not is_out_major(target.params):
         raise SystemExit("the target was not loaded out-major here (no rowdot kernel, or "
@@ -113,7 +114,7 @@ def products_case(args) -> tuple:
               for s in LAYER * 30 + [HEAD]]
 
     def make():
-        return jax.jit(lambda xs, ws: [cpu_rowdot.rowdot(xs[w.shape[1]], w) for w in ws])
+        return jax.jit(lambda xs, ws: ([cpu_rowdot.rowdot(xs[w.shape[1]], w) for w in ws],))
 
     def example(m: int) -> tuple:  # the same x for every call at m rows
         xs = np.random.default_rng(m)
@@ -154,13 +155,13 @@ def main() -> None:
 
     rows = {}
     for m in (int(x) for x in args.rows.split(",")):
-        fns = {k: traced(name, example_of(m)) for k, name in kernels.items()}
-        examples = {k: example_of(m) for k in fns}  # each kernel's own (donated) cache
+        examples = {k: example_of(m) for k in kernels}  # each kernel's own (donated) cache
+        fns = {k: traced(name, examples[k]) for k, name in kernels.items()}
         outs = {}
         for k, f in fns.items():
             out = f(*examples[k])
             examples[k] = carry(examples[k], out)
-            outs[k] = jax.tree.leaves(out[0] if isinstance(out, tuple) else out)
+            outs[k] = jax.tree.leaves(out[0])
         first = outs[args.rev]  # the tokens (forward) or the products
         assert all((np.asarray(a) == np.asarray(b)).all()
                    for o in outs.values() for a, b in zip(o, first, strict=True)), \
