@@ -17,15 +17,18 @@ Both loops carry, inside their fixed-shape state:
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
 from jax import Array
+from jax.typing import DTypeLike
 
 from specjax import pytree
 from specjax.config import ModelConfig
+from specjax.kernels.cpu_attention import MAX_QUERIES, use_cpu_attention
 from specjax.model import KVCache, Params, forward_hidden, init_cache
 from specjax.sampling import StaticSampling, sample
 
@@ -115,27 +118,101 @@ class Output:
         return dataclasses.replace(self, key=key), sub
 
 
+# Rows one prefill pass takes on a CPU: the attention kernel's most queries. A monolithic
+# pass over a long bucket pays the dense masked softmax over the whole cache and the
+# bucket's padding (a 700-token prompt in the 1,024 bucket: 2.7 s, against 1.15 s as
+# eleven 64-row chunks on this project's 2-core machine; docs/benchmarks.md).
+PREFILL_CHUNK = MAX_QUERIES
+
+
+def prefill_chunk(cfg: ModelConfig, dtype: DTypeLike, batch: int, p: int,
+                  capacity: int) -> int:
+    """Rows per prefill pass for a [batch, p] prompt: :data:`PREFILL_CHUNK` where the CPU
+    attention kernel takes such a block (float32 on a CPU, no mesh; decided at trace time),
+    else ``p`` (one pass, as accelerators want). ``SPECJAX_PREFILL_CHUNK`` overrides it
+    (``0``: one pass), for A/B runs."""
+    env = os.environ.get("SPECJAX_PREFILL_CHUNK", "").strip()
+    if env:
+        return p if int(env) <= 0 else min(int(env), p)
+    c = min(PREFILL_CHUNK, p)
+    q = jax.ShapeDtypeStruct((batch, c, cfg.num_heads, cfg.head_dim), dtype)
+    k = jax.ShapeDtypeStruct((batch, capacity, cfg.num_kv_heads, cfg.head_dim), dtype)
+    return c if use_cpu_attention(q, k) else p
+
+
+PrefillPass = Callable[[tuple[Array, ...], Array, KVCache], tuple[tuple[Array, ...], KVCache]]
+
+
+def in_chunks(run: PrefillPass, inputs: tuple[Array, ...], cache: KVCache, prompt_lens: Array,
+              chunk: int) -> tuple[tuple[Array, ...], KVCache]:
+    """A prefill over [B, P, ...] ``inputs`` as ``chunk``-row blocks, in one ``fori_loop``.
+
+    ``run(block, positions [B, c], cache)`` is one pass: ``block`` holds each input's rows
+    [start, start + c), the cache's ``lengths`` are ``start`` (its new rows go there), and it
+    returns ([B, c, ...] outputs, cache). The loop runs the longest row's chunks only, so a
+    bucket's padding past them costs nothing; a row whose prompt ended earlier writes padding
+    past its final length, which later writes overwrite and nothing attends to. ``chunk >=
+    P`` is one pass; a P that is not a multiple of ``chunk`` is padded to one.
+
+    Returns ([B, P, ...] outputs, zero where no chunk ran; cache with ``lengths =
+    prompt_lens``).
+    """
+    b, p = inputs[0].shape[:2]
+    c = min(chunk, p)
+    if p % c:  # pad to whole chunks; rows past the cache's capacity are dropped on write
+        padded = tuple(jnp.pad(x, [(0, 0), (0, -p % c)] + [(0, 0)] * (x.ndim - 2))
+                       for x in inputs)
+        outs, cache = in_chunks(run, padded, cache, prompt_lens, c)
+        return tuple(o[:, :p] for o in outs), cache
+
+    def block_at(start: Array | int, cache: KVCache) -> tuple:
+        block = tuple(jax.lax.dynamic_slice_in_dim(x, start, c, axis=1) for x in inputs)
+        positions = jnp.broadcast_to(start + jnp.arange(c, dtype=jnp.int32), (b, c))
+        return block, positions, dataclasses.replace(
+            cache, lengths=jnp.full((b,), start, jnp.int32))
+
+    if c == p:
+        outs, cache = run(*block_at(0, cache))
+    else:
+        def body(i: Array, carry: tuple) -> tuple:
+            outs, cache = carry
+            start = i * c
+            new, cache = run(*block_at(start, cache))
+            return tuple(jax.lax.dynamic_update_slice_in_dim(o, n, start, axis=1)
+                         for o, n in zip(outs, new, strict=True)), cache
+
+        shapes = jax.eval_shape(lambda: run(*block_at(0, cache))[0])
+        zeros = tuple(jnp.zeros((s.shape[0], p) + s.shape[2:], s.dtype) for s in shapes)
+        outs, cache = jax.lax.fori_loop(0, (jnp.max(prompt_lens) + c - 1) // c, body,
+                                        (zeros, cache))
+    return outs, dataclasses.replace(cache, lengths=prompt_lens.astype(jnp.int32))
+
+
 def prefill_target(params: Params, cfg: ModelConfig, prompt: Array, prompt_lens: Array,
                    capacity: int,
                    tap_layers: tuple[int, ...] = ()) -> tuple[Array, KVCache, tuple[Array, ...]]:
-    """Run the target over right-padded prompts into a fresh cache.
+    """Run the target over right-padded prompts into a fresh cache, in chunks of
+    :func:`prefill_chunk` rows (:func:`in_chunks`).
 
     Args:
-      prompt: [B, P] int32; row b is valid in ``[0, prompt_lens[b])``. Padding positions
-        are written to the cache too, but lie past ``lengths[b]``: later writes overwrite
-        them and nothing attends to them.
+      prompt: [B, P] int32; row b is valid in ``[0, prompt_lens[b])``.
       capacity: cache rows (>= P + the output + a step's spare rows).
       tap_layers: decoder layers whose outputs to return as well (EAGLE-3's features).
     Returns:
       (hidden [B, P, d] after the final norm, cache with ``lengths = prompt_lens``,
-      taps [B, P, d] each).
+      taps [B, P, d] each). Positions past ``prompt_lens[b]`` are not meaningful.
     """
     b, p = prompt.shape
-    cache = init_cache(cfg, b, capacity, params.embed.dtype)
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    hidden, cache, taps = forward_hidden(params, cfg, prompt, positions, cache,
-                                         tap_layers=tap_layers)
-    return hidden, dataclasses.replace(cache, lengths=prompt_lens.astype(jnp.int32)), taps
+    dtype = params.embed.dtype
+
+    def run(block: tuple[Array, ...], positions: Array, cache: KVCache):
+        hidden, cache, taps = forward_hidden(params, cfg, block[0], positions, cache,
+                                             tap_layers=tap_layers)
+        return (hidden, *taps), cache
+
+    (hidden, *taps), cache = in_chunks(run, (prompt,), init_cache(cfg, b, capacity, dtype),
+                                       prompt_lens, prefill_chunk(cfg, dtype, b, p, capacity))
+    return hidden, cache, tuple(taps)
 
 
 def last_valid(x: Array, lengths: Array) -> Array:

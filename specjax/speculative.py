@@ -46,7 +46,9 @@ from specjax.loop import (
     Limits,
     Output,
     bucket,
+    in_chunks,
     last_valid,
+    prefill_chunk,
     prefill_target,
     run_until_done,
     sample_first,
@@ -219,13 +221,15 @@ def spec_prefill(params: Params, dparams: Any, prompt: Array, prompt_lens: Array
     feats = dm.target_features(dparams, hidden, taps)
     # Drafter row t reads x_t with the target feature at t-1 (zeros before x_0).
     shifted = jnp.concatenate([jnp.zeros_like(feats[:, :1]), feats[:, :-1]], axis=1)
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    dcache = dm.init_cache(b, capacity, params.embed.dtype)
-    _, dcache = dm.forward(dparams, params.embed, prompt, shifted, positions, dcache)
+
+    def run(block: tuple[Array, Array], positions: Array, dcache: Any) -> tuple[tuple, Any]:
+        return (), dm.forward(dparams, params.embed, *block, positions, dcache)[1]
+
+    _, dcache = in_chunks(run, (prompt, shifted), dm.init_cache(b, capacity, params.embed.dtype),
+                          prompt_lens, prefill_chunk(spec.cfg, params.embed.dtype, b, p, capacity))
     # The first root's drafter row (position prompt_lens), as every later root's is read by
     # the catch-up: the first draft then only asks the head.
     root, root_feat = output.tokens[:, 0], last_valid(feats, prompt_lens)
-    dcache = dataclasses.replace(dcache, lengths=prompt_lens)
     root_h, dcache = dm.forward(dparams, params.embed, root[:, None], root_feat[:, None],
                                 prompt_lens[:, None], dcache)
     return constrain_state(SpecState(
