@@ -3,8 +3,9 @@
 For each prompt length L the prompt is a bucket of P = bucket(L) ids (random, fixed seed)
 whose first L are valid, in a cache sized as a 128-token run's (P + 128 + 16 rows), and
 :func:`specjax.loop.prefill_target` runs with each ``--chunks`` setting (0: one pass over
-the whole bucket, as before the seventy-second session; 64: the CPU default), each traced
-from a new function (the setting is read at trace time). Every setting's hidden states at
+the whole bucket, as before the seventy-second session; ``default``: no override, the CPU's
+128-row chunks with a 64-row last one), each traced from a new function (the setting is read
+at trace time). Every setting's hidden states at
 the valid positions are checked against the one pass's first (max |difference| in the
 JSON), then all are timed in ``--rounds`` interleaved rounds of ``--runs`` calls (the median
 of the rounds' best calls, ms). Writes JSON and a plot of ms against L.
@@ -28,16 +29,21 @@ from specjax.bench.common import machine_info, pyplot, save_figure, write_json
 from specjax.loop import bucket, prefill_target
 
 
-def traced(target: Any, chunk: int, capacity: int, prompt: Any, lens: Any) -> tuple[Any, Any]:
-    """A new jitted prefill traced with ``SPECJAX_PREFILL_CHUNK = chunk`` (the setting is
-    read at trace time, so the first call runs under it), and that call's hidden states."""
-    os.environ["SPECJAX_PREFILL_CHUNK"] = str(chunk)
+def traced(target: Any, chunk: int | None, capacity: int, prompt: Any,
+           lens: Any) -> tuple[Any, Any]:
+    """A new jitted prefill traced with ``SPECJAX_PREFILL_CHUNK = chunk`` (None: unset; the
+    setting is read at trace time, so the first call runs under it), and that call's hidden
+    states."""
+    if chunk is None:
+        os.environ.pop("SPECJAX_PREFILL_CHUNK", None)
+    else:
+        os.environ["SPECJAX_PREFILL_CHUNK"] = str(chunk)
     fn = jax.jit(lambda params, prompt, lens: prefill_target(params, target.cfg, prompt, lens,
                                                              capacity)[0])
     return fn, np.asarray(fn(target.params, prompt, lens))
 
 
-def measure(target: Any, length: int, chunks: list[int], runs: int, rounds: int,
+def measure(target: Any, length: int, chunks: list[int | None], runs: int, rounds: int,
             seed: int = 0) -> list[dict[str, Any]]:
     """One row per chunk setting for a prompt of ``length`` valid ids (see the module)."""
     p = bucket(length)
@@ -57,7 +63,7 @@ def measure(target: Any, length: int, chunks: list[int], runs: int, rounds: int,
         else:
             os.environ["SPECJAX_PREFILL_CHUNK"] = saved
     ref = outs[0] if 0 in outs else outs[chunks[0]]
-    best: dict[int, list[float]] = {c: [] for c in chunks}
+    best: dict[int | None, list[float]] = {c: [] for c in chunks}
     for r in range(rounds):
         for c in chunks[r % len(chunks):] + chunks[:r % len(chunks)]:  # rotated order
             times = []
@@ -74,10 +80,11 @@ def measure(target: Any, length: int, chunks: list[int], runs: int, rounds: int,
 def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for c in sorted({r["chunk"] for r in rows}):
+    for c in dict.fromkeys(r["chunk"] for r in rows):
         pts = sorted((r["length"], r["ms"]) for r in rows if r["chunk"] == c)
-        ax.plot(*zip(*pts, strict=True), marker="o",
-                label="one pass over the bucket" if c == 0 else f"chunks of {c}")
+        label = ("one pass over the bucket" if c == 0 else "the default" if c is None
+                 else f"chunks of {c}")
+        ax.plot(*zip(*pts, strict=True), marker="o", label=label)
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("prefill ms (median of rounds' best)")
     ax.legend()
@@ -89,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a converted target (default: SmolLM2)")
     ap.add_argument("--lengths", default="64,200,450,700,1000")
-    ap.add_argument("--chunks", default="0,32,64", help="0 = one pass")
+    ap.add_argument("--chunks", default="0,64,default",
+                    help="0 = one pass; default = no override")
     ap.add_argument("--runs", type=int, default=2, help="timed calls a round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None, help="write JSON here (and a .png beside it)")
@@ -98,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from specjax.defaults import resolve_model
 
     target = specjax.load(resolve_model(args.model, progress=False))
-    chunks = [int(c) for c in args.chunks.split(",")]
+    chunks = [None if c == "default" else int(c) for c in args.chunks.split(",")]
     rows = []
     for length in (int(x) for x in args.lengths.split(",")):
         new = measure(target, length, chunks, args.runs, args.rounds)
@@ -106,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for row in new:
             row["vs_one_pass"] = None if one is None else row["ms"] / one
             rows.append(row)
-            print(f"L {length:5d} (bucket {row['bucket']:5d})  chunk {row['chunk']:4d}  "
+            print(f"L {length:5d} (bucket {row['bucket']:5d})  chunk {row['chunk']!s:>7}  "
                   f"{row['ms']:8.1f} ms" + ("" if one is None else
                                             f"  {row['vs_one_pass']:.3f} of one pass")
                   + f"  max |diff| {row['max_abs_diff']:.1e}", flush=True)

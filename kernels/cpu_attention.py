@@ -34,9 +34,10 @@ from specjax.kernels.cpu_build import available, kernels_enabled
 
 Array = jax.Array
 TARGET = "specjax_cpu_cache_attention"
-# Queries per call the kernel takes: its cost grows with T * S, as XLA's does, but from
-# prefill's hundreds of rows on XLA's GEMMs are the better tool.
-MAX_QUERIES = 64
+# Queries per call the kernel takes: a tree's nodes, or a prefill chunk (specjax.loop), whose
+# rows past 128 buy little more from fewer weight passes (docs/benchmarks.md, seventy-second
+# session).
+MAX_QUERIES = 128
 MAX_SPLITS = 16  # cpu_attention.cc's kMaxSplits
 # How a chunk lays out its scores (cpu_attention.cc): "auto" lets the kernel choose from the
 # queries a KV head, "dots" is a dot product per query and row, "lanes" one query a lane.

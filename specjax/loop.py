@@ -118,41 +118,47 @@ class Output:
         return dataclasses.replace(self, key=key), sub
 
 
-# Rows one prefill pass takes on a CPU: the attention kernel's most queries. A monolithic
-# pass over a long bucket pays the dense masked softmax over the whole cache and the
-# bucket's padding (a 700-token prompt in the 1,024 bucket: 2.7 s, against 1.15 s as
-# eleven 64-row chunks on this project's 2-core machine; docs/benchmarks.md).
+# Rows a prefill chunk takes on a CPU: the attention kernel's most queries; the last chunk
+# runs as PREFILL_TAIL rows where those cover the rest, so a prompt's padding is under 64
+# rows. One pass over a long bucket paid the dense masked softmax over the whole cache and
+# the bucket's padding (a 700-token prompt in the 1,024 bucket: 2.7 s, against 1.15 s in
+# 64-row chunks on this project's 2-core machine; 128-row chunks cost 0.83-0.89 of 64-row
+# ones a row; docs/benchmarks.md, seventy-second session).
 PREFILL_CHUNK = MAX_QUERIES
+PREFILL_TAIL = MAX_QUERIES // 2
 
 
-def prefill_chunk(cfg: ModelConfig, dtype: DTypeLike, batch: int, p: int,
-                  capacity: int) -> int:
-    """Rows per prefill pass for a [batch, p] prompt: :data:`PREFILL_CHUNK` where the CPU
-    attention kernel takes such a block (float32 on a CPU, no mesh; decided at trace time),
-    else ``p`` (one pass, as accelerators want). ``SPECJAX_PREFILL_CHUNK`` overrides it
-    (``0``: one pass), for A/B runs."""
+def prefill_chunks(cfg: ModelConfig, dtype: DTypeLike, batch: int, p: int,
+                   capacity: int) -> tuple[int, int | None]:
+    """(rows a chunk, rows of a last chunk or None) for a [batch, p] prompt's prefill
+    (:func:`in_chunks`): (:data:`PREFILL_CHUNK`, :data:`PREFILL_TAIL`) where the CPU attention
+    kernel takes such a block (float32 on a CPU, no mesh; decided at trace time), else
+    (``p``, None): one pass, as accelerators want. ``SPECJAX_PREFILL_CHUNK`` overrides the
+    chunk, without a tail (``0``: one pass), for A/B runs."""
     env = os.environ.get("SPECJAX_PREFILL_CHUNK", "").strip()
     if env:
-        return p if int(env) <= 0 else min(int(env), p)
+        return (p if int(env) <= 0 else min(int(env), p)), None
     c = min(PREFILL_CHUNK, p)
     q = jax.ShapeDtypeStruct((batch, c, cfg.num_heads, cfg.head_dim), dtype)
     k = jax.ShapeDtypeStruct((batch, capacity, cfg.num_kv_heads, cfg.head_dim), dtype)
-    return c if use_cpu_attention(q, k) else p
+    return (c, PREFILL_TAIL) if use_cpu_attention(q, k) else (p, None)
 
 
 PrefillPass = Callable[[tuple[Array, ...], Array, KVCache], tuple[tuple[Array, ...], KVCache]]
 
 
 def in_chunks(run: PrefillPass, inputs: tuple[Array, ...], cache: KVCache, prompt_lens: Array,
-              chunk: int) -> tuple[tuple[Array, ...], KVCache]:
+              chunk: int, tail: int | None = None) -> tuple[tuple[Array, ...], KVCache]:
     """A prefill over [B, P, ...] ``inputs`` as ``chunk``-row blocks, in one ``fori_loop``.
 
     ``run(block, positions [B, c], cache)`` is one pass: ``block`` holds each input's rows
     [start, start + c), the cache's ``lengths`` are ``start`` (its new rows go there), and it
     returns ([B, c, ...] outputs, cache). The loop runs the longest row's chunks only, so a
     bucket's padding past them costs nothing; a row whose prompt ended earlier writes padding
-    past its final length, which later writes overwrite and nothing attends to. ``chunk >=
-    P`` is one pass; a P that is not a multiple of ``chunk`` is padded to one.
+    past its final length, which later writes overwrite and nothing attends to. With
+    ``tail`` (< ``chunk``), the last chunk runs as ``tail`` rows where those cover the
+    longest row's rest (a second traced pass). ``chunk >= P`` is one pass; a P that is
+    not a multiple of ``chunk`` is padded to one.
 
     Returns ([B, P, ...] outputs, zero where no chunk ran; cache with ``lengths =
     prompt_lens``).
@@ -162,29 +168,38 @@ def in_chunks(run: PrefillPass, inputs: tuple[Array, ...], cache: KVCache, promp
     if p % c:  # pad to whole chunks; rows past the cache's capacity are dropped on write
         padded = tuple(jnp.pad(x, [(0, 0), (0, -p % c)] + [(0, 0)] * (x.ndim - 2))
                        for x in inputs)
-        outs, cache = in_chunks(run, padded, cache, prompt_lens, c)
+        outs, cache = in_chunks(run, padded, cache, prompt_lens, c, tail)
         return tuple(o[:, :p] for o in outs), cache
 
-    def block_at(start: Array | int, cache: KVCache) -> tuple:
-        block = tuple(jax.lax.dynamic_slice_in_dim(x, start, c, axis=1) for x in inputs)
-        positions = jnp.broadcast_to(start + jnp.arange(c, dtype=jnp.int32), (b, c))
-        return block, positions, dataclasses.replace(
-            cache, lengths=jnp.full((b,), start, jnp.int32))
+    def run_at(start: Array | int, rows: int, carry: tuple) -> tuple:
+        outs, cache = carry
+        block = tuple(jax.lax.dynamic_slice_in_dim(x, start, rows, axis=1) for x in inputs)
+        positions = jnp.broadcast_to(start + jnp.arange(rows, dtype=jnp.int32), (b, rows))
+        new, cache = run(block, positions, dataclasses.replace(
+            cache, lengths=jnp.full((b,), start, jnp.int32)))
+        if outs is None:
+            return new, cache
+        return tuple(jax.lax.dynamic_update_slice_in_dim(o, n, start, axis=1)
+                     for o, n in zip(outs, new, strict=True)), cache
 
     if c == p:
-        outs, cache = run(*block_at(0, cache))
+        outs, cache = run_at(0, p, (None, cache))
     else:
-        def body(i: Array, carry: tuple) -> tuple:
-            outs, cache = carry
-            start = i * c
-            new, cache = run(*block_at(start, cache))
-            return tuple(jax.lax.dynamic_update_slice_in_dim(o, n, start, axis=1)
-                         for o, n in zip(outs, new, strict=True)), cache
-
-        shapes = jax.eval_shape(lambda: run(*block_at(0, cache))[0])
-        zeros = tuple(jnp.zeros((s.shape[0], p) + s.shape[2:], s.dtype) for s in shapes)
-        outs, cache = jax.lax.fori_loop(0, (jnp.max(prompt_lens) + c - 1) // c, body,
-                                        (zeros, cache))
+        shapes = jax.eval_shape(lambda: run_at(0, c, (None, cache))[0])
+        carry = (tuple(jnp.zeros((s.shape[0], p) + s.shape[2:], s.dtype) for s in shapes),
+                 cache)
+        longest = jnp.max(prompt_lens)
+        if tail is None or not 0 < tail < c:
+            outs, cache = jax.lax.fori_loop(0, (longest + c - 1) // c,
+                                            lambda i, x: run_at(i * c, c, x), carry)
+        else:
+            # Whole chunks, and one more unless the rest fits a tail (start + tail <= P: the
+            # start is a multiple of c below P, and P a multiple of c).
+            full, rest = longest // c, longest % c
+            carry = jax.lax.fori_loop(0, full + (rest > tail), lambda i, x: run_at(i * c, c, x),
+                                      carry)
+            outs, cache = jax.lax.cond((rest > 0) & (rest <= tail),
+                                       lambda x: run_at(full * c, tail, x), lambda x: x, carry)
     return outs, dataclasses.replace(cache, lengths=prompt_lens.astype(jnp.int32))
 
 
@@ -192,7 +207,7 @@ def prefill_target(params: Params, cfg: ModelConfig, prompt: Array, prompt_lens:
                    capacity: int,
                    tap_layers: tuple[int, ...] = ()) -> tuple[Array, KVCache, tuple[Array, ...]]:
     """Run the target over right-padded prompts into a fresh cache, in chunks of
-    :func:`prefill_chunk` rows (:func:`in_chunks`).
+    :func:`prefill_chunks` rows (:func:`in_chunks`).
 
     Args:
       prompt: [B, P] int32; row b is valid in ``[0, prompt_lens[b])``.
@@ -211,7 +226,7 @@ def prefill_target(params: Params, cfg: ModelConfig, prompt: Array, prompt_lens:
         return (hidden, *taps), cache
 
     (hidden, *taps), cache = in_chunks(run, (prompt,), init_cache(cfg, b, capacity, dtype),
-                                       prompt_lens, prefill_chunk(cfg, dtype, b, p, capacity))
+                                       prompt_lens, *prefill_chunks(cfg, dtype, b, p, capacity))
     return hidden, cache, tuple(taps)
 
 

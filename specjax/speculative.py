@@ -48,7 +48,7 @@ from specjax.loop import (
     bucket,
     in_chunks,
     last_valid,
-    prefill_chunk,
+    prefill_chunks,
     prefill_target,
     run_until_done,
     sample_first,
@@ -225,8 +225,9 @@ def spec_prefill(params: Params, dparams: Any, prompt: Array, prompt_lens: Array
     def run(block: tuple[Array, Array], positions: Array, dcache: Any) -> tuple[tuple, Any]:
         return (), dm.forward(dparams, params.embed, *block, positions, dcache)[1]
 
-    _, dcache = in_chunks(run, (prompt, shifted), dm.init_cache(b, capacity, params.embed.dtype),
-                          prompt_lens, prefill_chunk(spec.cfg, params.embed.dtype, b, p, capacity))
+    dtype = params.embed.dtype
+    _, dcache = in_chunks(run, (prompt, shifted), dm.init_cache(b, capacity, dtype), prompt_lens,
+                          *prefill_chunks(spec.cfg, dtype, b, p, capacity))
     # The first root's drafter row (position prompt_lens), as every later root's is read by
     # the catch-up: the first draft then only asks the head.
     root, root_feat = output.tokens[:, 0], last_valid(feats, prompt_lens)

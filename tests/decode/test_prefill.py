@@ -15,7 +15,7 @@ import pytest
 import specjax
 from specjax import loop
 from specjax.kernels.cpu_attention import available
-from specjax.loop import in_chunks, prefill_chunk, prefill_target
+from specjax.loop import in_chunks, prefill_chunks, prefill_target
 from specjax.model import init_cache
 from specjax.runner import Request, SpecRunner
 from specjax.sampling import SamplingConfig
@@ -71,6 +71,29 @@ def test_only_the_longest_rows_chunks_run(tiny_target, monkeypatch):
     np.testing.assert_array_equal(np.asarray(hidden[:, 8:]), 0.0)
 
 
+@pytest.mark.skipif(not available()[0], reason="the CPU attention kernel is not built here")
+@pytest.mark.parametrize(("lengths", "ran"), [([3, 11], 12), ([3, 13], 16), ([2, 16], 16),
+                                              ([20, 1], 20)])
+def test_the_last_chunk_is_a_tail_where_it_covers_the_rest(tiny_target, monkeypatch, lengths,
+                                                           ran):
+    """The default chunks (8 rows here) with their 4-row tail: the rest of the longest row
+    past whole chunks runs as a tail when it fits one (11: 8 + 4 rows run), as a whole chunk
+    when not (13: 16 rows), not at all when there is none (16); the states equal one pass's."""
+    monkeypatch.setattr(loop, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(loop, "PREFILL_TAIL", 4)
+    monkeypatch.delenv("SPECJAX_PREFILL_CHUNK", raising=False)
+    prompt, lens = _prompts(lengths)
+    run = jax.jit(lambda p, x, n: prefill_target(p, tiny_target.cfg, x, n, 48, (0,)))
+    hidden, cache, taps = run(tiny_target.params, prompt, lens)
+    assert np.all(np.abs(np.asarray(hidden[:, :ran])).sum(-1) > 0)
+    np.testing.assert_array_equal(np.asarray(hidden[:, ran:]), 0.0)
+    h1, c1, t1 = _prefill(tiny_target, prompt, lens, 0, monkeypatch)
+    for b, n in enumerate(lengths):
+        np.testing.assert_allclose(hidden[b, :n], h1[b, :n], atol=2e-5, rtol=0)
+        np.testing.assert_allclose(taps[0][b, :n], t1[0][b, :n], atol=2e-5, rtol=0)
+        np.testing.assert_allclose(cache.k[1][b, :n], c1.k[1][b, :n], atol=2e-5)
+
+
 def test_a_pass_sees_the_rows_before_its_chunk(tiny_target):
     """in_chunks hands each pass its block, its positions and lengths = the block's start."""
     seen = []
@@ -94,14 +117,15 @@ def test_a_pass_sees_the_rows_before_its_chunk(tiny_target):
 def test_chunk_choice(tiny_target, monkeypatch):
     cfg, f32 = tiny_target.cfg, jnp.float32
     monkeypatch.delenv("SPECJAX_PREFILL_CHUNK", raising=False)
-    assert prefill_chunk(cfg, f32, 1, 1024, 1200) == loop.PREFILL_CHUNK == 64
-    assert prefill_chunk(cfg, f32, 1, 16, 80) == 16
+    assert prefill_chunks(cfg, f32, 1, 1024, 1200) == (128, 64)
+    assert (loop.PREFILL_CHUNK, loop.PREFILL_TAIL) == (128, 64)
+    assert prefill_chunks(cfg, f32, 1, 16, 80) == (16, 64)  # one chunk: no tail runs
     # bfloat16 has no CPU attention kernel: one pass, as on accelerators.
-    assert prefill_chunk(cfg, jnp.bfloat16, 1, 1024, 1200) == 1024
+    assert prefill_chunks(cfg, jnp.bfloat16, 1, 1024, 1200) == (1024, None)
     monkeypatch.setenv("SPECJAX_PREFILL_CHUNK", "0")
-    assert prefill_chunk(cfg, f32, 1, 1024, 1200) == 1024
+    assert prefill_chunks(cfg, f32, 1, 1024, 1200) == (1024, None)
     monkeypatch.setenv("SPECJAX_PREFILL_CHUNK", "24")
-    assert prefill_chunk(cfg, f32, 1, 1024, 1200) == 24
+    assert prefill_chunks(cfg, f32, 1, 1024, 1200) == (24, None)
 
 
 def test_long_prompt_greedy_speculative_equals_vanilla(tiny_target, fitted_drafter):
@@ -150,12 +174,12 @@ def test_prefill_chunks_example(tiny_target, tmp_path, monkeypatch):
     spec.loader.exec_module(mod)
     monkeypatch.setenv("SPECJAX_PREFILL_CHUNK", "5")
     out = tmp_path / "chunks.json"
-    res = mod.main(["--model", str(tiny_target.path), "--lengths", "5,20", "--chunks", "0,8",
-                    "--runs", "1", "--rounds", "1", "--out", str(out)])
+    res = mod.main(["--model", str(tiny_target.path), "--lengths", "5,20", "--chunks",
+                    "0,8,default", "--runs", "1", "--rounds", "1", "--out", str(out)])
     assert os.environ["SPECJAX_PREFILL_CHUNK"] == "5"
     rows = json.loads(out.read_text())["rows"]
     assert [(r["length"], r["bucket"], r["chunk"]) for r in rows] == [
-        (5, 16, 0), (5, 16, 8), (20, 32, 0), (20, 32, 8)]
+        (5, 16, 0), (5, 16, 8), (5, 16, None), (20, 32, 0), (20, 32, 8), (20, 32, None)]
     for r in rows:
         assert r["max_abs_diff"] < 2e-5 and r["ms"] > 0
         assert r["vs_one_pass"] == pytest.approx(r["ms"] / next(
