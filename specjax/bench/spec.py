@@ -568,14 +568,16 @@ def summary(r: dict[str, Any]) -> str:
     lines.append(f"chosen tree: {r['tree_label']} (vanilla est. "
                  f"{sel['vanilla_est_tokens_per_s']:.1f} tok/s)")
     lines.append(f"{'task':<16}{'n':>3}{'MAL*':>7}{'vanilla':>9}{'spec':>9}{'speedup':>9}"
-                 f"{'eager':>9}{'comp/eag':>9}{'matched':>9}")
+                 f"{'e2e x':>8}{'eager':>9}{'comp/eag':>9}{'matched':>9}")
     for name, a in list(r["per_task"].items()) + [("overall", r["overall"])]:
         lines.append(f"{name:<16}{a['prompts']:>3}{dash(a['mal']):>7}"
                      f"{dash(a['vanilla_decode_tokens_per_s'], '.1f'):>9}"
                      f"{dash(a['spec_decode_tokens_per_s'], '.1f'):>9}{dash(a['speedup']):>9}"
+                     f"{dash(a['e2e_speedup']):>8}"
                      f"{dash(a['eager_decode_tokens_per_s'], '.1f'):>9}"
                      f"{dash(a['compiled_vs_eager']):>9}{a['matched']:>5}/{a['prompts']:<3}")
-    lines.append("* " + MAL_NOTE + "; rates are decode tokens/s")
+    lines.append("* " + MAL_NOTE + "; rates are decode tokens/s; e2e x is the whole "
+                 "call's (prefill included) over vanilla's")
     p = r["prediction"]
     lines.append(f"predicted {dash(p['est_tokens_per_s'], '.1f')} tok/s "
                  f"({dash(p['est_speedup'])}x, calibration MAL {dash(p['calibration_mal'])}); "

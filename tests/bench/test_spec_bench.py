@@ -32,7 +32,13 @@ from specjax.bench.questions import (
     resolve_questions,
     select_questions,
 )
-from specjax.bench.spec import SpecBenchConfig, add_spec_args, run_spec_bench, with_lookup
+from specjax.bench.spec import (
+    SpecBenchConfig,
+    add_spec_args,
+    run_spec_bench,
+    summary,
+    with_lookup,
+)
 from specjax.bench.timing import monotone_fit, warmup_tokens
 from specjax.bench.trees import tree_dict, tree_from_args, tree_label
 from specjax.loop import bucket
@@ -242,6 +248,9 @@ def test_spec_bench_pipeline_on_a_tiny_model(tiny_model, tmp_path, monkeypatch, 
                   "spec_decode_tokens_per_s", "eager_decode_tokens_per_s"):
             assert _finite_positive(agg[k]), k
     assert res["overall"]["prompts"] == 2 and res["overall"]["matched"] == 1
+    assert _finite_positive(res["overall"]["e2e_speedup"])
+    overall = next(ln for ln in summary(res).splitlines() if ln.startswith("overall"))
+    assert f"{res['overall']['e2e_speedup']:.2f}" in overall.split()
     assert res["timed_compiles"] == 0
     assert res["config"]["max_new_tokens"] == 8 and res["machine"]["nproc"] >= 1
 
