@@ -5,10 +5,11 @@ whose first L are valid, in a cache sized as a 128-token run's (P + 128 + 16 row
 :func:`specjax.loop.prefill_target` runs with each ``--chunks`` setting (0: one pass over
 the whole bucket, as before the seventy-second session; ``default``: no override, the CPU's
 128-row chunks with a 64-row last one), each traced from a new function (the setting is read
-at trace time). Every setting's hidden states at
-the valid positions are checked against the one pass's first (max |difference| in the
-JSON), then all are timed in ``--rounds`` interleaved rounds of ``--runs`` calls (the median
-of the rounds' best calls, ms). Writes JSON and a plot of ms against L.
+at trace time). Every setting's hidden states at the valid positions are checked against the
+one pass's first (max |difference| in the JSON), then all are timed in ``--rounds``
+interleaved rounds of ``--runs`` calls after one untimed call
+(:func:`specjax.bench.timing.time_calls`; the median of the rounds' best, ms). Writes JSON
+and a plot of ms against L.
 
     python examples/prefill_chunks.py --out results/prefill_chunks.json
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,21 +27,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.bench.common import machine_info, pyplot, save_figure, write_json
+from specjax.bench.timing import time_calls
 from specjax.loop import bucket, prefill_target
 
 
 def traced(target: Any, chunk: int | None, capacity: int, prompt: Any,
            lens: Any) -> tuple[Any, Any]:
-    """A new jitted prefill traced with ``SPECJAX_PREFILL_CHUNK = chunk`` (None: unset; the
-    setting is read at trace time, so the first call runs under it), and that call's hidden
-    states."""
-    if chunk is None:
-        os.environ.pop("SPECJAX_PREFILL_CHUNK", None)
-    else:
+    """A new jitted prefill traced with ``SPECJAX_PREFILL_CHUNK = chunk`` (None: unset), and
+    its first call's hidden states. The setting is read at trace time, so it is set only
+    for that first call and the caller's value restored after it."""
+    saved = os.environ.pop("SPECJAX_PREFILL_CHUNK", None)
+    if chunk is not None:
         os.environ["SPECJAX_PREFILL_CHUNK"] = str(chunk)
-    fn = jax.jit(lambda params, prompt, lens: prefill_target(params, target.cfg, prompt, lens,
-                                                             capacity)[0])
-    return fn, np.asarray(fn(target.params, prompt, lens))
+    try:
+        fn = jax.jit(lambda params, prompt, lens: prefill_target(params, target.cfg, prompt,
+                                                                 lens, capacity)[0])
+        return fn, np.asarray(fn(target.params, prompt, lens))
+    finally:
+        os.environ.pop("SPECJAX_PREFILL_CHUNK", None)
+        if saved is not None:
+            os.environ["SPECJAX_PREFILL_CHUNK"] = saved
 
 
 def measure(target: Any, length: int, chunks: list[int | None], runs: int, rounds: int,
@@ -51,27 +57,16 @@ def measure(target: Any, length: int, chunks: list[int | None], runs: int, round
     prompt = jnp.asarray(np.random.default_rng(seed).integers(
         3, target.cfg.vocab_size, (1, p)), jnp.int32)
     lens = jnp.asarray([length], jnp.int32)
-    saved = os.environ.get("SPECJAX_PREFILL_CHUNK")
-    try:
-        fns, outs = {}, {}
-        for c in chunks:
-            fns[c], hidden = traced(target, c, capacity, prompt, lens)
-            outs[c] = hidden[0, :length]
-    finally:
-        if saved is None:
-            os.environ.pop("SPECJAX_PREFILL_CHUNK", None)
-        else:
-            os.environ["SPECJAX_PREFILL_CHUNK"] = saved
+    fns, outs = {}, {}
+    for c in chunks:
+        fns[c], hidden = traced(target, c, capacity, prompt, lens)
+        outs[c] = hidden[0, :length]
     ref = outs[0] if 0 in outs else outs[chunks[0]]
     best: dict[int | None, list[float]] = {c: [] for c in chunks}
     for r in range(rounds):
         for c in chunks[r % len(chunks):] + chunks[:r % len(chunks)]:  # rotated order
-            times = []
-            for _ in range(runs):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fns[c](target.params, prompt, lens))
-                times.append(time.perf_counter() - t0)
-            best[c].append(1e3 * min(times))
+            call = partial(fns[c], target.params, prompt, lens)
+            best[c].append(time_calls(call, runs)["best_ms"])
     return [{"length": length, "bucket": p, "chunk": c, "ms": float(np.median(best[c])),
              "round_best_ms": best[c],
              "max_abs_diff": float(np.max(np.abs(outs[c] - ref)))} for c in chunks]
