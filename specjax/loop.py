@@ -188,18 +188,16 @@ def in_chunks(run: PrefillPass, inputs: tuple[Array, ...], cache: KVCache, promp
         shapes = jax.eval_shape(lambda: run_at(0, c, (None, cache))[0])
         carry = (tuple(jnp.zeros((s.shape[0], p) + s.shape[2:], s.dtype) for s in shapes),
                  cache)
-        longest = jnp.max(prompt_lens)
-        if tail is None or not 0 < tail < c:
-            outs, cache = jax.lax.fori_loop(0, (longest + c - 1) // c,
-                                            lambda i, x: run_at(i * c, c, x), carry)
-        else:
-            # Whole chunks, and one more unless the rest fits a tail (start + tail <= P: the
-            # start is a multiple of c below P, and P a multiple of c).
-            full, rest = longest // c, longest % c
-            carry = jax.lax.fori_loop(0, full + (rest > tail), lambda i, x: run_at(i * c, c, x),
-                                      carry)
-            outs, cache = jax.lax.cond((rest > 0) & (rest <= tail),
-                                       lambda x: run_at(full * c, tail, x), lambda x: x, carry)
+        # Whole chunks, and one more unless the rest fits a tail (start + tail <= P: the
+        # start is a multiple of c below P, and P a multiple of c).
+        tail = tail if tail is not None and 0 < tail < c else 0
+        full, rest = jnp.max(prompt_lens) // c, jnp.max(prompt_lens) % c
+        carry = jax.lax.fori_loop(0, full + (rest > tail), lambda i, x: run_at(i * c, c, x),
+                                  carry)
+        if tail:
+            carry = jax.lax.cond((rest > 0) & (rest <= tail),
+                                 lambda x: run_at(full * c, tail, x), lambda x: x, carry)
+        outs, cache = carry
     return outs, dataclasses.replace(cache, lengths=prompt_lens.astype(jnp.int32))
 
 
