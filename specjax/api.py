@@ -310,8 +310,9 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
       per step, root included), mean_drafter_calls (per step) and chained_fraction (the
       fraction of steps that verified a lookup chain)). ``compile_s`` is the time spent
       compiling (or loading from the persistent cache, see :mod:`specjax.compile_cache`)
-      during the call, ``compiles`` how many programs; ``decode_tokens_per_s`` leaves the
-      decode loop's compile time out, ``wall_s`` and ``tokens_per_s`` include it.
+      during the call, ``prefill_compile_s`` the part of it inside ``prefill_s``,
+      ``compiles`` how many programs; ``decode_tokens_per_s`` leaves the decode loop's
+      compile time out, ``wall_s`` and ``tokens_per_s`` include it.
     """
     max_new_tokens, seed = check_generate_args(
         target, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
@@ -359,6 +360,7 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
         "wall_s": t2 - t0, "tokens_per_s": new / (t2 - t0),
         "decode_tokens_per_s": (new - len(ids)) / max(t2 - t1 - decode_compile_s, 1e-9),
         "mode": mode, "compile_s": compiled.seconds, "compiles": compiled.backend_compiles,
+        "prefill_compile_s": compiled.seconds - decode_compile_s,
     }
     if mesh is not None:
         stats["mesh"] = dict(mesh.shape)

@@ -46,9 +46,20 @@ def test_stats_report_compile_time(tiny_target):
     jax.clear_caches()  # so this call compiles (or loads) its programs
     res = specjax.generate(tiny_target, [[1, 2, 3]], max_new_tokens=20)
     assert res.stats["compile_s"] > 0 and res.stats["compiles"] > 0
+    # the prefill's own program compiled inside prefill_s, the loop's after it
+    assert 0 < res.stats["prefill_compile_s"] < res.stats["compile_s"]
+    assert res.stats["prefill_compile_s"] <= res.stats["prefill_s"]
     again = specjax.generate(tiny_target, [[1, 2, 3]], max_new_tokens=20)
-    assert again.stats["compiles"] == 0
+    assert again.stats["compiles"] == 0 and again.stats["prefill_compile_s"] == 0
     assert again.stats["decode_tokens_per_s"] > 0
+
+
+def test_stats_line_shows_prefill_without_its_compile():
+    from specjax.commands.generate import stats_line
+
+    line = stats_line({"new_tokens": 9, "decode_tokens_per_s": 50.0, "prefill_s": 1.25,
+                       "prefill_compile_s": 1.0, "compile_s": 3.0})
+    assert "prefill 0.25 s, compile 3.0 s" in line
 
 
 def test_cache_path_env(monkeypatch, tmp_path):

@@ -243,8 +243,10 @@ def _tree(args: argparse.Namespace, drafter: Any) -> Any:
 
 def stats_line(stats: dict) -> str:
     """One short line of speed and acceptance, printed after the generated text."""
+    # prefill_s is wall time and holds the prefill's compile (or cache load): shown apart.
+    prefill = max(stats["prefill_s"] - stats.get("prefill_compile_s", 0.0), 0.0)
     line = (f"[{stats['new_tokens']} tokens, {stats['decode_tokens_per_s']:.1f} tok/s decode, "
-            f"prefill {stats['prefill_s']:.2f} s, compile {stats['compile_s']:.1f} s")
+            f"prefill {prefill:.2f} s, compile {stats['compile_s']:.1f} s")
     if "mean_accepted_length" in stats:
         line += (f", {stats['mean_accepted_length']:.2f} tokens per target forward "
                  f"({stats['target_forwards']} forwards)")
