@@ -9,6 +9,13 @@ is the target's, the most frequent next token among the longest-match occurrence
 of the two latest *distinct* next tokens; and the leading run of an ``--length``-token chain
 the target would accept, from the latest occurrence or the better of the two distinct ones.
 
+Where the suffix matched fewer tokens (no chain is grafted), it also bounds a chain
+*anchored on the first draft*: the lookup run again on the context plus the target's own
+next token (an oracle drafter's first draft), counting how often that finds a match of
+``--min-match`` tokens whose continuation lies in the context, and how much of it the target
+would accept after that token. A tree would hang such a chain below its drafted child; the
+oracle's figure is the most it could add.
+
 The prompts are ShareGPT's calibration range (``calibration_prompts``, never Spec-Bench);
 the answers (greedy, 128 tokens, EOS stops) are cached in ``--answers``.
 
@@ -41,11 +48,11 @@ def answers(path: Path, n: int) -> tuple[list[list[int]], list[list[int]]]:
     return d["prompts"], d["answers"]
 
 
-def occurrences(hist: list[int], ngram: int) -> tuple[int, list[int]]:
-    """(longest suffix match m, the ends j < len - 1 of every occurrence matching m tokens,
-    latest last)."""
+def occurrences(hist: list[int], ngram: int, stop: int | None = None) -> tuple[int, list[int]]:
+    """(longest suffix match m, the ends j < ``stop`` (default len - 1) of every occurrence
+    matching m tokens, latest last)."""
     last, best, ends = len(hist) - 1, 0, []
-    for j in range(last):
+    for j in range(last if stop is None else stop):
         m = 0
         while m < ngram and j - m >= 0 and hist[j - m] == hist[last - m]:
             m += 1
@@ -68,12 +75,21 @@ def main() -> None:
     n = matched = 0
     hits = collections.Counter()
     runs = collections.Counter()
+    anchored = anchored_run = 0
     for p, a in zip(prompts, outs, strict=True):
         text = list(p) + list(a)
         for t in range(len(p), len(text) - 1):
             n += 1
             m, ends = occurrences(text[:t + 1], args.ngram)
             if m < args.min_match:
+                # the context text[:t + 1] and the right first draft text[t + 1]: a match
+                # ending at j < t continues from text[j + 1], inside the context
+                m2, ends2 = occurrences(text[:t + 2], args.ngram, stop=t)
+                if m2 >= args.min_match:
+                    j = ends2[-1]
+                    anchored += 1
+                    anchored_run += leading_agreement(text[j + 1:min(j + 1 + args.length, t + 1)],
+                                                      text[t + 2:t + 2 + args.length])
                 continue
             matched += 1
             truth = text[t + 1:t + 1 + args.length]
@@ -94,6 +110,11 @@ def main() -> None:
         print(f"next token right, {k:<24} {v / matched:.3f}")
     for k, v in runs.items():
         print(f"chain of {args.length} accepted, {k:<22} {v / matched:.3f} tokens")
+    unmatched = n - matched
+    print(f"no chain ({unmatched / n:.3f} of positions): a chain anchored on the right first draft "
+          f"found at {anchored / max(unmatched, 1):.3f} of them, accepted "
+          f"{anchored_run / max(anchored, 1):.2f} tokens after the draft; "
+          f"{anchored_run / n:.3f} tokens a position at most")
 
 
 if __name__ == "__main__":
