@@ -63,6 +63,19 @@ def occurrences(hist: list[int], ngram: int, stop: int | None = None) -> tuple[i
     return best, ends
 
 
+def anchored_chain(text: list[int], t: int, ngram: int, min_match: int,
+                   length: int) -> list[int] | None:
+    """The chain a lookup anchored on the right first draft would hang below it at position
+    ``t``: the context is ``text[:t + 1]``, the draft ``text[t + 1]``; a match of >=
+    ``min_match`` tokens ending at j < t continues from ``text[j + 1]``, cut at the context's
+    end. None without such a match."""
+    m, ends = occurrences(text[:t + 2], ngram, stop=t)
+    if m < min_match:
+        return None
+    j = ends[-1]
+    return text[j + 1:min(j + 1 + length, t + 1)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=48)
@@ -82,14 +95,10 @@ def main() -> None:
             n += 1
             m, ends = occurrences(text[:t + 1], args.ngram)
             if m < args.min_match:
-                # the context text[:t + 1] and the right first draft text[t + 1]: a match
-                # ending at j < t continues from text[j + 1], inside the context
-                m2, ends2 = occurrences(text[:t + 2], args.ngram, stop=t)
-                if m2 >= args.min_match:
-                    j = ends2[-1]
+                chain = anchored_chain(text, t, args.ngram, args.min_match, args.length)
+                if chain is not None:
                     anchored += 1
-                    anchored_run += leading_agreement(text[j + 1:min(j + 1 + args.length, t + 1)],
-                                                      text[t + 2:t + 2 + args.length])
+                    anchored_run += leading_agreement(chain, text[t + 2:t + 2 + args.length])
                 continue
             matched += 1
             truth = text[t + 1:t + 1 + args.length]
