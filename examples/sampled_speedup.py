@@ -94,6 +94,9 @@ def run_order(n_trees: int, prompt: int) -> list[int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None,
+                    help="converted target folder or a named model, e.g. gemma3-270m (its "
+                         "shipped drafter drafts; default: SmolLM2-135M-Instruct)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--per-task", type=int, default=4)
@@ -126,8 +129,11 @@ def main() -> None:
         ap.error(str(e))
     if not 0 <= args.long_share <= 1:
         ap.error(f"--long-share must be in [0, 1], got {args.long_share}")
-    target = specjax.load(resolve_model(None, progress=False))
-    drafter = specjax.load_drafter(shipped_drafter_for(target.cfg), target)
+    target = specjax.load(resolve_model(args.model, progress=False))
+    folder = shipped_drafter_for(target.cfg)
+    if folder is None:
+        ap.error(f"no drafter is shipped for {args.model}")
+    drafter = specjax.load_drafter(folder, target)
     if args.calibration:
         ids, _ = calibration_prompts(target, num=args.calibration,
                                      weights=with_long_share(args.long_share),
@@ -176,7 +182,8 @@ def main() -> None:
                   f"spec {p['spec_tokens_per_s']:.1f} tok/s  {p['speedup']:.2f}x "
                   f"[{p['speedup_ci95'][0]:.2f}, {p['speedup_ci95'][1]:.2f}]  "
                   f"chained {p['chained_fraction']:.2f}")
-    head = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+    head = {"model": args.model or "SmolLM2-135M-Instruct", "temperature": args.temperature,
+            "max_new_tokens": args.max_new_tokens,
             "prompts": "calibration" if args.calibration else "spec-bench"}
     if args.calibration:
         head |= {"skip": args.skip, "long_share": args.long_share,

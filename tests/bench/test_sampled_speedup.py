@@ -79,3 +79,11 @@ def test_by_length_splits_the_paired_ratio_at_the_prompt_length():
     assert out["under 450"]["prompts"] == 2 and out["under 450"]["ratio"] == pytest.approx(2.0)
     assert out["450 and over"]["ratio"] == pytest.approx(0.5)
     assert list(sampled_speedup.by_length(rows, base, 10)) == ["10 and over"]  # none under
+
+
+def test_a_model_without_a_shipped_drafter_is_refused(tiny_target, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["sampled_speedup.py", "--model", str(tiny_target.path)])
+    with pytest.raises(SystemExit) as e:
+        sampled_speedup.main()
+    assert e.value.code == 2
+    assert f"no drafter is shipped for {tiny_target.path}" in capsys.readouterr().err
