@@ -244,7 +244,7 @@ def _tree(args: argparse.Namespace, drafter: Any) -> Any:
 def stats_line(stats: dict) -> str:
     """One short line of speed and acceptance, printed after the generated text."""
     # prefill_s is wall time and holds the prefill's compile (or cache load): shown apart.
-    prefill = max(stats["prefill_s"] - stats.get("prefill_compile_s", 0.0), 0.0)
+    prefill = max(stats["prefill_s"] - stats["prefill_compile_s"], 0.0)
     line = (f"[{stats['new_tokens']} tokens, {stats['decode_tokens_per_s']:.1f} tok/s decode, "
             f"prefill {prefill:.2f} s, compile {stats['compile_s']:.1f} s")
     if "mean_accepted_length" in stats:
