@@ -19,9 +19,9 @@ third give a 450-1,000-token text to summarize or answer from), as
 
 ``--tree-json`` given more than once compares the trees in one run: each prompt runs
 vanilla and then every tree in turn with the same seed (the order rotated from prompt to
-prompt, :func:`run_order`), so the machine's drift between runs (often larger than the
-differences between trees) falls on all of them alike. The
-JSON then holds one result per tree under ``trees``, each after the first with its speed
+prompt, :func:`specjax.bench.paired.paired_runs`), so the machine's drift between runs
+(often larger than the differences between trees) falls on all of them alike. The JSON
+then holds one result per tree under ``trees``, each after the first with its speed
 relative to the first and a 95% interval over prompts (``vs_first``).
 """
 
@@ -31,10 +31,10 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 import specjax
 from specjax.bench.common import ratio_of_sums, write_json
+from specjax.bench.paired import paired_runs, relative_speed
 from specjax.bench.questions import CALIB_SKIP, TASKS, calibration_prompts, spec_bench_prompts
 from specjax.defaults import resolve_model, shipped_drafter_for
 from specjax.train.prompts import with_long_share
@@ -56,18 +56,6 @@ def pooled(rows: list[dict]) -> dict:
             "chained_fraction": sum(r["chained_fraction"] for r in rows) / len(rows)}
 
 
-def relative_speed(rows: list[dict], base: list[dict]) -> dict:
-    """Speed of one tree relative to ``base`` (both run on the same prompts and seeds):
-    base's summed decode time over this tree's, with a 95% interval that resamples whole
-    prompts, paired (a sampled run's speed varies by tens of percent from prompt to prompt,
-    for every tree alike)."""
-    if [r["tokens"] for r in rows] != [r["tokens"] for r in base]:
-        raise ValueError("the trees must have run the same prompts to the same lengths")
-    ratio, ci = ratio_of_sums(np.array([r["spec_decode_s"] for r in base]),
-                              np.array([r["spec_decode_s"] for r in rows]))
-    return {"ratio": ratio, "ci95": ci}
-
-
 def by_length(rows: list[dict], base: list[dict], split: int) -> dict:
     """:func:`relative_speed` apart for prompts shorter than ``split`` tokens and for the
     rest (a tree's extra draft level and verify rows cost more over a long context, where
@@ -80,15 +68,6 @@ def by_length(rows: list[dict], base: list[dict], split: int) -> dict:
             out[name] = {"prompts": len(idx),
                          **relative_speed([rows[i] for i in idx], [base[i] for i in idx])}
     return out
-
-
-def run_order(n_trees: int, prompt: int) -> list[int]:
-    """The order the trees run in on prompt number ``prompt``: rotated by one each prompt, so
-    each runs first (right after vanilla) equally often, and a cost of running first, if
-    there is one, falls on every tree alike. (Fifty-fourth session: with a fixed order the
-    first of two trees read 1.5% slower, 1.015 [0.976, 1.056]; rotated, the same two trees
-    read 0.995 [0.965, 1.027]: neither resolved.)"""
-    return [(prompt + j) % n_trees for j in range(n_trees)]
 
 
 def main() -> None:
@@ -145,22 +124,10 @@ def main() -> None:
                                       per_task=args.per_task)
     tasks = list(dict.fromkeys(e["task"] for e in evals))
     trees = trees or [drafter.tree_for(args.temperature == 0)]  # what generate drafts
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-              stop_on_eos=False)
-    rows: list[list[dict]] = [[] for _ in trees]
-    for i, e in enumerate(tqdm(evals, desc=f"T={args.temperature}")):
-        van = specjax.generate(target, [e["ids"]], seed=args.seed + i, **kw)
-        for j in run_order(len(trees), i):
-            tree, tree_rows = trees[j], rows[j]
-            spec = specjax.generate(target, [e["ids"]], drafter=drafter, tree=tree,
-                                    seed=args.seed + i, **kw)
-            # The first new token is the prefill's; decode time leaves compiles out.
-            n = spec.stats["new_tokens"] - 1
-            tree_rows.append({"task": e["task"], "prompt_tokens": len(e["ids"]), "tokens": n,
-                              "vanilla_decode_s": n / van.stats["decode_tokens_per_s"],
-                              "spec_decode_s": n / spec.stats["decode_tokens_per_s"],
-                              "mal": spec.stats["mean_accepted_length"],
-                              "chained_fraction": spec.stats["chained_fraction"]})
+    rows = paired_runs(target, drafter, trees, [e["ids"] for e in evals],
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       seed=args.seed, vanilla=True, tasks=[e["task"] for e in evals],
+                       desc=f"T={args.temperature}")
 
     results = []
     for tree, tree_rows in zip(trees, rows, strict=True):

@@ -31,36 +31,6 @@ def test_pooled_weighs_prompts_by_their_tokens():
     assert p["chained_fraction"] == pytest.approx(0.25)
 
 
-def _rows(times: list[float]) -> list[dict]:
-    return [{"tokens": 10, "vanilla_decode_s": 1.0, "spec_decode_s": t, "mal": 1.0,
-             "chained_fraction": 0.0} for t in times]
-
-
-def test_relative_speed_is_paired_over_prompts():
-    base = _rows([1.0, 2.0, 4.0, 8.0])
-    # Every prompt 10% faster: the ratio and every resampled ratio are 1.1, despite the
-    # eightfold spread between prompts.
-    r = sampled_speedup.relative_speed(_rows([1 / 1.1, 2 / 1.1, 4 / 1.1, 8 / 1.1]), base)
-    assert r["ratio"] == pytest.approx(1.1)
-    assert r["ci95"] == pytest.approx([1.1, 1.1])
-    # One prompt faster, one slower: the interval straddles the pooled ratio.
-    r = sampled_speedup.relative_speed(_rows([0.5, 2.0, 4.0, 9.0]), base)
-    assert r["ratio"] == pytest.approx(15.0 / 15.5)
-    assert r["ci95"][0] < r["ratio"] < r["ci95"][1]
-
-
-def test_relative_speed_refuses_rows_of_other_prompts():
-    with pytest.raises(ValueError, match="same prompts"):
-        sampled_speedup.relative_speed(_rows([1.0]), _rows([1.0, 2.0]))
-
-
-def test_run_order_puts_each_tree_first_equally_often():
-    orders = [sampled_speedup.run_order(3, i) for i in range(6)]
-    assert all(sorted(o) == [0, 1, 2] for o in orders)
-    assert [o[0] for o in orders] == [0, 1, 2, 0, 1, 2]
-    assert sampled_speedup.run_order(1, 5) == [0]
-
-
 def test_a_long_share_outside_0_1_is_refused_before_the_model_loads(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["sampled_speedup.py", "--calibration", "8",
                                       "--long-share", "1.5"])
