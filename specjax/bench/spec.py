@@ -10,7 +10,11 @@ One command, one run, one JSON + one PNG:
    measures the drafter's whole draft phase for each candidate tree of a small grid, takes
    each tree's MAL from a short calibration run on ShareGPT prompts (never Spec-Bench's:
    :func:`specjax.bench.questions.calibration_prompts`),
-   and picks the tree maximising ``MAL / (verify_latency(T) + draft_time)``.
+   and picks the tree maximising ``MAL / (verify_latency(T) + draft_time)``. That estimate
+   cannot tell trees apart within about a percent; ``--ab-trees K`` then runs the K best
+   estimated trees (those within ``--ab-within`` of the best) end to end on more
+   calibration prompts, paired prompt by prompt (:mod:`specjax.bench.paired`), and the
+   fastest there is chosen (:func:`tie_break`).
 2. **Evaluation** on a deterministic Spec-Bench subset (the first ``per_task`` questions of
    each task, first turn, chat template, greedy, batch 1): vanilla decoding, speculative
    compiled and, for the first ``eager_per_task`` prompts of each task, speculative eager.
@@ -61,6 +65,7 @@ from specjax.bench.common import (
     save_figure,
     write_json,
 )
+from specjax.bench.paired import paired_runs, relative_speed
 from specjax.bench.partial import append_record, drafter_stamp, resume_from
 from specjax.bench.phases import draft_latency, load_models
 from specjax.bench.questions import (
@@ -82,6 +87,7 @@ from specjax.defaults import resolve_model
 from specjax.loaded import Drafter, Target
 from specjax.loop import bucket
 from specjax.speculative import TreeSpec, cache_capacity, spare_rows
+from specjax.train.prompts import with_long_share
 from specjax.vocab.head import VocabHead, full_head
 from specjax.vocab.resolve import resolve_head
 
@@ -172,6 +178,66 @@ def select_tree(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
             "formula": "est_tokens_per_s = MAL / (verify_latency(T = num_nodes) + draft_time); "
                        "est_speedup = that * latency(1); latencies from the monotone fit",
             "mal_note": MAL_NOTE}
+
+
+# The paired run's prompts: Spec-Bench's mix of lengths (two of its six tasks give a
+# 500-1,600-token text), as the A/Bs that chose the shipped trees drew them.
+AB_LONG_SHARE = 1 / 3
+AB_MAX_PROMPT_TOKENS = 1024
+
+
+def tie_candidates(rows: Sequence[dict[str, Any]], k: int, within: float) -> list[int]:
+    """Indices of the ``k`` best estimated trees of a :func:`select_tree` grid whose estimate
+    is within ``within`` (a fraction) of the best, best first."""
+    order = sorted(range(len(rows)), key=lambda i: -rows[i]["est_tokens_per_s"])
+    top = rows[order[0]]["est_tokens_per_s"]
+    return [i for i in order if rows[i]["est_tokens_per_s"] >= (1 - within) * top][:k]
+
+
+def tie_break(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
+              selection: dict[str, Any], prompts: Sequence[Sequence[int]], *, k: int,
+              within: float, max_new_tokens: int, stop_on_eos: bool,
+              head: VocabHead | None = None) -> dict[str, Any]:
+    """Break the estimate's near-ties end to end: run the candidates of
+    :func:`tie_candidates` on ``prompts`` at batch 1, greedy, every prompt running every
+    candidate in turn (:func:`specjax.bench.paired.paired_runs`), and choose the one whose
+    summed decode time is least.
+
+    Where the winner's interval against the estimate's choice holds 1, the trees are tied
+    within what this machine can measure, and either is as good a default as it can tell.
+
+    Returns:
+      ``selection`` with ``"ab"`` (the candidates' labels, each one's speed relative to the
+      estimate's choice with a 95% interval over prompts, their MAL, the prompts' lengths)
+      and, where another candidate ran faster, ``chosen_index`` / ``chosen`` moved to it
+      (``estimate_index`` keeps the estimate's).
+    """
+    rows = selection["grid"]
+    cand = tie_candidates(rows, k, within)
+    ab: dict[str, Any] = {"k": k, "within": within, "candidates": [rows[i]["label"]
+                                                                   for i in cand]}
+    out = {**selection, "estimate_index": selection["chosen_index"], "ab": ab}
+    if len(cand) < 2:
+        ab["skipped"] = f"no other tree within {within:.0%} of the best estimate"
+        return out
+    runs = paired_runs(target, drafter, [grid[i] for i in cand], prompts,
+                       max_new_tokens=max_new_tokens, stop_on_eos=stop_on_eos, vocab=head,
+                       desc="paired A/B")
+    ab["prompts"] = len(prompts)
+    ab["prompt_tokens"] = [len(p) for p in prompts]
+    ab["results"] = [{"label": rows[i]["label"], "index": i,
+                      "mal": float(np.mean([r["mal"] for r in tree_rows])),
+                      "decode_s": sum(r["spec_decode_s"] for r in tree_rows),
+                      "vs_estimate": relative_speed(tree_rows, runs[0])}
+                     for i, tree_rows in zip(cand, runs, strict=True)]
+    best = max(ab["results"], key=lambda r: r["vs_estimate"]["ratio"])
+    ab["winner"] = best["label"]
+    # Resolved: the winner's interval against each other candidate's run excludes 1 (against
+    # the estimate's choice when another won; every other's below 1 when it won itself).
+    others = [r["vs_estimate"]["ci95"] for r in ab["results"][1:]]
+    ab["resolved"] = (best["vs_estimate"]["ci95"][0] > 1 if best["index"] != cand[0]
+                      else all(hi < 1 for _, hi in others))
+    return out | {"chosen_index": best["index"], "chosen": rows[best["index"]]}
 
 
 # --------------------------------------------------------------------------------------
@@ -284,6 +350,12 @@ class SpecBenchConfig:
         :func:`specjax.vocab.resolve_head`) or a built head, used for calibration, draft
         timing and evaluation; None: the drafter's measured default head, else full.
         Verification is always over the full vocabulary.
+      grid_add_default: also consider the drafter's stored greedy tree (its
+        ``default_tree.json``; a static tree, say, which the grid lacks), so a run can say
+        whether the shipped default still wins.
+      ab_trees: 0, or how many of the best estimated trees (those within ``ab_within``, a
+        fraction, of the best estimate) run end to end on ``ab_prompts`` calibration
+        prompts of Spec-Bench's mix of lengths to choose from (:func:`tie_break`).
     """
 
     model_dir: str | Path
@@ -304,42 +376,56 @@ class SpecBenchConfig:
     dtype: str | None = None
     resume: bool = True
     vocab: str | VocabHead | None = None
+    grid_add_default: bool = False
+    ab_trees: int = 0
+    ab_within: float = 0.05
+    ab_prompts: int = 24
 
     def __post_init__(self) -> None:
         if self.per_task < 1 or self.max_new_tokens < 1 or self.eager_per_task < 0:
             raise ValueError("need per_task >= 1, max_new_tokens >= 1 and eager_per_task >= 0")
-        if not self.trees:
+        if not self.trees and not self.grid_add_default:
             raise ValueError("the tree grid is empty")
+        if self.ab_trees == 1 or self.ab_trees < 0:
+            raise ValueError(f"ab_trees is 0 (no paired run) or at least 2 trees to compare, "
+                             f"got {self.ab_trees}")
+        if not 0 < self.ab_within < 1 or self.ab_prompts < 2:
+            raise ValueError(f"need 0 < ab_within < 1 and ab_prompts >= 2, got "
+                             f"{self.ab_within} and {self.ab_prompts}")
+        if self.tree is not None and (self.ab_trees or self.grid_add_default):
+            raise ValueError("a given tree is not chosen: drop --ab-trees / --grid-add-default, "
+                             "or the tree, to choose from the grid")
 
     @property
     def trees(self) -> tuple[TreeSpec, ...]:
         """The trees the run considers: ``tree`` alone when given, else the grid."""
         return (self.tree,) if self.tree is not None else tuple(self.grid)
 
-    @property
-    def curve_sizes(self) -> list[int]:
+    def curve_sizes(self, trees: Sequence[TreeSpec]) -> list[int]:
         """The latency curve's T values: ``latency_sizes``, 1 (vanilla decoding), and the
-        largest tree's node count, so that no estimate extrapolates the curve."""
+        largest of ``trees``' node counts, so that no estimate extrapolates the curve."""
         sizes = sorted({int(t) for t in self.latency_sizes} | {1})
-        largest = max(t.num_nodes for t in self.trees)
+        largest = max(t.num_nodes for t in trees)
         return sizes + [largest] if largest > sizes[-1] else sizes
 
 
 def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | None = None,
                    calib_prompts: Sequence[Sequence[int]] | None = None,
+                   ab_prompts: Sequence[Sequence[int]] | None = None,
                    drafter: Drafter | None = None) -> dict[str, Any]:
     """Benchmark greedy speculative decoding on a Spec-Bench subset; write JSON + PNG.
 
     Args:
       cfg: the run's settings.
-      prompts, calib_prompts: internal (tests): pre-tokenised evaluation prompts
-        ``{"question_id", "task", "ids"}`` and calibration prompt ids, bypassing questions
-        and the tokenizer.
+      prompts, calib_prompts, ab_prompts: internal (tests): pre-tokenised evaluation prompts
+        ``{"question_id", "task", "ids"}``, calibration prompt ids and the paired run's,
+        bypassing questions and the tokenizer.
       drafter: internal: an already loaded drafter (overrides ``cfg.drafter_dir``).
     Returns:
       The dict written to ``cfg.out``.
+    Raises:
+      ValueError: ``cfg.grid_add_default`` with a drafter that stores no greedy tree.
     """
-    grid, sizes = cfg.trees, cfg.curve_sizes
     max_new_tokens, stop_on_eos, runs = cfg.max_new_tokens, cfg.stop_on_eos, cfg.runs
     out = Path(cfg.out)
     t_start = time.perf_counter()
@@ -347,6 +433,13 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
 
     target, drafter, drafter_name = load_models(cfg.model_dir, cfg.dtype, drafter,
                                                 cfg.drafter_dir)
+    grid = cfg.trees
+    if cfg.grid_add_default:
+        if drafter.default_tree is None:
+            raise ValueError(f"drafter {drafter_name} stores no default tree to add to the "
+                             "grid (its default_tree.json); drop --grid-add-default")
+        grid = grid if drafter.default_tree in grid else (*grid, drafter.default_tree)
+    sizes = cfg.curve_sizes(grid)
     vocab = cfg.vocab or drafter.default_vocab or "full"
     head = resolve_head(vocab, target, drafter)
 
@@ -374,7 +467,11 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
         "calib_max_new_tokens": cfg.calib_max_new_tokens, "latency_sizes": sizes, "runs": runs,
         "latency_context": context, "latency_capacity": capacity,
         "vocab": vocab if isinstance(vocab, str) else repr(head),
+        "ab_trees": cfg.ab_trees,
     }
+    if cfg.ab_trees:
+        config |= {"ab_within": cfg.ab_within, "ab_prompts": cfg.ab_prompts,
+                   "ab_long_share": AB_LONG_SHARE, "ab_max_prompt_tokens": AB_MAX_PROMPT_TOKENS}
 
     # Resume: a selection and prompt records written under the same configuration.
     ppath, old = resume_from(out, cfg.resume)
@@ -384,7 +481,8 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
                                    | {"drafter_mtime": stamp}), sort_keys=True)
     selection = next((r["selection"] for r in old
                       if r.get("kind") == "selection" and r.get("key") == sel_key), None)
-    n_steps = len(evals) + len(eager_qids) + (0 if selection else len(sizes) + len(grid))
+    n_steps = len(evals) + len(eager_qids) + (
+        0 if selection else len(sizes) + len(grid) + bool(cfg.ab_trees))
     bar = tqdm(total=n_steps, unit="step")
     if selection is None:
         curve = latency_curve(target, sizes, context=context, capacity=capacity, runs=runs,
@@ -393,6 +491,16 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
                                 prompt_len=mean_prompt, max_new_tokens=max_new_tokens,
                                 calib_max_new_tokens=cfg.calib_max_new_tokens,
                                 stop_on_eos=stop_on_eos, runs=runs, head=head, bar=bar)
+        if cfg.ab_trees:
+            bar.set_description("paired A/B of the best estimates")
+            ab_ids, ab_info = calibration_prompts(
+                target, num=cfg.ab_prompts, questions=cfg.questions, given=ab_prompts,
+                weights=with_long_share(AB_LONG_SHARE), max_prompt_tokens=AB_MAX_PROMPT_TOKENS)
+            selection = tie_break(target, drafter, grid, selection, ab_ids, k=cfg.ab_trees,
+                                  within=cfg.ab_within, max_new_tokens=max_new_tokens,
+                                  stop_on_eos=stop_on_eos, head=head)
+            selection["ab"]["source"] = ab_info
+            bar.update()
         selection["latency"] = curve
         append_record(ppath, {"kind": "selection", "key": sel_key, "selection": selection})
     else:
@@ -565,6 +673,18 @@ def summary(r: dict[str, Any]) -> str:
                      f"{g['draft_ms']:>10.1f}{g['verify_ms']:>10.1f}{g['est_tokens_per_s']:>10.1f}"
                      f"{g['est_speedup']:>7.2f}" + ("  <- chosen" if i == sel["chosen_index"]
                                                     else ""))
+    ab = sel.get("ab")
+    if ab and "results" in ab:
+        first = ab["results"][0]["label"]
+        lines.append(f"paired A/B on {ab['prompts']} calibration prompts, speed vs {first}:")
+        lines += [f"  {x['label']:<24} MAL {x['mal']:.2f}  {x['vs_estimate']['ratio']:.3f} "
+                  f"[{x['vs_estimate']['ci95'][0]:.3f}, {x['vs_estimate']['ci95'][1]:.3f}]"
+                  for x in ab["results"]]
+        lines.append(f"  fastest: {ab['winner']} ("
+                     + ("resolved" if ab["resolved"] else "a tie within this run's noise")
+                     + ")")
+    elif ab:
+        lines.append(f"paired A/B skipped: {ab['skipped']}")
     lines.append(f"chosen tree: {r['tree_label']} (vanilla est. "
                  f"{sel['vanilla_est_tokens_per_s']:.1f} tok/s)")
     lines.append(f"{'task':<16}{'n':>3}{'MAL*':>7}{'vanilla':>9}{'spec':>9}{'speedup':>9}"
@@ -635,6 +755,20 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "nodes, root included, before any lookup chain (default: all; each "
                         "tree compiles its own programs, and XLA:CPU ran out of memory "
                         "mappings after ~25 trees with gated chains here)")
+    p.add_argument("--grid-add-default", action="store_true",
+                   help="--tree auto: also consider the drafter's stored greedy tree (its "
+                        "default_tree.json), so the run says whether it still wins")
+    p.add_argument("--ab-trees", type=int, default=0, metavar="K",
+                   help="--tree auto: run the K best estimated trees (those within "
+                        "--ab-within of the best) end to end on --ab-prompts calibration "
+                        "prompts, paired, and choose the fastest (default 0: the estimate "
+                        "decides; it cannot tell trees within about 1%% apart)")
+    p.add_argument("--ab-within", type=float, default=0.05, metavar="F",
+                   help="with --ab-trees: how far below the best estimate (a fraction) a "
+                        "tree may be and still run (default 0.05)")
+    p.add_argument("--ab-prompts", type=int, default=24, metavar="N",
+                   help="with --ab-trees: about N calibration prompts (ShareGPT's calibration "
+                        "range, a third with a long text; never Spec-Bench) (default 24)")
     p.add_argument("--save-default-tree", action="store_true",
                    help="store the chosen tree and this run's head in the drafter's folder "
                         "(default_tree.json): generate then uses them when given none")
@@ -651,7 +785,9 @@ def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
                            questions=args.questions, out=Path(args.out),
                            tasks=[t for t in args.tasks.split(",") if t],
                            eager_per_task=args.eager_per_task, dtype=args.dtype,
-                           resume=not args.no_resume, vocab=args.vocab)
+                           resume=not args.no_resume, vocab=args.vocab,
+                           grid_add_default=args.grid_add_default, ab_trees=args.ab_trees,
+                           ab_within=args.ab_within, ab_prompts=args.ab_prompts)
 
 
 def save_default_tree(result: dict[str, Any], drafter_dir: str | Path,
@@ -677,10 +813,19 @@ def save_default_tree(result: dict[str, Any], drafter_dir: str | Path,
         raise ValueError("greedy output differed from vanilla in this run; not saving a "
                          "default from it")
     sel = result["tree_selection"]
+    ab = sel.get("ab")
+    how = "bench spec: calibration MAL / (verify(T) + draft time), highest wins"
+    if ab and "results" in ab:
+        how += (f"; then the {len(ab['candidates'])} best within {ab['within']:.0%} run end "
+                f"to end, paired, on {ab['prompts']} calibration prompts: the fastest wins")
     measured = {
-        "how": "bench spec: calibration MAL / (verify(T) + draft time), highest wins",
+        "how": how,
         "chosen": result["tree_label"], "est_speedup": sel["chosen"]["est_speedup"],
         "candidates": {c["label"]: round(c["est_speedup"], 4) for c in sel["grid"]},
+        "paired": None if not ab or "results" not in ab else {
+            r["label"]: {"speed_vs_estimate": round(r["vs_estimate"]["ratio"], 4),
+                         "ci95": [round(x, 4) for x in r["vs_estimate"]["ci95"]]}
+            for r in ab["results"]},
         "realized_speedup": result["overall"]["speedup"], "mal": result["overall"]["mal"],
         "prompts": result["overall"]["prompts"], "model": conf["model"],
         "machine": {k: result["machine"].get(k) for k in ("cpu_model", "nproc", "jax_backend",

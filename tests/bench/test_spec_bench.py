@@ -4,6 +4,7 @@ Llama in CI, the real SmolLM2 run under ``-m bench``."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -37,6 +38,7 @@ from specjax.bench.spec import (
     add_spec_args,
     run_spec_bench,
     summary,
+    tie_candidates,
     with_lookup,
 )
 from specjax.bench.timing import monotone_fit, warmup_tokens
@@ -271,6 +273,82 @@ def test_spec_bench_drafts_with_the_given_vocabulary_head(tiny_model, tmp_path):
                             drafter=random_drafter(target),
                             tree=TreeSpec("chain", depth=2), vocab=head)
     assert res["per_prompt"][0]["spec"]["accept_lengths"] == spec.stats["accept_lengths"][0]
+
+
+def test_tie_candidates_are_the_best_estimates_within_the_margin():
+    rows = [{"est_tokens_per_s": v} for v in (90.0, 100.0, 96.0, 94.9, 99.0)]
+    assert tie_candidates(rows, 3, 0.05) == [1, 4, 2]
+    assert tie_candidates(rows, 9, 0.05) == [1, 4, 2]  # 94.9 is 5.1% below the best
+    assert tie_candidates(rows, 2, 0.2) == [1, 4]
+    assert tie_candidates(rows, 4, 0.001) == [1]
+
+
+def test_paired_tie_break_chooses_the_fastest_end_to_end(tiny_model, tmp_path, capsys):
+    """``ab_trees``: the estimate's near-ties run end to end, paired; the stored default
+    joins the grid with ``grid_add_default``."""
+    target = specjax.load(tiny_model)
+    static = TreeSpec("static", paths=((0,), (1,), (0, 0)))
+    drafter = dataclasses.replace(random_drafter(target), default_tree=static)
+    cfg = SpecBenchConfig(tiny_model, per_task=1, max_new_tokens=8, out=tmp_path / "b.json",
+                          grid=GRID, latency_sizes=(1, 4), runs=1, calib_max_new_tokens=8,
+                          eager_per_task=0, stop_on_eos=False, grid_add_default=True,
+                          ab_trees=3, ab_within=0.99)
+    ab_prompts = [PROMPTS[0]["ids"], CALIB[0], [1, 2, 3]]
+    res = run_spec_bench(cfg, prompts=PROMPTS[:1], calib_prompts=CALIB, ab_prompts=ab_prompts,
+                         drafter=drafter)
+    sel = res["tree_selection"]
+    labels = [g["label"] for g in sel["grid"]]
+    assert labels == ["chain d2", "eagle2 d2 k2 n3", "static 0 1 00"]
+    est = max(range(3), key=lambda i: sel["grid"][i]["est_tokens_per_s"])
+    ab = sel["ab"]
+    assert sel["estimate_index"] == est and ab["candidates"][0] == labels[est]
+    assert sorted(ab["candidates"]) == sorted(labels) and ab["prompts"] == 3
+    assert ab["source"] == {"source": "given"} and ab["prompt_tokens"] == [5, 6, 3]
+    first = ab["results"][0]["vs_estimate"]
+    assert first["ratio"] == pytest.approx(1.0) and first["ci95"] == pytest.approx([1, 1])
+    fastest = max(ab["results"], key=lambda r: r["vs_estimate"]["ratio"])
+    assert ab["winner"] == fastest["label"] == res["tree_label"]
+    assert sel["chosen"] == sel["grid"][fastest["index"]] and res["tree"] == sel["chosen"]["tree"]
+    for r in ab["results"]:
+        lo, hi = r["vs_estimate"]["ci95"]
+        assert lo <= r["vs_estimate"]["ratio"] <= hi and r["mal"] >= 1
+    assert isinstance(ab["resolved"], bool)
+    assert res["greedy_equality"]["all_match"]
+    printed = summary(res)
+    assert f"paired A/B on 3 calibration prompts, speed vs {labels[est]}:" in printed
+    assert f"fastest: {ab['winner']}" in printed
+
+    # Nothing within the margin: the estimate decides and the run says so.
+    narrow = dataclasses.replace(cfg, ab_within=1e-9, grid_add_default=False,
+                                 out=tmp_path / "c.json")
+    res = run_spec_bench(narrow, prompts=PROMPTS[:1], calib_prompts=CALIB,
+                         ab_prompts=ab_prompts, drafter=drafter)
+    sel = res["tree_selection"]
+    assert sel["ab"]["skipped"].startswith("no other tree within")
+    assert sel["chosen_index"] == sel["estimate_index"]
+    assert "paired A/B skipped" in summary(res)
+
+
+def test_tie_break_settings_are_checked(tiny_model, tmp_path):
+    for kw, match in (({"ab_trees": 1}, "at least 2 trees"),
+                      ({"ab_trees": 2, "ab_within": 1.5}, "0 < ab_within < 1"),
+                      ({"ab_trees": 2, "ab_prompts": 1}, "ab_prompts >= 2"),
+                      ({"ab_trees": 2, "tree": TreeSpec("chain")}, "a given tree is not chosen")):
+        with pytest.raises(ValueError, match=match):
+            SpecBenchConfig(tiny_model, **kw)
+    target = specjax.load(tiny_model)
+    with pytest.raises(ValueError, match="stores no default tree"):
+        run_spec_bench(SpecBenchConfig(tiny_model, grid=GRID, grid_add_default=True,
+                                       out=tmp_path / "d.json"),
+                       prompts=PROMPTS[:1], calib_prompts=CALIB,
+                       drafter=random_drafter(target))
+    p = argparse.ArgumentParser()
+    add_spec_args(p)
+    a = p.parse_args(["--model", str(tiny_model), "--ab-trees", "3", "--ab-within", "0.02",
+                      "--grid-add-default"])
+    cfg = spec_bench.config_from_args(a)
+    assert (cfg.ab_trees, cfg.ab_within, cfg.ab_prompts, cfg.grid_add_default) == (
+        3, 0.02, 24, True)
 
 
 @pytest.mark.parametrize("tree", [TreeSpec("chain", depth=1, copy_bias=(1.0, 2.0)),
