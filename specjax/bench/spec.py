@@ -50,6 +50,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 from tqdm import tqdm
 
@@ -503,6 +504,13 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
             bar.update()
         selection["latency"] = curve
         append_record(ppath, {"kind": "selection", "key": sel_key, "selection": selection})
+        if len(grid) > 1:
+            # Every calibrated tree's programs hold memory maps; twenty-odd trees come near
+            # Linux's limit, where generate drops all programs (compile_cache), and a drop in
+            # the middle of the evaluation recompiles programs its warm-ups already built
+            # inside timed calls (seventy-fourth session: 20 of them). Dropping them here,
+            # before the warm-ups, leaves the evaluation's few programs far from the limit.
+            jax.clear_caches()
     else:
         tqdm.write(f"resuming: reusing the tree selection in {ppath}")
     chosen_tree = grid[selection["chosen_index"]]
