@@ -187,18 +187,21 @@ AB_LONG_SHARE = 1 / 3
 AB_MAX_PROMPT_TOKENS = 1024
 
 
-def tie_candidates(rows: Sequence[dict[str, Any]], k: int, within: float) -> list[int]:
+def tie_candidates(rows: Sequence[dict[str, Any]], k: int, within: float,
+                   keep: int | None = None) -> list[int]:
     """Indices of the ``k`` best estimated trees of a :func:`select_tree` grid whose estimate
-    is within ``within`` (a fraction) of the best, best first."""
+    is within ``within`` (a fraction) of the best, best first; then ``keep`` (the stored
+    default, which runs however it was estimated) where it is not among them."""
     order = sorted(range(len(rows)), key=lambda i: -rows[i]["est_tokens_per_s"])
     top = rows[order[0]]["est_tokens_per_s"]
-    return [i for i in order if rows[i]["est_tokens_per_s"] >= (1 - within) * top][:k]
+    cand = [i for i in order if rows[i]["est_tokens_per_s"] >= (1 - within) * top][:k]
+    return cand if keep is None or keep in cand else [*cand, keep]
 
 
 def tie_break(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
               selection: dict[str, Any], prompts: Sequence[Sequence[int]], *, k: int,
               within: float, max_new_tokens: int, stop_on_eos: bool,
-              head: VocabHead | None = None) -> dict[str, Any]:
+              head: VocabHead | None = None, keep: int | None = None) -> dict[str, Any]:
     """Break the estimate's near-ties end to end: run the candidates of
     :func:`tie_candidates` on ``prompts`` at batch 1, greedy, every prompt running every
     candidate in turn (:func:`specjax.bench.paired.paired_runs`), and choose the one whose
@@ -206,6 +209,8 @@ def tie_break(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
 
     Where the winner's interval against the estimate's choice holds 1, the trees are tied
     within what this machine can measure, and either is as good a default as it can tell.
+    ``keep`` (a grid index: the drafter's stored default) runs whatever its estimate, so
+    the run says whether the default still wins end to end.
 
     Returns:
       ``selection`` with ``"ab"`` (the candidates' labels, each one's speed relative to the
@@ -214,12 +219,14 @@ def tie_break(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
       (``estimate_index`` keeps the estimate's).
     """
     rows = selection["grid"]
-    cand = tie_candidates(rows, k, within)
-    ab: dict[str, Any] = {"k": k, "within": within, "candidates": [rows[i]["label"]
-                                                                   for i in cand]}
+    cand = tie_candidates(rows, k, within, keep)
+    ab: dict[str, Any] = {"k": k, "within": within,
+                          "candidates": [rows[i]["label"] for i in cand],
+                          "stored_default": None if keep is None else rows[keep]["label"]}
     out = {**selection, "estimate_index": selection["chosen_index"], "ab": ab}
     if len(cand) < 2:
-        ab["skipped"] = f"no other tree within {within:.0%} of the best estimate"
+        ab["skipped"] = (f"no other tree within {within:.0%} of the best estimate"
+                         + ("" if keep is None else ", which is the stored default"))
         return out
     runs = paired_runs(target, drafter, [grid[i] for i in cand], prompts,
                        max_new_tokens=max_new_tokens, stop_on_eos=stop_on_eos, vocab=head,
@@ -353,7 +360,8 @@ class SpecBenchConfig:
         Verification is always over the full vocabulary.
       grid_add_default: also consider the drafter's stored greedy tree (its
         ``default_tree.json``; a static tree, say, which the grid lacks), so a run can say
-        whether the shipped default still wins.
+        whether the shipped default still wins; with ``ab_trees`` it always runs in the
+        paired A/B.
       ab_trees: 0, or how many of the best estimated trees (those within ``ab_within``, a
         fraction, of the best estimate) run end to end on ``ab_prompts`` calibration
         prompts of Spec-Bench's mix of lengths to choose from (:func:`tie_break`).
@@ -499,7 +507,9 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
                 weights=with_long_share(AB_LONG_SHARE), max_prompt_tokens=AB_MAX_PROMPT_TOKENS)
             selection = tie_break(target, drafter, grid, selection, ab_ids, k=cfg.ab_trees,
                                   within=cfg.ab_within, max_new_tokens=max_new_tokens,
-                                  stop_on_eos=stop_on_eos, head=head)
+                                  stop_on_eos=stop_on_eos, head=head,
+                                  keep=(grid.index(drafter.default_tree)
+                                        if cfg.grid_add_default else None))
             selection["ab"]["source"] = ab_info
             bar.update()
         selection["latency"] = curve
@@ -765,7 +775,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "mappings after ~25 trees with gated chains here)")
     p.add_argument("--grid-add-default", action="store_true",
                    help="--tree auto: also consider the drafter's stored greedy tree (its "
-                        "default_tree.json), so the run says whether it still wins")
+                        "default_tree.json), so the run says whether it still wins; with "
+                        "--ab-trees it always runs in the paired A/B")
     p.add_argument("--ab-trees", type=int, default=0, metavar="K",
                    help="--tree auto: run the K best estimated trees (those within "
                         "--ab-within of the best) end to end on --ab-prompts calibration "

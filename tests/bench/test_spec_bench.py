@@ -282,6 +282,10 @@ def test_tie_candidates_are_the_best_estimates_within_the_margin():
     assert tie_candidates(rows, 9, 0.05) == [1, 4, 2]  # 94.9 is 5.1% below the best
     assert tie_candidates(rows, 2, 0.2) == [1, 4]
     assert tie_candidates(rows, 4, 0.001) == [1]
+    # The stored default runs however it was estimated, after the near-ties.
+    assert tie_candidates(rows, 2, 0.05, keep=0) == [1, 4, 0]
+    assert tie_candidates(rows, 2, 0.05, keep=4) == [1, 4]
+    assert tie_candidates(rows, 4, 0.001, keep=3) == [1, 3]
 
 
 def test_paired_tie_break_chooses_the_fastest_end_to_end(tiny_model, tmp_path, monkeypatch):
@@ -309,6 +313,7 @@ def test_paired_tie_break_chooses_the_fastest_end_to_end(tiny_model, tmp_path, m
     ab = sel["ab"]
     assert sel["estimate_index"] == est and ab["candidates"][0] == labels[est]
     assert sorted(ab["candidates"]) == sorted(labels) and ab["prompts"] == 3
+    assert ab["stored_default"] == "static 0 1 00"
     assert ab["source"] == {"source": "given"} and ab["prompt_tokens"] == [5, 6, 3]
     first = ab["results"][0]["vs_estimate"]
     assert first["ratio"] == pytest.approx(1.0) and first["ci95"] == pytest.approx([1, 1])
@@ -332,6 +337,7 @@ def test_paired_tie_break_chooses_the_fastest_end_to_end(tiny_model, tmp_path, m
                          ab_prompts=ab_prompts, drafter=drafter)
     sel = res["tree_selection"]
     assert sel["ab"]["skipped"].startswith("no other tree within")
+    assert sel["ab"]["stored_default"] is None
     assert sel["chosen_index"] == sel["estimate_index"]
     assert "paired A/B skipped" in summary(res)
 
