@@ -95,3 +95,43 @@ def paired_runs(target: Target, drafter: Drafter, trees: Sequence[TreeSpec | Non
                 rec["vanilla_decode_s"] = n / van.stats["decode_tokens_per_s"] if n else 0.0
             rows[j].append(rec)
     return rows
+
+
+def mal_difference(rows: Sequence[dict], base: Sequence[dict]) -> dict[str, Any]:
+    """Mean over prompts of one tree's MAL minus ``base``'s on the same prompts, with a 95%
+    interval that resamples whole prompts, paired."""
+    if len(rows) != len(base):
+        raise ValueError("the trees must have run the same prompts")
+    d = np.array([r["mal"] - b["mal"] for r, b in zip(rows, base, strict=True)])
+    diff, ci = ratio_of_sums(d, np.ones_like(d))
+    return {"diff": diff, "ci95": ci}
+
+
+def choose(runs: Sequence[Sequence[dict]]) -> dict[str, Any]:
+    """The choice among trees run on the same prompts (:func:`paired_runs`' output): the
+    fastest by summed decode time; but where another tree's speed interval against it holds
+    1 (a tie on this machine) and that tree's MAL is higher by a resolved margin, that tree
+    (the highest such MAL). MAL does not depend on the machine, so at a speed tie here it
+    is the better bet elsewhere: the rule the shipped trees were chosen by since the
+    fifty-eighth session.
+
+    Returns:
+      ``{"chosen", "fastest"}`` (indices into ``runs``), ``"tied"`` (the indices whose
+      speed ties the fastest's, itself included), ``"speed_vs_fastest"`` and
+      ``"mal_vs_fastest"`` (one :func:`relative_speed` / :func:`mal_difference` each), and
+      ``"decided_by"``: ``"speed"``, ``"speed tie: the fastest"`` (no tied tree's MAL is
+      higher by a resolved margin) or ``"speed tie: the higher MAL"``.
+    """
+    if not runs:
+        raise ValueError("no trees to choose from")
+    time = [sum(r["spec_decode_s"] for r in rows) for rows in runs]
+    fast = int(np.argmin(time))
+    speed = [relative_speed(rows, runs[fast]) for rows in runs]
+    mal = [mal_difference(rows, runs[fast]) for rows in runs]
+    tied = [i for i in range(len(runs)) if i == fast or speed[i]["ci95"][1] >= 1]
+    better = [i for i in tied if mal[i]["ci95"][0] > 0]
+    chosen = max(better, key=lambda i: mal[i]["diff"]) if better else fast
+    decided = ("speed" if len(tied) == 1 else
+               "speed tie: the higher MAL" if better else "speed tie: the fastest")
+    return {"chosen": chosen, "fastest": fast, "tied": tied, "speed_vs_fastest": speed,
+            "mal_vs_fastest": mal, "decided_by": decided}

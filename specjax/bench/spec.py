@@ -66,7 +66,7 @@ from specjax.bench.common import (
     save_figure,
     write_json,
 )
-from specjax.bench.paired import paired_runs, relative_speed
+from specjax.bench.paired import choose, paired_runs, relative_speed
 from specjax.bench.partial import append_record, drafter_stamp, resume_from
 from specjax.bench.phases import draft_latency, load_models
 from specjax.bench.questions import (
@@ -204,17 +204,16 @@ def tie_break(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
               head: VocabHead | None = None, keep: int | None = None) -> dict[str, Any]:
     """Break the estimate's near-ties end to end: run the candidates of
     :func:`tie_candidates` on ``prompts`` at batch 1, greedy, every prompt running every
-    candidate in turn (:func:`specjax.bench.paired.paired_runs`), and choose the one whose
-    summed decode time is least.
-
-    Where the winner's interval against the estimate's choice holds 1, the trees are tied
-    within what this machine can measure, and either is as good a default as it can tell.
+    candidate in turn (:func:`specjax.bench.paired.paired_runs`), and choose by
+    :func:`specjax.bench.paired.choose`: the fastest, or at a speed tie the one whose MAL is
+    higher by a resolved margin.
     ``keep`` (a grid index: the drafter's stored default) runs whatever its estimate, so
     the run says whether the default still wins end to end.
 
     Returns:
-      ``selection`` with ``"ab"`` (the candidates' labels, each one's speed relative to the
-      estimate's choice with a 95% interval over prompts, their MAL, the prompts' lengths)
+      ``selection`` with ``"ab"`` (the candidates' labels; each one's speed relative to the
+      estimate's choice and to the fastest with 95% intervals over prompts, its MAL and its
+      per-prompt records; the prompts' lengths; the rule that decided)
       and, where another candidate ran faster, ``chosen_index`` / ``chosen`` moved to it
       (``estimate_index`` keeps the estimate's).
     """
@@ -233,18 +232,18 @@ def tie_break(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
                        desc="paired A/B")
     ab["prompts"] = len(prompts)
     ab["prompt_tokens"] = [len(p) for p in prompts]
+    pick = choose(runs)
     ab["results"] = [{"label": rows[i]["label"], "index": i,
                       "mal": float(np.mean([r["mal"] for r in tree_rows])),
                       "decode_s": sum(r["spec_decode_s"] for r in tree_rows),
-                      "vs_estimate": relative_speed(tree_rows, runs[0])}
-                     for i, tree_rows in zip(cand, runs, strict=True)]
-    best = max(ab["results"], key=lambda r: r["vs_estimate"]["ratio"])
-    ab["winner"] = best["label"]
-    # Resolved: the winner's interval against each other candidate's run excludes 1 (against
-    # the estimate's choice when another won; every other's below 1 when it won itself).
-    others = [r["vs_estimate"]["ci95"] for r in ab["results"][1:]]
-    ab["resolved"] = (best["vs_estimate"]["ci95"][0] > 1 if best["index"] != cand[0]
-                      else all(hi < 1 for _, hi in others))
+                      "vs_estimate": relative_speed(tree_rows, runs[0]),
+                      "vs_fastest": pick["speed_vs_fastest"][j],
+                      "mal_vs_fastest": pick["mal_vs_fastest"][j], "per_prompt": tree_rows}
+                     for j, (i, tree_rows) in enumerate(zip(cand, runs, strict=True))]
+    best = ab["results"][pick["chosen"]]
+    ab |= {"winner": best["label"], "fastest": ab["results"][pick["fastest"]]["label"],
+           "tied": [ab["results"][j]["label"] for j in pick["tied"]],
+           "decided_by": pick["decided_by"]}
     return out | {"chosen_index": best["index"], "chosen": rows[best["index"]]}
 
 
@@ -698,9 +697,9 @@ def summary(r: dict[str, Any]) -> str:
         lines += [f"  {x['label']:<24} MAL {x['mal']:.2f}  {x['vs_estimate']['ratio']:.3f} "
                   f"[{x['vs_estimate']['ci95'][0]:.3f}, {x['vs_estimate']['ci95'][1]:.3f}]"
                   for x in ab["results"]]
-        lines.append(f"  fastest: {ab['winner']} ("
-                     + ("resolved" if ab["resolved"] else "a tie within this run's noise")
-                     + ")")
+        lines.append(f"  chosen: {ab['winner']} (decided by {ab['decided_by']}; fastest "
+                     f"{ab['fastest']}" + "".join(
+                         f", tied with {t}" for t in ab["tied"] if t != ab["fastest"]) + ")")
     elif ab:
         lines.append(f"paired A/B skipped: {ab['skipped']}")
     lines.append(f"chosen tree: {r['tree_label']} (vanilla est. "
@@ -836,7 +835,8 @@ def save_default_tree(result: dict[str, Any], drafter_dir: str | Path,
     how = "bench spec: calibration MAL / (verify(T) + draft time), highest wins"
     if ab and "results" in ab:
         how += (f"; then the {len(ab['candidates'])} best within {ab['within']:.0%} run end "
-                f"to end, paired, on {ab['prompts']} calibration prompts: the fastest wins")
+                f"to end, paired, on {ab['prompts']} calibration prompts: the fastest wins, "
+                f"or at a speed tie the higher MAL where resolved ({ab['decided_by']})")
     measured = {
         "how": how,
         "chosen": result["tree_label"], "est_speedup": sel["chosen"]["est_speedup"],

@@ -3,7 +3,7 @@
 import pytest
 
 import specjax
-from specjax.bench.paired import paired_runs, relative_speed, run_order
+from specjax.bench.paired import choose, mal_difference, paired_runs, relative_speed, run_order
 from specjax.bench.phases import random_drafter
 from specjax.speculative import TreeSpec
 
@@ -60,3 +60,41 @@ def test_paired_runs_time_every_tree_on_every_prompt(tiny_target):
     one = specjax.generate(tiny_target, [prompts[0]], drafter=drafter, tree=trees[1],
                            max_new_tokens=6, stop_on_eos=False)
     assert rows[1][0]["mal"] == pytest.approx(one.stats["mean_accepted_length"])
+
+
+def _timed(times: list[float], mals: list[float]) -> list[dict]:
+    return [{"tokens": 10, "spec_decode_s": t, "mal": m} for t, m in zip(times, mals,
+                                                                         strict=True)]
+
+
+def test_mal_difference_is_paired_over_prompts():
+    d = mal_difference(_timed([1, 1, 1], [2.5, 3.5, 4.5]), _timed([1, 1, 1], [2.0, 3.0, 4.0]))
+    assert d["diff"] == pytest.approx(0.5) and d["ci95"] == pytest.approx([0.5, 0.5])
+    with pytest.raises(ValueError, match="same prompts"):
+        mal_difference(_timed([1], [2.0]), _timed([1, 1], [2.0, 2.0]))
+
+
+def test_choose_takes_the_fastest_or_at_a_speed_tie_the_resolved_higher_mal():
+    base = _timed([1.0, 2.0, 3.0, 4.0], [2.0, 2.0, 2.0, 2.0])
+    # Resolved on speed: every prompt 20% faster wins, whatever the other's MAL.
+    fast = _timed([0.8, 1.6, 2.4, 3.2], [1.5, 1.5, 1.5, 1.5])
+    c = choose([base, fast])
+    assert (c["chosen"], c["fastest"], c["tied"], c["decided_by"]) == (1, 1, [1], "speed")
+    assert c["speed_vs_fastest"][0]["ratio"] == pytest.approx(0.8)
+    # A speed tie (faster on two prompts, slower on two) where the fastest has the higher
+    # MAL too: the fastest.
+    tie = _timed([0.9, 2.1, 2.8, 4.1], [2.5, 2.4, 2.6, 2.5])
+    c = choose([base, tie])
+    assert c["fastest"] == 1 and c["tied"] == [0, 1]
+    assert (c["chosen"], c["decided_by"]) == (1, "speed tie: the fastest")
+    # The slower of two tied trees with a resolved higher MAL: it.
+    slow_high = _timed([1.02, 1.95, 3.1, 4.05], [2.6, 2.7, 2.8, 2.9])
+    c = choose([base, slow_high])
+    assert c["fastest"] == 0 and c["tied"] == [0, 1]
+    assert (c["chosen"], c["decided_by"]) == (1, "speed tie: the higher MAL")
+    assert c["mal_vs_fastest"][1]["diff"] == pytest.approx(0.75)
+    # A higher MAL that is not resolved (higher on some prompts, lower on others) does not.
+    mixed = _timed([1.02, 1.95, 3.1, 4.05], [3.0, 1.5, 3.0, 1.9])
+    assert choose([base, mixed])["chosen"] == 0
+    with pytest.raises(ValueError, match="no trees"):
+        choose([])
