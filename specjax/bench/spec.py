@@ -11,10 +11,11 @@ One command, one run, one JSON + one PNG:
    each tree's MAL from a short calibration run on ShareGPT prompts (never Spec-Bench's:
    :func:`specjax.bench.questions.calibration_prompts`),
    and picks the tree maximising ``MAL / (verify_latency(T) + draft_time)``. That estimate
-   cannot tell trees apart within about a percent; ``--ab-trees K`` then runs the K best
-   estimated trees (those within ``--ab-within`` of the best) end to end on more
-   calibration prompts, paired prompt by prompt (:mod:`specjax.bench.paired`), and the
-   fastest there is chosen (:func:`tie_break`).
+   cannot order trees within a few percent of each other (its calibration is short);
+   ``--ab-trees K`` then runs the K best estimated trees (those within ``--ab-within`` of
+   the best) end to end on more calibration prompts, paired prompt by prompt
+   (:mod:`specjax.bench.paired`), and the fastest there is chosen, or at a speed tie the
+   one with a resolved higher MAL (:func:`tie_break`).
 2. **Evaluation** on a deterministic Spec-Bench subset (the first ``per_task`` questions of
    each task, first turn, chat template, greedy, batch 1): vanilla decoding, speculative
    compiled and, for the first ``eager_per_task`` prompts of each task, speculative eager.
@@ -207,6 +208,7 @@ def tie_break(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
     candidate in turn (:func:`specjax.bench.paired.paired_runs`), and choose by
     :func:`specjax.bench.paired.choose`: the fastest, or at a speed tie the one whose MAL is
     higher by a resolved margin.
+
     ``keep`` (a grid index: the drafter's stored default) runs whatever its estimate, so
     the run says whether the default still wins end to end.
 
@@ -214,7 +216,7 @@ def tie_break(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
       ``selection`` with ``"ab"`` (the candidates' labels; each one's speed relative to the
       estimate's choice and to the fastest with 95% intervals over prompts, its MAL and its
       per-prompt records; the prompts' lengths; the rule that decided)
-      and, where another candidate ran faster, ``chosen_index`` / ``chosen`` moved to it
+      and, where another candidate won, ``chosen_index`` / ``chosen`` moved to it
       (``estimate_index`` keeps the estimate's).
     """
     rows = selection["grid"]
@@ -779,8 +781,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ab-trees", type=int, default=0, metavar="K",
                    help="--tree auto: run the K best estimated trees (those within "
                         "--ab-within of the best) end to end on --ab-prompts calibration "
-                        "prompts, paired, and choose the fastest (default 0: the estimate "
-                        "decides; it cannot tell trees within about 1%% apart)")
+                        "prompts, paired, and choose the fastest, or at a speed tie the "
+                        "resolved higher MAL (default 0: the estimate decides; it cannot "
+                        "order trees within a few percent)")
     p.add_argument("--ab-within", type=float, default=0.05, metavar="F",
                    help="with --ab-trees: how far below the best estimate (a fraction) a "
                         "tree may be and still run (default 0.05)")
