@@ -26,6 +26,15 @@ One command, one run, one JSON + one PNG:
 3. **Report** per task and overall: MAL, decode tokens/s of vanilla and speculative
    decoding, speedup (same run, same prompts), compiled-vs-eager speedup, prompts matched.
 
+``--temperature T`` (> 0) evaluates *sampled* decoding instead: one tree (``--tree``'s, or
+with ``auto`` the drafter's stored tree for sampling, which
+``examples/sampled_tree_calibration.py`` and ``examples/sampled_speedup.py`` choose; the
+latency model above prices greedy steps, so nothing is estimated), vanilla and speculative
+decoding drawing with one seed a prompt and without stopping at EOS (both decode the
+budget, so a prompt's two times cover as many tokens), and the speedup reported with a 95%
+interval that resamples prompts. The outputs differ from vanilla's by design; that their
+distribution is the target's is what the chi-square tests check.
+
 MAL (mean accepted length) is counted the way Spec-Bench and EAGLE count it: tokens
 committed per target forward, **the target's bonus token included** (so MAL >= 1; a
 useless drafter gives 1.0).
@@ -64,6 +73,7 @@ from specjax.bench.common import (
     jsonable,
     machine_info,
     pyplot,
+    ratio_of_sums,
     save_figure,
     write_json,
 )
@@ -120,6 +130,9 @@ def with_lookup(grid: Sequence[TreeSpec], lookups: Sequence[int],
                      for m in lookup_mins for k in lookups for t in grid if not t.lookup))
 
 
+SAMPLING_NOTE = ("sampled: outputs differ from vanilla's by design, so none is compared token "
+                 "for token; that their distribution is the target's is checked by the "
+                 "chi-square tests (tests/speculative/test_sampling.py)")
 MAL_NOTE = ("MAL = tokens committed per target forward, the target's bonus token included "
             "(Spec-Bench / EAGLE convention; 1.0 means no draft token was ever accepted)")
 
@@ -258,14 +271,16 @@ class _Runner:
     """Runs one method on one prompt, warming each (method, prompt bucket) up first."""
 
     def __init__(self, target: Target, drafter: Drafter, tree: TreeSpec, max_new_tokens: int,
-                 stop_on_eos: bool, head: VocabHead):
+                 stop_on_eos: bool, head: VocabHead, temperature: float = 0.0):
         self.target, self.drafter, self.tree, self.head = target, drafter, tree, head
         self.max_new_tokens, self.stop_on_eos = max_new_tokens, stop_on_eos
+        self.temperature = temperature
         self.warm: set[tuple[str, int]] = set()
         self.warmup_s = 0.0
 
-    def __call__(self, method: str, ids: list[int]) -> dict[str, Any]:
-        kw: dict[str, Any] = {"stop_on_eos": self.stop_on_eos}
+    def __call__(self, method: str, ids: list[int], seed: int = 0) -> dict[str, Any]:
+        kw: dict[str, Any] = {"stop_on_eos": self.stop_on_eos,
+                              "temperature": self.temperature, "seed": seed}
         if method != "vanilla":
             kw |= {"drafter": self.drafter, "tree": self.tree, "vocab": self.head,
                    "mode": "eager" if method == "eager" else "compiled"}
@@ -295,11 +310,36 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
+def speedup_interval(records: Sequence[dict[str, Any]]) -> list[float] | None:
+    """95% interval of the decode speedup over ``records``' prompts, resampling whole
+    prompts, paired (a prompt's speed varies by tens of percent for both methods alike);
+    None with fewer than two prompts that decoded.
+
+    Each prompt's vanilla time is scaled to the speculative run's decoded tokens, so the
+    ratio of summed times is the pooled speedup; both counts are equal when greedy output
+    matched, or when sampling ran to the budget."""
+    rs = [r for r in records
+          if r["spec"]["new_tokens"] > 1 and r["vanilla"]["new_tokens"] > 1]
+    if len(rs) < 2:
+        return None
+    spec_s = np.array([r["spec"]["decode_s"] for r in rs])
+    van_s = np.array([r["vanilla"]["decode_s"] * (r["spec"]["new_tokens"] - 1)
+                      / (r["vanilla"]["new_tokens"] - 1) for r in rs])
+    return ratio_of_sums(van_s, spec_s)[1]
+
+
+def _count(records: Sequence[dict[str, Any]], key: str) -> int | None:
+    """How many records have ``key`` True; None where it was not checked (sampling)."""
+    flags = [r[key] for r in records]
+    return None if any(f is None for f in flags) else sum(flags)
+
+
 def aggregate(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Pooled figures of a group of prompt records.
 
     MAL pools every step: accepted tokens / target forwards (bonus included). Rates are
-    ratios of sums (tokens / seconds), so long outputs weigh more than short ones.
+    ratios of sums (tokens / seconds), so long outputs weigh more than short ones. The
+    equality counts are None when sampling (nothing to compare token for token).
     """
     spec = [r["spec"] for r in records]
     fwd = sum(s["target_forwards"] for s in spec)
@@ -309,14 +349,15 @@ def aggregate(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     draft = sum(r["eager"]["draft_s"] for r in eager_recs)
     verify = sum(r["eager"]["verify_s"] for r in eager_recs)
     return {
-        "prompts": len(records), "matched": sum(r["greedy_match"] for r in records),
+        "prompts": len(records), "matched": _count(records, "greedy_match"),
         "mal": sum(x["accepted_tokens"] for x in spec) / fwd if fwd else None,
         "vanilla_decode_tokens_per_s": v["decode_tokens_per_s"],
         "spec_decode_tokens_per_s": s["decode_tokens_per_s"],
         "speedup": _ratio(s["decode_tokens_per_s"], v["decode_tokens_per_s"]),
+        "speedup_ci95": speedup_interval(records),
         "e2e_speedup": _ratio(s["tokens_per_s"], v["tokens_per_s"]),
         "eager_prompts": len(eager_recs),
-        "eager_matched": sum(r["eager_match"] for r in eager_recs),
+        "eager_matched": _count(eager_recs, "eager_match"),
         "eager_decode_tokens_per_s": e["decode_tokens_per_s"],
         "eager_speedup": _ratio(e["decode_tokens_per_s"],
                                 _pool(eager_recs, "vanilla")["decode_tokens_per_s"]),
@@ -366,6 +407,15 @@ class SpecBenchConfig:
       ab_trees: 0, or how many of the best estimated trees (those within ``ab_within``, a
         fraction, of the best estimate) run end to end on ``ab_prompts`` calibration
         prompts of Spec-Bench's mix of lengths to choose from (:func:`tie_break`).
+      temperature: 0 (greedy), or > 0 to evaluate *sampled* decoding: one tree (``tree``,
+        else the drafter's stored tree for sampling, ``Drafter.tree_for``), no estimate
+        or selection (their latency model prices greedy steps), vanilla and speculative
+        decoding drawing with the same seed per prompt (``seed`` + the prompt's index),
+        and without stopping at EOS, so both decode ``max_new_tokens`` and a prompt's two
+        times are over as many tokens. Outputs then differ from vanilla's by design (only
+        their distribution is the target's, which the chi-square tests check), so no
+        equality is counted.
+      seed: the first prompt's seed at ``temperature`` > 0.
     """
 
     model_dir: str | Path
@@ -390,10 +440,20 @@ class SpecBenchConfig:
     ab_trees: int = 0
     ab_within: float = 0.05
     ab_prompts: int = 24
+    temperature: float = 0.0
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.per_task < 1 or self.max_new_tokens < 1 or self.eager_per_task < 0:
             raise ValueError("need per_task >= 1, max_new_tokens >= 1 and eager_per_task >= 0")
+        if not self.temperature >= 0:  # also refuses NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature > 0 and (self.ab_trees or self.grid_add_default):
+            raise ValueError(
+                "at temperature > 0 bench spec evaluates one tree (the drafter's tree for "
+                "sampling, or --tree): drop --ab-trees / --grid-add-default; a tree for "
+                "sampling is chosen with examples/sampled_tree_calibration.py and confirmed "
+                "paired with examples/sampled_speedup.py")
         if not self.trees and not self.grid_add_default:
             raise ValueError("the tree grid is empty")
         if self.ab_trees == 1 or self.ab_trees < 0:
@@ -405,6 +465,10 @@ class SpecBenchConfig:
         if self.tree is not None and (self.ab_trees or self.grid_add_default):
             raise ValueError("a given tree is not chosen: drop --ab-trees / --grid-add-default, "
                              "or the tree, to choose from the grid")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
     @property
     def trees(self) -> tuple[TreeSpec, ...]:
@@ -419,11 +483,40 @@ class SpecBenchConfig:
         return sizes + [largest] if largest > sizes[-1] else sizes
 
 
+def _selection(cfg: SpecBenchConfig, target: Target, drafter: Drafter,
+               grid: Sequence[TreeSpec], head: VocabHead, calib_ids: Sequence[list[int]], *,
+               mean_prompt: int, context: int, capacity: int, stop_on_eos: bool,
+               ab_prompts: Sequence[Sequence[int]] | None, bar: tqdm) -> dict[str, Any]:
+    """The greedy tree choice: the latency curve, the estimate over ``grid``
+    (:func:`select_tree`) and, with ``cfg.ab_trees``, the paired A/B (:func:`tie_break`);
+    the selection dict with the curve under ``"latency"``."""
+    curve = latency_curve(target, cfg.curve_sizes(grid), context=context, capacity=capacity,
+                          runs=cfg.runs, bar=bar)
+    selection = select_tree(target, drafter, grid, calib_ids, curve, prompt_len=mean_prompt,
+                            max_new_tokens=cfg.max_new_tokens,
+                            calib_max_new_tokens=cfg.calib_max_new_tokens,
+                            stop_on_eos=stop_on_eos, runs=cfg.runs, head=head, bar=bar)
+    if cfg.ab_trees:
+        bar.set_description("paired A/B of the best estimates")
+        ab_ids, ab_info = calibration_prompts(
+            target, num=cfg.ab_prompts, questions=cfg.questions, given=ab_prompts,
+            weights=with_long_share(AB_LONG_SHARE), max_prompt_tokens=AB_MAX_PROMPT_TOKENS)
+        selection = tie_break(target, drafter, grid, selection, ab_ids, k=cfg.ab_trees,
+                              within=cfg.ab_within, max_new_tokens=cfg.max_new_tokens,
+                              stop_on_eos=stop_on_eos, head=head,
+                              keep=(list(grid).index(drafter.default_tree)
+                                    if cfg.grid_add_default else None))
+        selection["ab"]["source"] = ab_info
+        bar.update()
+    return selection | {"latency": curve}
+
+
 def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | None = None,
                    calib_prompts: Sequence[Sequence[int]] | None = None,
                    ab_prompts: Sequence[Sequence[int]] | None = None,
                    drafter: Drafter | None = None) -> dict[str, Any]:
-    """Benchmark greedy speculative decoding on a Spec-Bench subset; write JSON + PNG.
+    """Benchmark speculative decoding on a Spec-Bench subset, greedy (or sampled, at
+    ``cfg.temperature`` > 0); write JSON + PNG.
 
     Args:
       cfg: the run's settings.
@@ -436,52 +529,59 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
     Raises:
       ValueError: ``cfg.grid_add_default`` with a drafter that stores no greedy tree.
     """
-    max_new_tokens, stop_on_eos, runs = cfg.max_new_tokens, cfg.stop_on_eos, cfg.runs
+    max_new_tokens, greedy = cfg.max_new_tokens, cfg.greedy
+    stop_on_eos = cfg.stop_on_eos and greedy  # sampling runs to the budget: see the config
     out = Path(cfg.out)
     t_start = time.perf_counter()
     load_start = os.getloadavg()
 
     target, drafter, drafter_name = load_models(cfg.model_dir, cfg.dtype, drafter,
                                                 cfg.drafter_dir)
-    grid = cfg.trees
+    grid = cfg.trees if greedy else (cfg.tree or drafter.tree_for(greedy=False),)
     if cfg.grid_add_default:
         if drafter.default_tree is None:
             raise ValueError(f"drafter {drafter_name} stores no default tree to add to the "
                              "grid (its default_tree.json); drop --grid-add-default")
         grid = grid if drafter.default_tree in grid else (*grid, drafter.default_tree)
-    sizes = cfg.curve_sizes(grid)
     vocab = cfg.vocab or drafter.default_vocab or "full"
     head = resolve_head(vocab, target, drafter)
 
     evals, qpath = spec_bench_prompts(target, questions=cfg.questions, tasks=cfg.tasks,
                                       per_task=cfg.per_task, prompts=prompts)
-    calib_ids, calib_info = calibration_prompts(target, num=cfg.calib_num_prompts,
-                                                questions=cfg.questions, given=calib_prompts)
     task_order = [t for t in dict.fromkeys(p["task"] for p in evals)]
     eager_qids = {p["question_id"] for t in task_order
                   for p in [q for q in evals if q["task"] == t][:cfg.eager_per_task]}
-
-    mean_prompt = int(round(np.mean([len(p["ids"]) for p in evals])))
-    # Spare rows for the largest write: a T-token forward or a tree's drafter workspace.
-    spare = max(sizes[-1], *map(spare_rows, grid))
-    context, capacity = cache_geometry(mean_prompt, max_new_tokens, spare)
     config = {
         "model": str(cfg.model_dir), "drafter": drafter_name,
         "dtype": str(target.params.embed.dtype), "per_task": cfg.per_task,
         "max_new_tokens": max_new_tokens, "tasks": task_order,
-        "eager_per_task": cfg.eager_per_task, "greedy": True, "chat_template": prompts is None,
+        "eager_per_task": cfg.eager_per_task, "greedy": greedy,
+        "temperature": cfg.temperature, "chat_template": prompts is None,
         "batch_size": 1, "stop_on_eos": stop_on_eos, "turns": "first turn only",
         "questions": None if qpath is None else str(qpath),
-        "tree_mode": "given" if cfg.tree is not None else "auto",
-        "grid": [tree_dict(t) for t in grid], "calibration": calib_info,
-        "calib_max_new_tokens": cfg.calib_max_new_tokens, "latency_sizes": sizes, "runs": runs,
-        "latency_context": context, "latency_capacity": capacity,
+        "tree_mode": ("given" if cfg.tree is not None else
+                      "auto" if greedy else "the drafter's tree for sampling"),
         "vocab": vocab if isinstance(vocab, str) else repr(head),
-        "ab_trees": cfg.ab_trees,
     }
-    if cfg.ab_trees:
-        config |= {"ab_within": cfg.ab_within, "ab_prompts": cfg.ab_prompts,
-                   "ab_long_share": AB_LONG_SHARE, "ab_max_prompt_tokens": AB_MAX_PROMPT_TOKENS}
+    if greedy:
+        calib_ids, calib_info = calibration_prompts(target, num=cfg.calib_num_prompts,
+                                                    questions=cfg.questions,
+                                                    given=calib_prompts)
+        mean_prompt = int(round(np.mean([len(p["ids"]) for p in evals])))
+        # Spare rows for the largest write: a T-token forward or a tree's drafter workspace.
+        sizes = cfg.curve_sizes(grid)
+        spare = max(sizes[-1], *map(spare_rows, grid))
+        context, capacity = cache_geometry(mean_prompt, max_new_tokens, spare)
+        config |= {"grid": [tree_dict(t) for t in grid], "calibration": calib_info,
+                   "calib_max_new_tokens": cfg.calib_max_new_tokens, "latency_sizes": sizes,
+                   "runs": cfg.runs, "latency_context": context, "latency_capacity": capacity,
+                   "ab_trees": cfg.ab_trees}
+        if cfg.ab_trees:
+            config |= {"ab_within": cfg.ab_within, "ab_prompts": cfg.ab_prompts,
+                       "ab_long_share": AB_LONG_SHARE,
+                       "ab_max_prompt_tokens": AB_MAX_PROMPT_TOKENS}
+    else:
+        config |= {"seed": cfg.seed, "tree": tree_dict(grid[0])}
 
     # Resume: a selection and prompt records written under the same configuration.
     ppath, old = resume_from(out, cfg.resume)
@@ -491,29 +591,15 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
                                    | {"drafter_mtime": stamp}), sort_keys=True)
     selection = next((r["selection"] for r in old
                       if r.get("kind") == "selection" and r.get("key") == sel_key), None)
+    choosing = greedy and selection is None
     n_steps = len(evals) + len(eager_qids) + (
-        0 if selection else len(sizes) + len(grid) + bool(cfg.ab_trees))
+        len(config.get("latency_sizes", ())) + len(grid) + bool(cfg.ab_trees) if choosing
+        else 0)
     bar = tqdm(total=n_steps, unit="step")
-    if selection is None:
-        curve = latency_curve(target, sizes, context=context, capacity=capacity, runs=runs,
-                              bar=bar)
-        selection = select_tree(target, drafter, grid, calib_ids, curve,
-                                prompt_len=mean_prompt, max_new_tokens=max_new_tokens,
-                                calib_max_new_tokens=cfg.calib_max_new_tokens,
-                                stop_on_eos=stop_on_eos, runs=runs, head=head, bar=bar)
-        if cfg.ab_trees:
-            bar.set_description("paired A/B of the best estimates")
-            ab_ids, ab_info = calibration_prompts(
-                target, num=cfg.ab_prompts, questions=cfg.questions, given=ab_prompts,
-                weights=with_long_share(AB_LONG_SHARE), max_prompt_tokens=AB_MAX_PROMPT_TOKENS)
-            selection = tie_break(target, drafter, grid, selection, ab_ids, k=cfg.ab_trees,
-                                  within=cfg.ab_within, max_new_tokens=max_new_tokens,
-                                  stop_on_eos=stop_on_eos, head=head,
-                                  keep=(grid.index(drafter.default_tree)
-                                        if cfg.grid_add_default else None))
-            selection["ab"]["source"] = ab_info
-            bar.update()
-        selection["latency"] = curve
+    if choosing:
+        selection = _selection(cfg, target, drafter, grid, head, calib_ids,
+                               mean_prompt=mean_prompt, context=context, capacity=capacity,
+                               stop_on_eos=stop_on_eos, ab_prompts=ab_prompts, bar=bar)
         append_record(ppath, {"kind": "selection", "key": sel_key, "selection": selection})
         if len(grid) > 1:
             # Every calibrated tree's programs hold memory maps; twenty-odd trees come near
@@ -522,37 +608,41 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
             # inside timed calls (seventy-fourth session: 20 of them). Dropping them here,
             # before the warm-ups, leaves the evaluation's few programs far from the limit.
             jax.clear_caches()
-    else:
+    elif greedy:
         tqdm.write(f"resuming: reusing the tree selection in {ppath}")
-    chosen_tree = grid[selection["chosen_index"]]
+    chosen_tree = grid[selection["chosen_index"]] if greedy else grid[0]
     run_key = json.dumps({"sel": sel_key, "tree": tree_dict(chosen_tree)}, sort_keys=True)
     done = {r["question_id"]: r for r in old if r.get("kind") == "prompt"
             and r.get("key") == run_key and (r["eager"] is not None) == (
                 r["question_id"] in eager_qids)}
 
-    runner = _Runner(target, drafter, chosen_tree, max_new_tokens, stop_on_eos, head)
+    runner = _Runner(target, drafter, chosen_tree, max_new_tokens, stop_on_eos, head,
+                     cfg.temperature)
     records = []
-    for p in evals:
+    for i, p in enumerate(evals):
         qid = p["question_id"]
         if qid in done:
             records.append(done[qid])
             bar.update(2 if qid in eager_qids else 1)
             continue
         bar.set_description(f"q{qid} {p['task']}")
+        # One seed a prompt, shared by its methods (it does not matter when greedy).
+        seed = cfg.seed + i
         rec = {"kind": "prompt", "key": run_key, "question_id": qid, "task": p["task"],
-               "category": p["category"], "prompt_tokens": len(p["ids"])}
-        rec["vanilla"] = runner("vanilla", p["ids"])
-        rec["spec"] = runner("spec", p["ids"])
-        ref = rec["vanilla"]["tokens"]
-        rec["first_mismatch"] = first_mismatch(rec["spec"]["tokens"], ref)
-        rec["greedy_match"] = rec["first_mismatch"] is None
+               "category": p["category"], "prompt_tokens": len(p["ids"]), "seed": seed}
+        rec["vanilla"] = runner("vanilla", p["ids"], seed)
+        rec["spec"] = runner("spec", p["ids"], seed)
+        ref = rec["vanilla"]["tokens"] if greedy else None
+        rec["first_mismatch"] = first_mismatch(rec["spec"]["tokens"], ref) if greedy else None
+        rec["greedy_match"] = rec["first_mismatch"] is None if greedy else None
         bar.update()
         rec["eager"] = rec["eager_first_mismatch"] = rec["eager_match"] = None
         if qid in eager_qids:
             bar.set_description(f"q{qid} {p['task']} eager")
-            rec["eager"] = runner("eager", p["ids"])
-            rec["eager_first_mismatch"] = first_mismatch(rec["eager"]["tokens"], ref)
-            rec["eager_match"] = rec["eager_first_mismatch"] is None
+            rec["eager"] = runner("eager", p["ids"], seed)
+            if greedy:
+                rec["eager_first_mismatch"] = first_mismatch(rec["eager"]["tokens"], ref)
+                rec["eager_match"] = rec["eager_first_mismatch"] is None
             bar.update()
         for name, pos in (("speculative", rec["first_mismatch"]),
                           ("eager speculative", rec["eager_first_mismatch"])):
@@ -572,23 +662,26 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
     mismatches = [{"question_id": r["question_id"], "task": r["task"],
                    "first_mismatch": r["first_mismatch"],
                    "eager_first_mismatch": r["eager_first_mismatch"]}
-                  for r in records if not r["greedy_match"] or r["eager_match"] is False]
+                  for r in records if r["greedy_match"] is False or r["eager_match"] is False]
     result = {
         "benchmark": "spec", "model_name": Path(cfg.model_dir).name, "config": config,
         "machine": machine_info() | {"loadavg_start": load_start,
                                      "loadavg_end": os.getloadavg()},
         "mal_note": MAL_NOTE, "mal_counts_bonus_token": True,
         "tree": tree_dict(chosen_tree), "tree_label": tree_label(chosen_tree),
-        "latency": selection["latency"], "tree_selection": selection,
+        "latency": selection["latency"] if greedy else None, "tree_selection": selection,
         "per_task": by_task, "overall": overall, "timed_compiles": timed_compiles,
-        "greedy_equality": {"matched": overall["matched"], "prompts": len(records),
-                            "all_match": not mismatches, "mismatches": mismatches},
-        "prediction": {"est_tokens_per_s": selection["chosen"]["est_tokens_per_s"],
-                       "realized_spec_decode_tokens_per_s": overall["spec_decode_tokens_per_s"],
-                       "calibration_mal": selection["chosen"]["mal"],
-                       "evaluation_mal": overall["mal"],
-                       "est_speedup": selection["chosen"]["est_speedup"],
-                       "realized_speedup": overall["speedup"]},
+        "greedy_equality": None if not greedy else {
+            "matched": overall["matched"], "prompts": len(records), "all_match": not mismatches,
+            "mismatches": mismatches},
+        "sampling": None if greedy else {
+            "temperature": cfg.temperature, "seed": cfg.seed, "note": SAMPLING_NOTE},
+        "prediction": None if not greedy else {
+            "est_tokens_per_s": selection["chosen"]["est_tokens_per_s"],
+            "realized_spec_decode_tokens_per_s": overall["spec_decode_tokens_per_s"],
+            "calibration_mal": selection["chosen"]["mal"], "evaluation_mal": overall["mal"],
+            "est_speedup": selection["chosen"]["est_speedup"],
+            "realized_speedup": overall["speedup"]},
         "resumed_prompts": len([r for r in records if r["question_id"] in done]),
         "warmup_s": runner.warmup_s, "wall_s": time.perf_counter() - t_start,
         "per_prompt": [{k: v for k, v in r.items() if k not in ("kind", "key")}
@@ -607,7 +700,8 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
 
 
 def plot_spec(r: dict[str, Any], path: Path) -> Path:
-    """Four panels: MAL per task, speedup per task, the latency curve, the tree grid."""
+    """MAL and speedup per task; for a greedy run also the latency curve and the tree grid
+    (a sampled run has neither: it estimates nothing)."""
     plt = pyplot()
 
     tasks = list(r["per_task"]) + ["overall"]
@@ -617,7 +711,9 @@ def plot_spec(r: dict[str, Any], path: Path) -> Path:
     def vals(key: str) -> list[float]:
         return [nan if x[key] is None else x[key] for x in rows]
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    greedy = r["tree_selection"] is not None
+    fig, axes = plt.subplots(2 if greedy else 1, 2, figsize=(12, 8 if greedy else 4.5),
+                             squeeze=False)
     xs = np.arange(len(tasks))
     ax = axes[0, 0]
     bars = ax.bar(xs, vals("mal"), color="tab:blue")
@@ -629,7 +725,13 @@ def plot_spec(r: dict[str, Any], path: Path) -> Path:
 
     ax = axes[0, 1]
     w = 0.4
-    b1 = ax.bar(xs - w / 2, vals("speedup"), w, label="speculative compiled / vanilla")
+    speed = vals("speedup")
+    # The interval's distance from the point, per side (none where it was not computed).
+    err = np.array([[nan, nan] if x["speedup_ci95"] is None else
+                    [x["speedup"] - x["speedup_ci95"][0], x["speedup_ci95"][1] - x["speedup"]]
+                    for x in rows]).T
+    b1 = ax.bar(xs - w / 2, speed, w, yerr=err, capsize=3,
+                label="speculative compiled / vanilla (95% interval)")
     b2 = ax.bar(xs + w / 2, vals("eager_speedup"), w, label="speculative eager / vanilla")
     for b in (b1, b2):
         ax.bar_label(b, fmt="%.2f", fontsize=7)
@@ -637,11 +739,23 @@ def plot_spec(r: dict[str, Any], path: Path) -> Path:
     ax.set_xticks(xs, tasks, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("decode speedup (same run)")
     m = r["greedy_equality"]
-    ax.set_title(f"Speedup per task; greedy equal {m['matched']}/{m['prompts']} prompts",
-                 fontsize=10)
+    ax.set_title("Speedup per task; " + (
+        f"greedy equal {m['matched']}/{m['prompts']} prompts" if m is not None else
+        f"sampled at temperature {r['config']['temperature']:g}"), fontsize=10)
     ax.legend(fontsize=8)
+    if greedy:
+        _plot_selection(r, axes[1, 0], axes[1, 1])
+    mach = r["machine"]
+    how = ("greedy" if greedy else f"sampled (T={r['config']['temperature']:g})")
+    fig.suptitle(f"{r['model_name']} + drafter {Path(r['config']['drafter']).name}, tree "
+                 f"{r['tree_label']}, {r['config']['max_new_tokens']} {how} tokens, "
+                 f"{mach['nproc']} CPUs ({mach['cpu_model']})", fontsize=10)
+    return save_figure(fig, path)
 
-    ax = axes[1, 0]
+
+def _plot_selection(r: dict[str, Any], ax_latency: Any, ax_grid: Any) -> None:
+    """The latency curve and the estimate over the tree grid, on two axes."""
+    ax = ax_latency
     lat = r["latency"]
     ax.plot(lat["sizes"], lat["best_ms"], "o", label=f"best of {lat['runs']}")
     ax.plot(lat["sizes"], lat["median_ms"], "x", alpha=0.6, label="median")
@@ -654,7 +768,7 @@ def plot_spec(r: dict[str, Any], path: Path) -> Path:
                  fontsize=10)
     ax.legend(fontsize=8)
 
-    ax = axes[1, 1]
+    ax = ax_grid
     sel = r["tree_selection"]
     g = sel["grid"]
     gx = np.arange(len(g))
@@ -668,20 +782,12 @@ def plot_spec(r: dict[str, Any], path: Path) -> Path:
     ax.set_title("Tree grid: MAL / (verify(T) + draft); bar labels = calibration MAL",
                  fontsize=10)
     ax.legend(fontsize=8)
-    mach = r["machine"]
-    fig.suptitle(f"{r['model_name']} + drafter {Path(r['config']['drafter']).name}, tree "
-                 f"{r['tree_label']}, {r['config']['max_new_tokens']} greedy tokens, "
-                 f"{mach['nproc']} CPUs ({mach['cpu_model']})", fontsize=10)
-    return save_figure(fig, path)
 
 
-def summary(r: dict[str, Any]) -> str:
-    """A human-readable table of one result."""
+def _selection_lines(r: dict[str, Any]) -> list[str]:
+    """The latency curve, the estimate's grid and the paired A/B of a greedy run."""
     sel = r["tree_selection"]
-    lines = [f"{r['model_name']}, drafter {r['config']['drafter']} "
-             f"(vocab {r['config'].get('vocab', 'full')}), "
-             f"{r['config']['max_new_tokens']} greedy new tokens, batch 1",
-             "latency (ms, best; monotone fit) " + ", ".join(
+    lines = ["latency (ms, best; monotone fit) " + ", ".join(
                  f"T={t}: {ms:.1f}" + ("" if abs(fit - ms) < 0.05 else f" ({fit:.1f})")
                  for t, ms, fit in zip(r["latency"]["sizes"], r["latency"]["best_ms"],
                                        r["latency"]["fit_ms"], strict=True)),
@@ -706,37 +812,62 @@ def summary(r: dict[str, Any]) -> str:
         lines.append(f"paired A/B skipped: {ab['skipped']}")
     lines.append(f"chosen tree: {r['tree_label']} (vanilla est. "
                  f"{sel['vanilla_est_tokens_per_s']:.1f} tok/s)")
+    return lines
+
+
+def _equality_lines(r: dict[str, Any]) -> list[str]:
+    """What was checked of the output: greedy equality, or the sampling note."""
+    eq = r["greedy_equality"]
+    if eq is None:
+        return [r["sampling"]["note"]]
+    if eq["all_match"]:
+        return [f"greedy equality: all {eq['prompts']} prompts match vanilla token for token"]
+    return [f"!!! greedy equality: {eq['matched']}/{eq['prompts']} prompts match; "
+            "mismatches (question, first differing new token): " + ", ".join(
+                f"q{m['question_id']}@{m['first_mismatch']}"
+                + (f" eager@{m['eager_first_mismatch']}"
+                   if m["eager_first_mismatch"] is not None else "")
+                for m in eq["mismatches"]) + " !!!"]
+
+
+def summary(r: dict[str, Any]) -> str:
+    """A human-readable table of one result."""
+    conf = r["config"]
+    how = ("greedy new tokens" if conf["greedy"] else
+           f"new tokens sampled at temperature {conf['temperature']:g} (no EOS stop, "
+           f"seeds {conf['seed']}+)")
+    lines = [f"{r['model_name']}, drafter {conf['drafter']} (vocab {conf.get('vocab', 'full')}), "
+             f"{conf['max_new_tokens']} {how}, batch 1"]
+    if r["tree_selection"] is not None:
+        lines += _selection_lines(r)
+    else:
+        lines.append(f"tree: {r['tree_label']} ({conf['tree_mode']})")
     lines.append(f"{'task':<16}{'n':>3}{'MAL*':>7}{'vanilla':>9}{'spec':>9}{'speedup':>9}"
                  f"{'e2e x':>8}{'eager':>9}{'comp/eag':>9}{'matched':>9}")
     for name, a in list(r["per_task"].items()) + [("overall", r["overall"])]:
+        matched = "-" if a["matched"] is None else f"{a['matched']}/{a['prompts']}"
         lines.append(f"{name:<16}{a['prompts']:>3}{dash(a['mal']):>7}"
                      f"{dash(a['vanilla_decode_tokens_per_s'], '.1f'):>9}"
                      f"{dash(a['spec_decode_tokens_per_s'], '.1f'):>9}{dash(a['speedup']):>9}"
                      f"{dash(a['e2e_speedup']):>8}"
                      f"{dash(a['eager_decode_tokens_per_s'], '.1f'):>9}"
-                     f"{dash(a['compiled_vs_eager']):>9}{a['matched']:>5}/{a['prompts']:<3}")
+                     f"{dash(a['compiled_vs_eager']):>9}{matched:>9}")
     lines.append("* " + MAL_NOTE + "; rates are decode tokens/s; e2e x is the whole "
                  "call's (prefill included) over vanilla's")
+    ci = r["overall"]["speedup_ci95"]
+    if ci is not None:
+        lines.append(f"decode speedup {dash(r['overall']['speedup'])}x, 95% interval "
+                     f"[{ci[0]:.2f}, {ci[1]:.2f}] resampling prompts")
     p = r["prediction"]
-    lines.append(f"predicted {dash(p['est_tokens_per_s'], '.1f')} tok/s "
-                 f"({dash(p['est_speedup'])}x, calibration MAL {dash(p['calibration_mal'])}); "
-                 f"realized {dash(p['realized_spec_decode_tokens_per_s'], '.1f')} tok/s "
-                 f"({dash(p['realized_speedup'])}x, MAL {dash(p['evaluation_mal'])})")
+    if p is not None:
+        lines.append(f"predicted {dash(p['est_tokens_per_s'], '.1f')} tok/s "
+                     f"({dash(p['est_speedup'])}x, calibration MAL {dash(p['calibration_mal'])}); "
+                     f"realized {dash(p['realized_spec_decode_tokens_per_s'], '.1f')} tok/s "
+                     f"({dash(p['realized_speedup'])}x, MAL {dash(p['evaluation_mal'])})")
     if r["timed_compiles"]:
         lines.append(f"warning: {r['timed_compiles']} XLA compiles happened inside timed "
                      "calls (recompiles); those prompts' times include them")
-    eq = r["greedy_equality"]
-    if eq["all_match"]:
-        lines.append(f"greedy equality: all {eq['prompts']} prompts match vanilla token for "
-                     "token")
-    else:
-        lines.append(f"!!! greedy equality: {eq['matched']}/{eq['prompts']} prompts match; "
-                     "mismatches (question, first differing new token): " + ", ".join(
-                         f"q{m['question_id']}@{m['first_mismatch']}"
-                         + (f" eager@{m['eager_first_mismatch']}"
-                            if m["eager_first_mismatch"] is not None else "")
-                         for m in eq["mismatches"]) + " !!!")
-    return "\n".join(lines)
+    return "\n".join(lines + _equality_lines(r))
 
 
 # --------------------------------------------------------------------------------------
@@ -790,6 +921,15 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ab-prompts", type=int, default=24, metavar="N",
                    help="with --ab-trees: about N calibration prompts (ShareGPT's calibration "
                         "range, a third with a long text; never Spec-Bench) (default 24)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="0 (default): greedy, the output checked against vanilla's token for "
+                        "token; > 0: sampled, vanilla and speculative decoding with one seed a "
+                        "prompt and no EOS stop, the speedup with a 95%% interval over prompts; "
+                        "the tree is --tree's, or with auto the drafter's stored tree for "
+                        "sampling (no estimate, no A/B)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="with --temperature > 0: the first prompt's seed, then one more a "
+                        "prompt (default 0)")
     p.add_argument("--save-default-tree", action="store_true",
                    help="store the chosen tree and this run's head in the drafter's folder "
                         "(default_tree.json): generate then uses them when given none")
@@ -808,7 +948,8 @@ def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
                            eager_per_task=args.eager_per_task, dtype=args.dtype,
                            resume=not args.no_resume, vocab=args.vocab,
                            grid_add_default=args.grid_add_default, ab_trees=args.ab_trees,
-                           ab_within=args.ab_within, ab_prompts=args.ab_prompts)
+                           ab_within=args.ab_within, ab_prompts=args.ab_prompts,
+                           temperature=args.temperature, seed=args.seed)
 
 
 def save_default_tree(result: dict[str, Any], drafter_dir: str | Path,
@@ -826,6 +967,10 @@ def save_default_tree(result: dict[str, Any], drafter_dir: str | Path,
     from specjax.tree.default import check_portable_vocab, write_default_tree
 
     conf = result["config"]
+    if not conf.get("greedy", True):
+        raise ValueError("this run sampled with the drafter's stored tree for sampling, which "
+                         "it did not choose; choose one with "
+                         "examples/sampled_tree_calibration.py --save-default-tree")
     if conf.get("tree_mode") != "auto":
         raise ValueError("this run was given its tree; a default must be chosen by "
                          "measurement: run `specjax bench spec` without --tree")
@@ -861,6 +1006,10 @@ def save_default_tree(result: dict[str, Any], drafter_dir: str | Path,
 
 def run_spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Run :func:`run_spec_bench` from :func:`add_spec_args`'s flags."""
+    if args.save_default_tree and args.temperature > 0:  # refused before the run
+        raise ValueError("--save-default-tree stores a greedy tree that bench spec chose; at "
+                         "--temperature > 0 it evaluates the stored tree for sampling, "
+                         "chosen by examples/sampled_tree_calibration.py --save-default-tree")
     if args.save_default_tree and args.vocab is not None:
         from specjax.tree.default import check_portable_vocab
 

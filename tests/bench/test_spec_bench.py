@@ -184,10 +184,10 @@ def test_spec_bench_pipeline_on_a_tiny_model(tiny_model, tmp_path, monkeypatch, 
     # Interrupt the first run inside the second prompt: the partial file keeps the rest.
     real_call = spec_bench._Runner.__call__
 
-    def interrupted(self, method, ids):
+    def interrupted(self, method, ids, seed=0):
         if ids == PROMPTS[1]["ids"]:
             raise KeyboardInterrupt
-        return real_call(self, method, ids)
+        return real_call(self, method, ids, seed)
 
     monkeypatch.setattr(spec_bench._Runner, "__call__", interrupted)
     with pytest.raises(KeyboardInterrupt):
@@ -251,6 +251,9 @@ def test_spec_bench_pipeline_on_a_tiny_model(tiny_model, tmp_path, monkeypatch, 
                   "spec_decode_tokens_per_s", "eager_decode_tokens_per_s"):
             assert _finite_positive(agg[k]), k
     assert res["overall"]["prompts"] == 2 and res["overall"]["matched"] == 1
+    lo, hi = res["overall"]["speedup_ci95"]
+    assert lo <= res["overall"]["speedup"] <= hi
+    assert res["per_task"]["qa"]["speedup_ci95"] is None  # one prompt: no interval
     assert _finite_positive(res["overall"]["e2e_speedup"])
     overall = next(ln for ln in summary(res).splitlines() if ln.startswith("overall"))
     assert f"{res['overall']['e2e_speedup']:.2f}" in overall.split()
@@ -274,6 +277,85 @@ def test_spec_bench_drafts_with_the_given_vocabulary_head(tiny_model, tmp_path):
                             drafter=random_drafter(target),
                             tree=TreeSpec("chain", depth=2), vocab=head)
     assert res["per_prompt"][0]["spec"]["accept_lengths"] == spec.stats["accept_lengths"][0]
+
+
+def test_sampled_spec_bench_draws_one_seed_a_prompt_to_the_budget(tiny_model, tmp_path):
+    """``temperature`` > 0: the drafter's tree for sampling (the random drafter stores none:
+    ``TreeSpec()``), no selection, vanilla and speculative runs with the same seed per
+    prompt and no EOS stop, no equality counted, the speedup's interval over prompts."""
+    target = specjax.load(tiny_model)
+    drafter = random_drafter(target)
+    out = tmp_path / "t1.json"
+    cfg = SpecBenchConfig(tiny_model, per_task=1, max_new_tokens=8, out=out, eager_per_task=1,
+                          temperature=1.0, seed=5)
+    res = run_spec_bench(cfg, prompts=PROMPTS, drafter=drafter)
+    conf = res["config"]
+    assert (conf["greedy"], conf["temperature"], conf["seed"], conf["stop_on_eos"]) == (
+        False, 1.0, 5, False)
+    assert conf["tree_mode"] == "the drafter's tree for sampling"
+    assert res["tree"] == tree_dict(TreeSpec()) and "grid" not in conf
+    assert res["tree_selection"] is None and res["latency"] is None
+    assert res["prediction"] is None and res["greedy_equality"] is None
+    assert "chi-square" in res["sampling"]["note"]
+    for i, (p, rec) in enumerate(zip(PROMPTS, res["per_prompt"], strict=True)):
+        assert rec["seed"] == 5 + i
+        assert rec["greedy_match"] is None and rec["eager_match"] is None
+        # Each method drew with the prompt's seed: the same tokens as a direct call.
+        kw = dict(max_new_tokens=8, temperature=1.0, seed=5 + i, stop_on_eos=False)
+        assert rec["vanilla"]["tokens"] == specjax.generate(target, [p["ids"]],
+                                                            **kw).tokens[0]
+        assert rec["spec"]["tokens"] == specjax.generate(
+            target, [p["ids"]], drafter=drafter, tree=TreeSpec(), **kw).tokens[0]
+        assert len(rec["eager"]["tokens"]) == 8
+    assert res["overall"]["matched"] is None and res["overall"]["eager_matched"] is None
+    lo, hi = res["overall"]["speedup_ci95"]
+    assert lo <= res["overall"]["speedup"] <= hi and res["timed_compiles"] == 0
+    printed = summary(res)
+    assert "sampled at temperature 1 (no EOS stop, seeds 5+)" in printed
+    assert "tree: eagle2" in printed and "latency (ms" not in printed
+    assert "decode speedup" in printed and "chi-square" in printed
+    assert out.with_suffix(".png").stat().st_size > 0
+
+    # A given tree is evaluated as given.
+    chain = TreeSpec("chain", depth=2)
+    res = run_spec_bench(dataclasses.replace(cfg, tree=chain, eager_per_task=0,
+                                             out=tmp_path / "t1c.json"),
+                         prompts=PROMPTS[:1], drafter=drafter)
+    assert res["tree"] == tree_dict(chain) and res["config"]["tree_mode"] == "given"
+    with pytest.raises(ValueError, match="did not choose"):
+        spec_bench.save_default_tree(res, tmp_path)
+
+
+def test_sampled_settings_are_checked(tiny_model):
+    for kw, match in (({"temperature": -1.0}, "temperature must be >= 0"),
+                      ({"temperature": float("nan")}, "temperature must be >= 0"),
+                      ({"temperature": 1.0, "ab_trees": 2}, "evaluates one tree"),
+                      ({"temperature": 1.0, "grid_add_default": True}, "evaluates one tree")):
+        with pytest.raises(ValueError, match=match):
+            SpecBenchConfig(tiny_model, **kw)
+    p = argparse.ArgumentParser()
+    add_spec_args(p)
+    a = p.parse_args(["--model", str(tiny_model), "--temperature", "0.7", "--seed", "3",
+                      "--save-default-tree"])
+    cfg = spec_bench.config_from_args(a)
+    assert (cfg.temperature, cfg.seed, cfg.greedy) == (0.7, 3, False)
+    with pytest.raises(ValueError, match="evaluates the stored tree for sampling"):
+        spec_bench.run_spec_from_args(a)  # refused before any model loads
+
+
+def test_speedup_interval_scales_vanilla_to_the_speculative_tokens():
+    def rec(van_s, van_n, spec_s, spec_n):
+        return {"vanilla": {"decode_s": van_s, "new_tokens": van_n},
+                "spec": {"decode_s": spec_s, "new_tokens": spec_n}}
+
+    same = [rec(2.0, 9, 1.0, 9), rec(4.0, 9, 1.0, 9)]
+    lo, hi = spec_bench.speedup_interval(same)
+    assert (lo, hi) == pytest.approx((2.0, 4.0), rel=1e-6)  # a prompt's own ratio bounds
+    # Vanilla decoded twice the tokens: its time is halved before the ratio.
+    assert spec_bench.speedup_interval([rec(4.0, 17, 1.0, 9), rec(8.0, 17, 1.0, 9)]) == (
+        pytest.approx([2.0, 4.0], rel=1e-6))
+    assert spec_bench.speedup_interval(same[:1]) is None
+    assert spec_bench.speedup_interval([*same[:1], rec(1.0, 1, 1.0, 1)]) is None
 
 
 def test_tie_candidates_are_the_best_estimates_within_the_margin():
