@@ -1,8 +1,12 @@
-"""Speculative against vanilla decoding when *sampling*, on the Spec-Bench prompts.
+"""Speculative against vanilla decoding when *sampling*: several trees paired, or on
+calibration prompts.
 
-``specjax bench spec`` times greedy decoding, where the output must equal vanilla's. When
-sampling, outputs differ run to run (only their distribution is the target's, which the
-chi-square tests check), so this script compares speed alone: for each prompt, vanilla and
+The shipped tree for sampling on the Spec-Bench prompts is one command,
+``specjax bench spec --temperature 1.0`` (the same draws: one seed a prompt, no EOS stop;
+the speedup's interval over prompts). This script is for choosing that tree: it runs
+several trees prompt by prompt, on Spec-Bench or on calibration prompts. When sampling,
+outputs differ run to run (only their distribution is the target's, which the chi-square
+tests check), so it compares speed alone: for each prompt, vanilla and
 speculative decoding (the tree and head generate drafts at that temperature unless given)
 draw ``--max-new-tokens`` tokens at ``--temperature`` without stopping at EOS, and the
 decode rates (compile excluded, ``decode_tokens_per_s``) are pooled over the prompts, in

@@ -724,16 +724,18 @@ def plot_spec(r: dict[str, Any], path: Path) -> Path:
     ax.set_title("Mean accepted length per task (bonus token included)", fontsize=10)
 
     ax = axes[0, 1]
-    w = 0.4
+    eager = r["overall"]["eager_prompts"] > 0
+    w = 0.4 if eager else 0.6
     speed = vals("speedup")
     # The interval's distance from the point, per side (none where it was not computed).
     err = np.array([[nan, nan] if x["speedup_ci95"] is None else
                     [x["speedup"] - x["speedup_ci95"][0], x["speedup_ci95"][1] - x["speedup"]]
                     for x in rows]).T
-    b1 = ax.bar(xs - w / 2, speed, w, yerr=err, capsize=3,
-                label="speculative compiled / vanilla (95% interval)")
-    b2 = ax.bar(xs + w / 2, vals("eager_speedup"), w, label="speculative eager / vanilla")
-    for b in (b1, b2):
+    b = ax.bar(xs - w / 2 if eager else xs, speed, w, yerr=err, capsize=3,
+               label="speculative compiled / vanilla (95% interval)")
+    ax.bar_label(b, fmt="%.2f", fontsize=7)
+    if eager:
+        b = ax.bar(xs + w / 2, vals("eager_speedup"), w, label="speculative eager / vanilla")
         ax.bar_label(b, fmt="%.2f", fontsize=7)
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.set_xticks(xs, tasks, rotation=30, ha="right", fontsize=8)
@@ -742,7 +744,7 @@ def plot_spec(r: dict[str, Any], path: Path) -> Path:
     ax.set_title("Speedup per task; " + (
         f"greedy equal {m['matched']}/{m['prompts']} prompts" if m is not None else
         f"sampled at temperature {r['config']['temperature']:g}"), fontsize=10)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
     if greedy:
         _plot_selection(r, axes[1, 0], axes[1, 1])
     mach = r["machine"]
