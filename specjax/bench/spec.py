@@ -511,6 +511,15 @@ def _selection(cfg: SpecBenchConfig, target: Target, drafter: Drafter,
     return selection | {"latency": curve}
 
 
+def _sampled_tree_source(drafter: Drafter) -> str:
+    """Where ``Drafter.tree_for(greedy=False)`` took its tree from, for the report."""
+    if drafter.default_sampled_tree is not None:
+        return "the drafter's tree for sampling"
+    if drafter.default_tree is not None:
+        return "the drafter's greedy tree: it stores none for sampling"
+    return "TreeSpec()'s defaults: the drafter stores no tree"
+
+
 def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | None = None,
                    calib_prompts: Sequence[Sequence[int]] | None = None,
                    ab_prompts: Sequence[Sequence[int]] | None = None,
@@ -559,8 +568,8 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
         "temperature": cfg.temperature, "chat_template": prompts is None,
         "batch_size": 1, "stop_on_eos": stop_on_eos, "turns": "first turn only",
         "questions": None if qpath is None else str(qpath),
-        "tree_mode": ("given" if cfg.tree is not None else
-                      "auto" if greedy else "the drafter's tree for sampling"),
+        "tree_mode": ("given" if cfg.tree is not None else "auto" if greedy else
+                      _sampled_tree_source(drafter)),
         "vocab": vocab if isinstance(vocab, str) else repr(head),
     }
     if greedy:
@@ -970,8 +979,8 @@ def save_default_tree(result: dict[str, Any], drafter_dir: str | Path,
 
     conf = result["config"]
     if not conf.get("greedy", True):
-        raise ValueError("this run sampled with the drafter's stored tree for sampling, which "
-                         "it did not choose; choose one with "
+        raise ValueError(f"this run sampled with a tree it did not choose ({conf['tree_mode']}"
+                         "); choose a tree for sampling with "
                          "examples/sampled_tree_calibration.py --save-default-tree")
     if conf.get("tree_mode") != "auto":
         raise ValueError("this run was given its tree; a default must be chosen by "

@@ -292,7 +292,7 @@ def test_sampled_spec_bench_draws_one_seed_a_prompt_to_the_budget(tiny_model, tm
     conf = res["config"]
     assert (conf["greedy"], conf["temperature"], conf["seed"], conf["stop_on_eos"]) == (
         False, 1.0, 5, False)
-    assert conf["tree_mode"] == "the drafter's tree for sampling"
+    assert conf["tree_mode"] == "TreeSpec()'s defaults: the drafter stores no tree"
     assert res["tree"] == tree_dict(TreeSpec()) and "grid" not in conf
     assert res["tree_selection"] is None and res["latency"] is None
     assert res["prediction"] is None and res["greedy_equality"] is None
@@ -324,6 +324,11 @@ def test_sampled_spec_bench_draws_one_seed_a_prompt_to_the_budget(tiny_model, tm
     assert res["tree"] == tree_dict(chain) and res["config"]["tree_mode"] == "given"
     with pytest.raises(ValueError, match="did not choose"):
         spec_bench.save_default_tree(res, tmp_path)
+    # The tree for sampling where the drafter stores one, else its greedy tree.
+    stored = dataclasses.replace(drafter, default_tree=chain)
+    assert spec_bench._sampled_tree_source(stored).startswith("the drafter's greedy tree")
+    stored = dataclasses.replace(stored, default_sampled_tree=TreeSpec("chain", depth=1))
+    assert spec_bench._sampled_tree_source(stored) == "the drafter's tree for sampling"
 
 
 def test_sampled_settings_are_checked(tiny_model):
