@@ -202,64 +202,81 @@ AB_MAX_PROMPT_TOKENS = 1024
 
 
 def tie_candidates(rows: Sequence[dict[str, Any]], k: int, within: float,
-                   keep: int | None = None) -> list[int]:
+                   keep: Sequence[int] = ()) -> list[int]:
     """Indices of the ``k`` best estimated trees of a :func:`select_tree` grid whose estimate
-    is within ``within`` (a fraction) of the best, best first; then ``keep`` (the stored
-    default, which runs however it was estimated) where it is not among them."""
+    is within ``within`` (a fraction) of the best, best first; then those of ``keep`` (the
+    stored default, trees given to compare, which run however they were estimated) not
+    among them."""
     order = sorted(range(len(rows)), key=lambda i: -rows[i]["est_tokens_per_s"])
     top = rows[order[0]]["est_tokens_per_s"]
     cand = [i for i in order if rows[i]["est_tokens_per_s"] >= (1 - within) * top][:k]
-    return cand if keep is None or keep in cand else [*cand, keep]
+    return [*cand, *(i for i in dict.fromkeys(keep) if i not in cand)]
+
+
+def paired_ab(target: Target, drafter: Drafter, trees: Sequence[TreeSpec],
+              labels: Sequence[str], prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+              stop_on_eos: bool, head: VocabHead | None = None, temperature: float = 0.0,
+              seed: int = 0) -> tuple[dict[str, Any], int]:
+    """Run ``trees`` on ``prompts`` at batch 1, every prompt running every tree in turn with
+    one seed (:func:`specjax.bench.paired.paired_runs`), and choose by
+    :func:`specjax.bench.paired.choose`: the fastest, or at a speed tie the one whose MAL is
+    higher by a resolved margin (MAL does not depend on the machine, greedy or sampled).
+
+    Returns:
+      (the A/B's record: the prompts' lengths; per tree its label, MAL, summed decode time,
+      speed relative to the first tree (``vs_first``) and to the fastest with 95% intervals
+      over prompts, MAL against the fastest's and per-prompt records; ``winner``,
+      ``fastest``, ``tied`` and the rule that ``decided_by``; the chosen position in
+      ``trees``).
+    """
+    runs = paired_runs(target, drafter, trees, prompts, max_new_tokens=max_new_tokens,
+                       temperature=temperature, stop_on_eos=stop_on_eos, seed=seed,
+                       vocab=head, desc="paired A/B")
+    pick = choose(runs)
+    results = [{"label": label, "mal": float(np.mean([r["mal"] for r in rows])),
+                "decode_s": sum(r["spec_decode_s"] for r in rows),
+                "vs_first": relative_speed(rows, runs[0]),
+                "vs_fastest": pick["speed_vs_fastest"][j],
+                "mal_vs_fastest": pick["mal_vs_fastest"][j], "per_prompt": rows}
+               for j, (label, rows) in enumerate(zip(labels, runs, strict=True))]
+    return {"prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
+            "results": results, "winner": labels[pick["chosen"]],
+            "fastest": labels[pick["fastest"]], "tied": [labels[j] for j in pick["tied"]],
+            "decided_by": pick["decided_by"]}, pick["chosen"]
 
 
 def tie_break(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
               selection: dict[str, Any], prompts: Sequence[Sequence[int]], *, k: int,
               within: float, max_new_tokens: int, stop_on_eos: bool,
-              head: VocabHead | None = None, keep: int | None = None) -> dict[str, Any]:
-    """Break the estimate's near-ties end to end: run the candidates of
-    :func:`tie_candidates` on ``prompts`` at batch 1, greedy, every prompt running every
-    candidate in turn (:func:`specjax.bench.paired.paired_runs`), and choose by
-    :func:`specjax.bench.paired.choose`: the fastest, or at a speed tie the one whose MAL is
-    higher by a resolved margin.
+              head: VocabHead | None = None, keep: Sequence[int] = ()) -> dict[str, Any]:
+    """Break the estimate's near-ties end to end: the candidates of :func:`tie_candidates`,
+    greedy, by :func:`paired_ab` (the first is the estimate's choice).
 
-    ``keep`` (a grid index: the drafter's stored default) runs whatever its estimate, so
-    the run says whether the default still wins end to end.
+    ``keep`` (grid indices: the drafter's stored default, trees given to compare) run
+    whatever their estimate, so the run says whether they win end to end.
 
     Returns:
-      ``selection`` with ``"ab"`` (the candidates' labels; each one's speed relative to the
-      estimate's choice and to the fastest with 95% intervals over prompts, its MAL and its
-      per-prompt records; the prompts' lengths; the rule that decided)
-      and, where another candidate won, ``chosen_index`` / ``chosen`` moved to it
+      ``selection`` with ``"ab"`` (the candidates' labels, those that ran whatever their
+      estimate, and :func:`paired_ab`'s record, each result with its grid ``index``) and,
+      where another candidate won, ``chosen_index`` / ``chosen`` moved to it
       (``estimate_index`` keeps the estimate's).
     """
     rows = selection["grid"]
     cand = tie_candidates(rows, k, within, keep)
     ab: dict[str, Any] = {"k": k, "within": within,
                           "candidates": [rows[i]["label"] for i in cand],
-                          "stored_default": None if keep is None else rows[keep]["label"]}
+                          "always_run": [rows[i]["label"] for i in keep]}
     out = {**selection, "estimate_index": selection["chosen_index"], "ab": ab}
     if len(cand) < 2:
         ab["skipped"] = (f"no other tree within {within:.0%} of the best estimate"
-                         + ("" if keep is None else ", which is the stored default"))
+                         + (", which is the only tree to run always" if keep else ""))
         return out
-    runs = paired_runs(target, drafter, [grid[i] for i in cand], prompts,
-                       max_new_tokens=max_new_tokens, stop_on_eos=stop_on_eos, vocab=head,
-                       desc="paired A/B")
-    ab["prompts"] = len(prompts)
-    ab["prompt_tokens"] = [len(p) for p in prompts]
-    pick = choose(runs)
-    ab["results"] = [{"label": rows[i]["label"], "index": i,
-                      "mal": float(np.mean([r["mal"] for r in tree_rows])),
-                      "decode_s": sum(r["spec_decode_s"] for r in tree_rows),
-                      "vs_estimate": relative_speed(tree_rows, runs[0]),
-                      "vs_fastest": pick["speed_vs_fastest"][j],
-                      "mal_vs_fastest": pick["mal_vs_fastest"][j], "per_prompt": tree_rows}
-                     for j, (i, tree_rows) in enumerate(zip(cand, runs, strict=True))]
-    best = ab["results"][pick["chosen"]]
-    ab |= {"winner": best["label"], "fastest": ab["results"][pick["fastest"]]["label"],
-           "tied": [ab["results"][j]["label"] for j in pick["tied"]],
-           "decided_by": pick["decided_by"]}
-    return out | {"chosen_index": best["index"], "chosen": rows[best["index"]]}
+    record, j = paired_ab(target, drafter, [grid[i] for i in cand], ab["candidates"], prompts,
+                          max_new_tokens=max_new_tokens, stop_on_eos=stop_on_eos, head=head)
+    for i, res in zip(cand, record["results"], strict=True):
+        res["index"] = i
+    ab |= record
+    return out | {"chosen_index": cand[j], "chosen": rows[cand[j]]}
 
 
 # --------------------------------------------------------------------------------------
@@ -407,15 +424,20 @@ class SpecBenchConfig:
       ab_trees: 0, or how many of the best estimated trees (those within ``ab_within``, a
         fraction, of the best estimate) run end to end on ``ab_prompts`` calibration
         prompts of Spec-Bench's mix of lengths to choose from (:func:`tie_break`).
-      temperature: 0 (greedy), or > 0 to evaluate *sampled* decoding: one tree (``tree``,
-        else the drafter's stored tree for sampling, ``Drafter.tree_for``), no estimate
-        or selection (their latency model prices greedy steps), vanilla and speculative
-        decoding drawing with the same seed per prompt (``seed`` + the prompt's index),
-        and without stopping at EOS, so both decode ``max_new_tokens`` and a prompt's two
-        times are over as many tokens. Outputs then differ from vanilla's by design (only
-        their distribution is the target's, which the chi-square tests check), so no
-        equality is counted.
-      seed: the first prompt's seed at ``temperature`` > 0.
+      add_trees: candidates the grid lacks. Greedy, they join the grid and, with
+        ``ab_trees``, always run in the paired A/B (as the stored default does with
+        ``grid_add_default``). At ``temperature`` > 0 they run paired against the tree for
+        sampling, end to end at that temperature on ``ab_prompts`` calibration prompts
+        (:func:`paired_ab`; no estimate: its latency model prices greedy steps), and the
+        chosen tree is evaluated.
+      temperature: 0 (greedy), or > 0 to evaluate *sampled* decoding: the tree for
+        sampling (``tree``, else the drafter's stored one, ``Drafter.tree_for``; or the
+        winner among it and ``add_trees``), vanilla and speculative decoding drawing with
+        the same seed per prompt (``seed`` + the prompt's index), and without stopping at
+        EOS, so both decode ``max_new_tokens`` and a prompt's two times are over as many
+        tokens. Outputs then differ from vanilla's by design (only their distribution is
+        the target's, which the chi-square tests check), so no equality is counted.
+      seed: the first prompt's seed at ``temperature`` > 0 (and the paired A/B's there).
     """
 
     model_dir: str | Path
@@ -440,6 +462,7 @@ class SpecBenchConfig:
     ab_trees: int = 0
     ab_within: float = 0.05
     ab_prompts: int = 24
+    add_trees: Sequence[TreeSpec] = ()
     temperature: float = 0.0
     seed: int = 0
 
@@ -450,10 +473,9 @@ class SpecBenchConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.temperature > 0 and (self.ab_trees or self.grid_add_default):
             raise ValueError(
-                "at temperature > 0 bench spec evaluates one tree (the drafter's tree for "
-                "sampling, or --tree): drop --ab-trees / --grid-add-default; a tree for "
-                "sampling is chosen with examples/sampled_tree_calibration.py and confirmed "
-                "paired with examples/sampled_speedup.py")
+                "at temperature > 0 bench spec estimates nothing (its latency model prices "
+                "greedy steps): drop --ab-trees / --grid-add-default, and give the trees to "
+                "run paired against the tree for sampling with --add-tree")
         if not self.trees and not self.grid_add_default:
             raise ValueError("the tree grid is empty")
         if self.ab_trees == 1 or self.ab_trees < 0:
@@ -462,9 +484,10 @@ class SpecBenchConfig:
         if not 0 < self.ab_within < 1 or self.ab_prompts < 2:
             raise ValueError(f"need 0 < ab_within < 1 and ab_prompts >= 2, got "
                              f"{self.ab_within} and {self.ab_prompts}")
-        if self.tree is not None and (self.ab_trees or self.grid_add_default):
-            raise ValueError("a given tree is not chosen: drop --ab-trees / --grid-add-default, "
-                             "or the tree, to choose from the grid")
+        if self.tree is not None and self.greedy and (
+                self.ab_trees or self.grid_add_default or self.add_trees):
+            raise ValueError("a given tree is not chosen: drop --ab-trees / --grid-add-default "
+                             "/ --add-tree, or the tree, to choose from the grid")
 
     @property
     def greedy(self) -> bool:
@@ -483,10 +506,39 @@ class SpecBenchConfig:
         return sizes + [largest] if largest > sizes[-1] else sizes
 
 
+def candidates(cfg: SpecBenchConfig, drafter: Drafter,
+               drafter_name: str) -> tuple[tuple[TreeSpec, ...], list[int]]:
+    """(the trees a run considers, the indices among them that always run in a paired A/B).
+
+    Greedy: the grid (or the given tree), then ``add_trees`` and with ``grid_add_default``
+    the drafter's stored greedy tree, each once; those added always run. At temperature > 0:
+    the tree for sampling (given, else the drafter's), then ``add_trees``: all of them run.
+
+    Raises:
+      ValueError: ``grid_add_default`` with a drafter that stores no greedy tree.
+    """
+    if cfg.greedy:
+        first, added = cfg.trees, list(cfg.add_trees)
+        if cfg.grid_add_default:
+            if drafter.default_tree is None:
+                raise ValueError(f"drafter {drafter_name} stores no default tree to add to "
+                                 "the grid (its default_tree.json); drop --grid-add-default")
+            added.append(drafter.default_tree)
+    else:
+        first, added = (cfg.tree or drafter.tree_for(greedy=False),), list(cfg.add_trees)
+    grid: list[TreeSpec] = []
+    for t in (*first, *added):
+        if t not in grid:
+            grid.append(t)
+    keep = [grid.index(t) for t in added] if cfg.greedy else list(range(len(grid)))
+    return tuple(grid), list(dict.fromkeys(keep))
+
+
 def _selection(cfg: SpecBenchConfig, target: Target, drafter: Drafter,
-               grid: Sequence[TreeSpec], head: VocabHead, calib_ids: Sequence[list[int]], *,
-               mean_prompt: int, context: int, capacity: int, stop_on_eos: bool,
-               ab_prompts: Sequence[Sequence[int]] | None, bar: tqdm) -> dict[str, Any]:
+               grid: Sequence[TreeSpec], keep: Sequence[int], head: VocabHead,
+               calib_ids: Sequence[list[int]], *, mean_prompt: int, context: int,
+               capacity: int, stop_on_eos: bool, ab_prompts: Sequence[Sequence[int]] | None,
+               bar: tqdm) -> dict[str, Any]:
     """The greedy tree choice: the latency curve, the estimate over ``grid``
     (:func:`select_tree`) and, with ``cfg.ab_trees``, the paired A/B (:func:`tie_break`);
     the selection dict with the curve under ``"latency"``."""
@@ -498,17 +550,39 @@ def _selection(cfg: SpecBenchConfig, target: Target, drafter: Drafter,
                             stop_on_eos=stop_on_eos, runs=cfg.runs, head=head, bar=bar)
     if cfg.ab_trees:
         bar.set_description("paired A/B of the best estimates")
-        ab_ids, ab_info = calibration_prompts(
-            target, num=cfg.ab_prompts, questions=cfg.questions, given=ab_prompts,
-            weights=with_long_share(AB_LONG_SHARE), max_prompt_tokens=AB_MAX_PROMPT_TOKENS)
+        ab_ids, ab_info = _ab_prompts(cfg, target, ab_prompts)
         selection = tie_break(target, drafter, grid, selection, ab_ids, k=cfg.ab_trees,
                               within=cfg.ab_within, max_new_tokens=cfg.max_new_tokens,
-                              stop_on_eos=stop_on_eos, head=head,
-                              keep=(list(grid).index(drafter.default_tree)
-                                    if cfg.grid_add_default else None))
+                              stop_on_eos=stop_on_eos, head=head, keep=keep)
         selection["ab"]["source"] = ab_info
         bar.update()
     return selection | {"latency": curve}
+
+
+def _sampled_selection(cfg: SpecBenchConfig, target: Target, drafter: Drafter,
+                       grid: Sequence[TreeSpec], head: VocabHead,
+                       ab_prompts: Sequence[Sequence[int]] | None) -> dict[str, Any]:
+    """The tree for sampling among ``grid`` (the incumbent first): :func:`paired_ab` at
+    ``cfg.temperature`` on calibration prompts of Spec-Bench's mix of lengths, without an
+    EOS stop (every row decodes the budget, so the trees' times cover as many tokens)."""
+    ab_ids, ab_info = _ab_prompts(cfg, target, ab_prompts)
+    labels = [tree_label(t) for t in grid]
+    record, j = paired_ab(target, drafter, grid, labels, ab_ids,
+                          max_new_tokens=cfg.max_new_tokens, stop_on_eos=False, head=head,
+                          temperature=cfg.temperature, seed=cfg.seed)
+    rows = [{"label": label, "tree": tree_dict(t)} for label, t in zip(labels, grid,
+                                                                        strict=True)]
+    return {"grid": rows, "chosen_index": j, "chosen": rows[j],
+            "ab": {"candidates": labels, "always_run": labels, "source": ab_info, **record}}
+
+
+def _ab_prompts(cfg: SpecBenchConfig, target: Target,
+                given: Sequence[Sequence[int]] | None) -> tuple[list[list[int]], dict[str, Any]]:
+    """The paired A/B's calibration prompts: ``cfg.ab_prompts`` of Spec-Bench's mix of
+    lengths (never Spec-Bench's own); ``given`` in tests."""
+    return calibration_prompts(target, num=cfg.ab_prompts, questions=cfg.questions,
+                               given=given, weights=with_long_share(AB_LONG_SHARE),
+                               max_prompt_tokens=AB_MAX_PROMPT_TOKENS)
 
 
 def _sampled_tree_source(drafter: Drafter) -> str:
@@ -546,12 +620,7 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
 
     target, drafter, drafter_name = load_models(cfg.model_dir, cfg.dtype, drafter,
                                                 cfg.drafter_dir)
-    grid = cfg.trees if greedy else (cfg.tree or drafter.tree_for(greedy=False),)
-    if cfg.grid_add_default:
-        if drafter.default_tree is None:
-            raise ValueError(f"drafter {drafter_name} stores no default tree to add to the "
-                             "grid (its default_tree.json); drop --grid-add-default")
-        grid = grid if drafter.default_tree in grid else (*grid, drafter.default_tree)
+    grid, keep = candidates(cfg, drafter, drafter_name)
     vocab = cfg.vocab or drafter.default_vocab or "full"
     head = resolve_head(vocab, target, drafter)
 
@@ -568,8 +637,9 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
         "temperature": cfg.temperature, "chat_template": prompts is None,
         "batch_size": 1, "stop_on_eos": stop_on_eos, "turns": "first turn only",
         "questions": None if qpath is None else str(qpath),
-        "tree_mode": ("given" if cfg.tree is not None else "auto" if greedy else
-                      _sampled_tree_source(drafter)),
+        "tree_mode": ("auto" if greedy and cfg.tree is None else
+                      "paired" if len(grid) > 1 else
+                      "given" if cfg.tree is not None else _sampled_tree_source(drafter)),
         "vocab": vocab if isinstance(vocab, str) else repr(head),
     }
     if greedy:
@@ -586,11 +656,12 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
                    "runs": cfg.runs, "latency_context": context, "latency_capacity": capacity,
                    "ab_trees": cfg.ab_trees}
         if cfg.ab_trees:
-            config |= {"ab_within": cfg.ab_within, "ab_prompts": cfg.ab_prompts,
-                       "ab_long_share": AB_LONG_SHARE,
-                       "ab_max_prompt_tokens": AB_MAX_PROMPT_TOKENS}
+            config |= {"ab_within": cfg.ab_within}
     else:
-        config |= {"seed": cfg.seed, "tree": tree_dict(grid[0])}
+        config |= {"seed": cfg.seed, "grid": [tree_dict(t) for t in grid]}
+    if cfg.ab_trees or len(grid) > 1 and not greedy:
+        config |= {"ab_prompts": cfg.ab_prompts, "ab_long_share": AB_LONG_SHARE,
+                   "ab_max_prompt_tokens": AB_MAX_PROMPT_TOKENS}
 
     # Resume: a selection and prompt records written under the same configuration.
     ppath, old = resume_from(out, cfg.resume)
@@ -600,15 +671,21 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
                                    | {"drafter_mtime": stamp}), sort_keys=True)
     selection = next((r["selection"] for r in old
                       if r.get("kind") == "selection" and r.get("key") == sel_key), None)
-    choosing = greedy and selection is None
+    choosing = selection is None and (greedy or len(grid) > 1)
     n_steps = len(evals) + len(eager_qids) + (
-        len(config.get("latency_sizes", ())) + len(grid) + bool(cfg.ab_trees) if choosing
-        else 0)
+        0 if not choosing else
+        len(config["latency_sizes"]) + len(grid) + bool(cfg.ab_trees) if greedy else 1)
     bar = tqdm(total=n_steps, unit="step")
     if choosing:
-        selection = _selection(cfg, target, drafter, grid, head, calib_ids,
-                               mean_prompt=mean_prompt, context=context, capacity=capacity,
-                               stop_on_eos=stop_on_eos, ab_prompts=ab_prompts, bar=bar)
+        if greedy:
+            selection = _selection(cfg, target, drafter, grid, keep, head, calib_ids,
+                                   mean_prompt=mean_prompt, context=context,
+                                   capacity=capacity, stop_on_eos=stop_on_eos,
+                                   ab_prompts=ab_prompts, bar=bar)
+        else:
+            bar.set_description(f"paired A/B at temperature {cfg.temperature:g}")
+            selection = _sampled_selection(cfg, target, drafter, grid, head, ab_prompts)
+            bar.update()
         append_record(ppath, {"kind": "selection", "key": sel_key, "selection": selection})
         if len(grid) > 1:
             # Every calibrated tree's programs hold memory maps; twenty-odd trees come near
@@ -617,9 +694,9 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
             # inside timed calls (seventy-fourth session: 20 of them). Dropping them here,
             # before the warm-ups, leaves the evaluation's few programs far from the limit.
             jax.clear_caches()
-    elif greedy:
+    elif selection is not None:
         tqdm.write(f"resuming: reusing the tree selection in {ppath}")
-    chosen_tree = grid[selection["chosen_index"]] if greedy else grid[0]
+    chosen_tree = grid[0] if selection is None else grid[selection["chosen_index"]]
     run_key = json.dumps({"sel": sel_key, "tree": tree_dict(chosen_tree)}, sort_keys=True)
     done = {r["question_id"]: r for r in old if r.get("kind") == "prompt"
             and r.get("key") == run_key and (r["eager"] is not None) == (
@@ -720,7 +797,7 @@ def plot_spec(r: dict[str, Any], path: Path) -> Path:
     def vals(key: str) -> list[float]:
         return [nan if x[key] is None else x[key] for x in rows]
 
-    greedy = r["tree_selection"] is not None
+    greedy = r["latency"] is not None
     fig, axes = plt.subplots(2 if greedy else 1, 2, figsize=(12, 8 if greedy else 4.5),
                              squeeze=False)
     xs = np.arange(len(tasks))
@@ -809,20 +886,25 @@ def _selection_lines(r: dict[str, Any]) -> list[str]:
                      f"{g['draft_ms']:>10.1f}{g['verify_ms']:>10.1f}{g['est_tokens_per_s']:>10.1f}"
                      f"{g['est_speedup']:>7.2f}" + ("  <- chosen" if i == sel["chosen_index"]
                                                     else ""))
-    ab = sel.get("ab")
-    if ab and "results" in ab:
-        first = ab["results"][0]["label"]
-        lines.append(f"paired A/B on {ab['prompts']} calibration prompts, speed vs {first}:")
-        lines += [f"  {x['label']:<24} MAL {x['mal']:.2f}  {x['vs_estimate']['ratio']:.3f} "
-                  f"[{x['vs_estimate']['ci95'][0]:.3f}, {x['vs_estimate']['ci95'][1]:.3f}]"
-                  for x in ab["results"]]
-        lines.append(f"  chosen: {ab['winner']} (decided by {ab['decided_by']}; fastest "
-                     f"{ab['fastest']}" + "".join(
-                         f", tied with {t}" for t in ab["tied"] if t != ab["fastest"]) + ")")
-    elif ab:
-        lines.append(f"paired A/B skipped: {ab['skipped']}")
+    if sel.get("ab"):
+        lines += _ab_lines(sel["ab"])
     lines.append(f"chosen tree: {r['tree_label']} (vanilla est. "
                  f"{sel['vanilla_est_tokens_per_s']:.1f} tok/s)")
+    return lines
+
+
+def _ab_lines(ab: dict[str, Any]) -> list[str]:
+    """A paired A/B's table: each tree's MAL and speed against the first, and the rule."""
+    if "results" not in ab:
+        return [f"paired A/B skipped: {ab['skipped']}"]
+    first = ab["results"][0]["label"]
+    lines = [f"paired A/B on {ab['prompts']} calibration prompts, speed vs {first}:"]
+    lines += [f"  {x['label']:<24} MAL {x['mal']:.2f}  {x['vs_first']['ratio']:.3f} "
+              f"[{x['vs_first']['ci95'][0]:.3f}, {x['vs_first']['ci95'][1]:.3f}]"
+              for x in ab["results"]]
+    lines.append(f"  chosen: {ab['winner']} (decided by {ab['decided_by']}; fastest "
+                 f"{ab['fastest']}" + "".join(
+                     f", tied with {t}" for t in ab["tied"] if t != ab["fastest"]) + ")")
     return lines
 
 
@@ -849,8 +931,11 @@ def summary(r: dict[str, Any]) -> str:
            f"seeds {conf['seed']}+)")
     lines = [f"{r['model_name']}, drafter {conf['drafter']} (vocab {conf.get('vocab', 'full')}), "
              f"{conf['max_new_tokens']} {how}, batch 1"]
-    if r["tree_selection"] is not None:
+    if r["latency"] is not None:  # greedy: the estimate, maybe an A/B
         lines += _selection_lines(r)
+    elif r["tree_selection"] is not None:  # sampled: an A/B of the given trees
+        lines += _ab_lines(r["tree_selection"]["ab"])
+        lines.append(f"chosen tree: {r['tree_label']}")
     else:
         lines.append(f"tree: {r['tree_label']} ({conf['tree_mode']})")
     lines.append(f"{'task':<16}{'n':>3}{'MAL*':>7}{'vanilla':>9}{'spec':>9}{'speedup':>9}"
@@ -930,14 +1015,20 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="with --ab-trees: how far below the best estimate (a fraction) a "
                         "tree may be and still run (default 0.05)")
     p.add_argument("--ab-prompts", type=int, default=24, metavar="N",
-                   help="with --ab-trees: about N calibration prompts (ShareGPT's calibration "
-                        "range, a third with a long text; never Spec-Bench) (default 24)")
+                   help="with --ab-trees (or --add-tree when sampling): about N calibration "
+                        "prompts (ShareGPT's calibration range, a third with a long text; "
+                        "never Spec-Bench) (default 24)")
+    p.add_argument("--add-tree", action="append", default=[], metavar="JSON",
+                   help="a candidate tree as TreeSpec JSON (repeat for more): greedy, it joins "
+                        "the grid and with --ab-trees always runs in the A/B; at --temperature "
+                        "> 0 it runs end to end, paired, against the tree for sampling on "
+                        "--ab-prompts calibration prompts, and the chosen one is evaluated")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="0 (default): greedy, the output checked against vanilla's token for "
                         "token; > 0: sampled, vanilla and speculative decoding with one seed a "
                         "prompt and no EOS stop, the speedup with a 95%% interval over prompts; "
                         "the tree is --tree's, or with auto the drafter's stored tree for "
-                        "sampling (no estimate, no A/B)")
+                        "sampling, or the winner of a paired A/B against --add-tree's")
     p.add_argument("--seed", type=int, default=0,
                    help="with --temperature > 0: the first prompt's seed, then one more a "
                         "prompt (default 0)")
@@ -960,78 +1051,100 @@ def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
                            resume=not args.no_resume, vocab=args.vocab,
                            grid_add_default=args.grid_add_default, ab_trees=args.ab_trees,
                            ab_within=args.ab_within, ab_prompts=args.ab_prompts,
+                           add_trees=tuple(TreeSpec.from_json_text(t, "--add-tree")
+                                           for t in args.add_tree),
                            temperature=args.temperature, seed=args.seed)
 
 
 def save_default_tree(result: dict[str, Any], drafter_dir: str | Path,
                       results_path: str | Path | None = None) -> Path:
-    """Store the tree an automatic ``bench spec`` run chose, and the head it drafted with,
-    as the drafter's defaults (``<drafter_dir>/default_tree.json``, see
-    :mod:`specjax.tree.default`), with what was measured: each candidate's estimate, the
-    chosen tree's realised speed, the machine.
+    """Store the tree a ``bench spec`` run chose as the drafter's default
+    (``<drafter_dir>/default_tree.json``, see :mod:`specjax.tree.default`), with what was
+    measured: the candidates' estimates and paired speeds, the chosen tree's realised speed,
+    the machine. A greedy run stores its tree and the head it drafted with; a sampled run
+    whose paired A/B chose the tree stores it as the tree for sampling, beside the greedy
+    default and its head (which both trees share).
 
     Raises:
       ValueError: the run did not choose its tree, drafted with a head that names an
-        artifact outside the drafter folder, or found a greedy mismatch (a default must be
-        lossless).
+        artifact outside the drafter folder (or, sampled, another head than the folder's),
+        or found a greedy mismatch (a default must be lossless).
     """
-    from specjax.tree.default import check_portable_vocab, write_default_tree
+    from specjax.tree.default import (
+        check_portable_vocab,
+        read_default_vocab,
+        write_default_tree,
+        write_sampled_default_tree,
+    )
 
     conf = result["config"]
-    if not conf.get("greedy", True):
-        raise ValueError(f"this run sampled with a tree it did not choose ({conf['tree_mode']}"
-                         "); choose a tree for sampling with "
-                         "examples/sampled_tree_calibration.py --save-default-tree")
-    if conf.get("tree_mode") != "auto":
+    greedy = conf.get("greedy", True)
+    if greedy and conf.get("tree_mode") != "auto":
         raise ValueError("this run was given its tree; a default must be chosen by "
                          "measurement: run `specjax bench spec` without --tree")
-    check_portable_vocab(conf.get("vocab", "full"))
-    if not result["greedy_equality"]["all_match"]:
+    if not greedy and conf.get("tree_mode") != "paired":
+        raise ValueError(f"this run sampled with a tree it did not choose ({conf['tree_mode']}"
+                         "); give the trees to compare it with as --add-tree")
+    vocab = check_portable_vocab(conf.get("vocab", "full"))
+    if greedy and not result["greedy_equality"]["all_match"]:
         raise ValueError("greedy output differed from vanilla in this run; not saving a "
                          "default from it")
     sel = result["tree_selection"]
     ab = sel.get("ab")
-    how = "bench spec: calibration MAL / (verify(T) + draft time), highest wins"
-    if ab and "results" in ab:
-        how += (f"; then the {len(ab['candidates'])} best within {ab['within']:.0%} run end "
-                f"to end, paired, on {ab['prompts']} calibration prompts: the fastest wins, "
-                f"or at a speed tie the higher MAL where resolved ({ab['decided_by']})")
+    paired = None if not ab or "results" not in ab else {
+        r["label"]: {"speed_vs_first": round(r["vs_first"]["ratio"], 4),
+                     "ci95": [round(x, 4) for x in r["vs_first"]["ci95"]]}
+        for r in ab["results"]}
     measured = {
-        "how": how,
-        "chosen": result["tree_label"], "est_speedup": sel["chosen"]["est_speedup"],
-        "candidates": {c["label"]: round(c["est_speedup"], 4) for c in sel["grid"]},
-        "paired": None if not ab or "results" not in ab else {
-            r["label"]: {"speed_vs_estimate": round(r["vs_estimate"]["ratio"], 4),
-                         "ci95": [round(x, 4) for x in r["vs_estimate"]["ci95"]]}
-            for r in ab["results"]},
-        "realized_speedup": result["overall"]["speedup"], "mal": result["overall"]["mal"],
+        "chosen": result["tree_label"], "paired": paired,
+        "realized_speedup": result["overall"]["speedup"],
+        "speedup_ci95": result["overall"].get("speedup_ci95"),  # absent before the 75th session
+        "mal": result["overall"]["mal"],
         "prompts": result["overall"]["prompts"], "model": conf["model"],
         "machine": {k: result["machine"].get(k) for k in ("cpu_model", "nproc", "jax_backend",
                                                           "versions")},
         "results": None if results_path is None else str(results_path),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
     }
-    return write_default_tree(drafter_dir, TreeSpec.from_json(result["tree"]), measured,
-                              vocab=conf.get("vocab", "full"))
+    rule = "the fastest wins, or at a speed tie the higher MAL where resolved"
+    tree = TreeSpec.from_json(result["tree"])
+    if not greedy:
+        stored = read_default_vocab(drafter_dir)
+        if stored != vocab:
+            raise ValueError(f"this run drafted with the head {vocab!r}, but the drafter's "
+                             f"trees share {stored!r}; run again with --vocab {stored}")
+        how = (f"bench spec --temperature {conf['temperature']:g}: the {len(ab['candidates'])}"
+               f" trees run end to end at that temperature, paired, on {ab['prompts']} "
+               f"calibration prompts: {rule} ({ab['decided_by']})")
+        return write_sampled_default_tree(drafter_dir, tree, {"how": how, **measured})
+    how = "bench spec: calibration MAL / (verify(T) + draft time), highest wins"
+    if paired is not None:
+        how += (f"; then the {len(ab['candidates'])} best within {ab['within']:.0%} run end "
+                f"to end, paired, on {ab['prompts']} calibration prompts: {rule} "
+                f"({ab['decided_by']})")
+    measured = {"how": how, **measured, "est_speedup": sel["chosen"]["est_speedup"],
+                "candidates": {c["label"]: round(c["est_speedup"], 4) for c in sel["grid"]}}
+    return write_default_tree(drafter_dir, tree, measured, vocab=vocab)
 
 
 def run_spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Run :func:`run_spec_bench` from :func:`add_spec_args`'s flags."""
-    if args.save_default_tree and args.temperature > 0:  # refused before the run
-        raise ValueError("--save-default-tree stores a greedy tree that bench spec chose; at "
-                         "--temperature > 0 it evaluates the stored tree for sampling, "
-                         "chosen by examples/sampled_tree_calibration.py --save-default-tree")
+    # What --save-default-tree would refuse after the run is refused before it.
+    if args.save_default_tree and args.drafter == "random":
+        raise ValueError("--save-default-tree needs a trained drafter, not 'random'")
+    if args.save_default_tree and args.temperature > 0 and not args.add_tree:
+        raise ValueError("--save-default-tree at --temperature > 0 stores the tree for sampling "
+                         "that a paired A/B chose: give the trees to compare the current one "
+                         "with as --add-tree")
     if args.save_default_tree and args.vocab is not None:
         from specjax.tree.default import check_portable_vocab
 
-        check_portable_vocab(args.vocab)  # refused before the run, not after it
+        check_portable_vocab(args.vocab)
     res = run_spec_bench(config_from_args(args))
     if args.save_default_tree:
-        if args.drafter == "random":
-            raise ValueError("--save-default-tree needs a trained drafter, not 'random'")
         where = save_default_tree(res, res["config"]["drafter"], args.out)
-        print(f"default tree {res['tree_label']} and head {res['config']['vocab']} saved to "
-              f"{where}")
+        what = ("default tree" if res["config"]["greedy"] else "tree for sampling")
+        print(f"{what} {res['tree_label']} (head {res['config']['vocab']}) saved to {where}")
     return res
 
 

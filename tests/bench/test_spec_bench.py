@@ -293,7 +293,7 @@ def test_sampled_spec_bench_draws_one_seed_a_prompt_to_the_budget(tiny_model, tm
     assert (conf["greedy"], conf["temperature"], conf["seed"], conf["stop_on_eos"]) == (
         False, 1.0, 5, False)
     assert conf["tree_mode"] == "TreeSpec()'s defaults: the drafter stores no tree"
-    assert res["tree"] == tree_dict(TreeSpec()) and "grid" not in conf
+    assert res["tree"] == tree_dict(TreeSpec()) and conf["grid"] == [res["tree"]]
     assert res["tree_selection"] is None and res["latency"] is None
     assert res["prediction"] is None and res["greedy_equality"] is None
     assert "chi-square" in res["sampling"]["note"]
@@ -331,11 +331,64 @@ def test_sampled_spec_bench_draws_one_seed_a_prompt_to_the_budget(tiny_model, tm
     assert spec_bench._sampled_tree_source(stored) == "the drafter's tree for sampling"
 
 
+def test_sampled_paired_ab_chooses_the_tree_for_sampling(tiny_model, tmp_path):
+    """``add_trees`` at temperature > 0: the tree for sampling and the added trees run end
+    to end at that temperature, paired, on calibration prompts; the chosen one is
+    evaluated, and ``save_default_tree`` stores it as the tree for sampling."""
+    from specjax.tree.default import read_defaults, write_default_tree
+
+    target = specjax.load(tiny_model)
+    static = TreeSpec("static", paths=((0,), (1,)))
+    drafter = dataclasses.replace(random_drafter(target), default_tree=static)
+    chain = TreeSpec("chain", depth=1)
+    cfg = SpecBenchConfig(tiny_model, per_task=1, max_new_tokens=8, out=tmp_path / "ab.json",
+                          eager_per_task=0, temperature=1.0, add_trees=(chain, static))
+    ab_prompts = [PROMPTS[0]["ids"], CALIB[0], [1, 2, 3]]
+    res = run_spec_bench(cfg, prompts=PROMPTS[:1], ab_prompts=ab_prompts, drafter=drafter)
+    conf, sel = res["config"], res["tree_selection"]
+    # No tree for sampling stored: the greedy one is the incumbent (and runs once).
+    assert conf["tree_mode"] == "paired" and res["latency"] is None
+    assert [g["label"] for g in sel["grid"]] == ["static 0 1", "chain d1"]
+    ab = sel["ab"]
+    assert ab["candidates"] == ab["always_run"] == ["static 0 1", "chain d1"]
+    assert ab["prompts"] == 3 and ab["prompt_tokens"] == [5, 6, 3]
+    for r in ab["results"]:  # sampled without an EOS stop: every row decodes the budget
+        assert [x["tokens"] for x in r["per_prompt"]] == [7, 7, 7]
+        lo, hi = r["vs_first"]["ci95"]
+        assert lo <= r["vs_first"]["ratio"] <= hi and r["mal"] >= 1
+    # The paired rows drew with the run's seeds: prompt i with seed + i, as generate does.
+    direct = specjax.generate(target, [CALIB[0]], drafter=drafter, tree=chain,
+                              max_new_tokens=8, temperature=1.0, seed=1, stop_on_eos=False)
+    assert ab["results"][1]["per_prompt"][1]["mal"] == direct.stats["mean_accepted_length"]
+    assert ab["winner"] == res["tree_label"] == sel["chosen"]["label"]
+    assert res["tree"] == sel["chosen"]["tree"]
+    printed = summary(res)
+    assert "paired A/B on 3 calibration prompts, speed vs static 0 1:" in printed
+    assert f"chosen tree: {res['tree_label']}" in printed
+
+    # Stored as the tree for sampling, beside the greedy default and its head.
+    for d in ("d", "e"):
+        (tmp_path / d).mkdir()
+    write_default_tree(tmp_path / "d", static, {"how": "test"}, vocab="full")
+    spec_bench.save_default_tree(res, tmp_path / "d", "ab.json")
+    greedy_tree, vocab, sampled = read_defaults(tmp_path / "d")[:3]
+    assert (greedy_tree, vocab) == (static, "full")
+    assert sampled == TreeSpec.from_json(res["tree"])
+    stored = json.loads((tmp_path / "d" / "default_tree.json").read_text())["sampled"]
+    assert "bench spec --temperature 1" in stored["measured"]["how"]
+    assert set(stored["measured"]["paired"]) == {"static 0 1", "chain d1"}
+    write_default_tree(tmp_path / "e", static, {"how": "test"}, vocab="fr:64")
+    with pytest.raises(ValueError, match="run again with --vocab fr:64"):
+        spec_bench.save_default_tree(res, tmp_path / "e")
+
+
 def test_sampled_settings_are_checked(tiny_model):
     for kw, match in (({"temperature": -1.0}, "temperature must be >= 0"),
                       ({"temperature": float("nan")}, "temperature must be >= 0"),
-                      ({"temperature": 1.0, "ab_trees": 2}, "evaluates one tree"),
-                      ({"temperature": 1.0, "grid_add_default": True}, "evaluates one tree")):
+                      ({"temperature": 1.0, "ab_trees": 2}, "estimates nothing"),
+                      ({"temperature": 1.0, "grid_add_default": True}, "estimates nothing"),
+                      ({"tree": TreeSpec("chain"), "add_trees": (TreeSpec(),)},
+                       "a given tree is not chosen")):
         with pytest.raises(ValueError, match=match):
             SpecBenchConfig(tiny_model, **kw)
     p = argparse.ArgumentParser()
@@ -343,9 +396,17 @@ def test_sampled_settings_are_checked(tiny_model):
     a = p.parse_args(["--model", str(tiny_model), "--temperature", "0.7", "--seed", "3",
                       "--save-default-tree"])
     cfg = spec_bench.config_from_args(a)
-    assert (cfg.temperature, cfg.seed, cfg.greedy) == (0.7, 3, False)
-    with pytest.raises(ValueError, match="evaluates the stored tree for sampling"):
+    assert (cfg.temperature, cfg.seed, cfg.greedy, cfg.add_trees) == (0.7, 3, False, ())
+    with pytest.raises(ValueError, match="give the trees to compare"):
         spec_bench.run_spec_from_args(a)  # refused before any model loads
+    a = p.parse_args(["--model", str(tiny_model), "--temperature", "1", "--add-tree",
+                      '{"kind": "chain", "depth": 1}', "--drafter", "random",
+                      "--save-default-tree"])
+    assert spec_bench.config_from_args(a).add_trees == (TreeSpec("chain", depth=1),)
+    with pytest.raises(ValueError, match="needs a trained drafter"):
+        spec_bench.run_spec_from_args(a)
+    with pytest.raises(ValueError, match="--add-tree"):
+        spec_bench.config_from_args(p.parse_args(["--add-tree", "{bad"]))
 
 
 def test_speedup_interval_scales_vanilla_to_the_speculative_tokens():
@@ -369,15 +430,18 @@ def test_tie_candidates_are_the_best_estimates_within_the_margin():
     assert tie_candidates(rows, 9, 0.05) == [1, 4, 2]  # 94.9 is 5.1% below the best
     assert tie_candidates(rows, 2, 0.2) == [1, 4]
     assert tie_candidates(rows, 4, 0.001) == [1]
-    # The stored default runs however it was estimated, after the near-ties.
-    assert tie_candidates(rows, 2, 0.05, keep=0) == [1, 4, 0]
-    assert tie_candidates(rows, 2, 0.05, keep=4) == [1, 4]
-    assert tie_candidates(rows, 4, 0.001, keep=3) == [1, 3]
+    # The stored default and added trees run however they were estimated, after the
+    # near-ties, each once.
+    assert tie_candidates(rows, 2, 0.05, keep=[0]) == [1, 4, 0]
+    assert tie_candidates(rows, 2, 0.05, keep=[4]) == [1, 4]
+    assert tie_candidates(rows, 4, 0.001, keep=[3]) == [1, 3]
+    assert tie_candidates(rows, 1, 0.05, keep=[3, 0, 1, 3]) == [1, 3, 0]
 
 
 def test_paired_tie_break_chooses_the_fastest_end_to_end(tiny_model, tmp_path, monkeypatch):
     """``ab_trees``: the estimate's near-ties run end to end, paired; the stored default
-    joins the grid with ``grid_add_default``."""
+    joins the grid with ``grid_add_default``, a given tree with ``add_trees``, and both
+    always run."""
     target = specjax.load(tiny_model)
     # The calibrated trees' programs are dropped once, before the evaluation's warm-ups (so
     # no drop near the memory-map limit falls inside the evaluation).
@@ -389,22 +453,24 @@ def test_paired_tie_break_chooses_the_fastest_end_to_end(tiny_model, tmp_path, m
     cfg = SpecBenchConfig(tiny_model, per_task=1, max_new_tokens=8, out=tmp_path / "b.json",
                           grid=GRID, latency_sizes=(1, 4), runs=1, calib_max_new_tokens=8,
                           eager_per_task=0, stop_on_eos=False, grid_add_default=True,
-                          ab_trees=3, ab_within=0.99)
+                          add_trees=(TreeSpec("chain", depth=1),), ab_trees=2, ab_within=0.99)
     ab_prompts = [PROMPTS[0]["ids"], CALIB[0], [1, 2, 3]]
     res = run_spec_bench(cfg, prompts=PROMPTS[:1], calib_prompts=CALIB, ab_prompts=ab_prompts,
                          drafter=drafter)
     sel = res["tree_selection"]
     labels = [g["label"] for g in sel["grid"]]
-    assert labels == ["chain d2", "eagle2 d2 k2 n3", "static 0 1 00"]
-    est = max(range(3), key=lambda i: sel["grid"][i]["est_tokens_per_s"])
+    assert labels == ["chain d2", "eagle2 d2 k2 n3", "chain d1", "static 0 1 00"]
+    est = max(range(4), key=lambda i: sel["grid"][i]["est_tokens_per_s"])
     ab = sel["ab"]
     assert sel["estimate_index"] == est and ab["candidates"][0] == labels[est]
-    assert sorted(ab["candidates"]) == sorted(labels) and ab["prompts"] == 3
-    assert ab["stored_default"] == "static 0 1 00"
+    assert ab["always_run"] == ["chain d1", "static 0 1 00"]
+    # The two best estimates (ab_trees=2), then the trees that always run.
+    assert set(ab["candidates"]) >= set(ab["always_run"]) and len(ab["candidates"]) in (3, 4)
     assert ab["source"] == {"source": "given"} and ab["prompt_tokens"] == [5, 6, 3]
-    first = ab["results"][0]["vs_estimate"]
+    assert ab["prompts"] == 3
+    first = ab["results"][0]["vs_first"]
     assert first["ratio"] == pytest.approx(1.0) and first["ci95"] == pytest.approx([1, 1])
-    fastest = max(ab["results"], key=lambda r: r["vs_estimate"]["ratio"])
+    fastest = max(ab["results"], key=lambda r: r["vs_first"]["ratio"])
     assert ab["fastest"] == fastest["label"] and fastest["label"] in ab["tied"]
     won = next(r for r in ab["results"] if r["label"] == ab["winner"])
     assert ab["winner"] == res["tree_label"] and won["label"] in ab["tied"]
@@ -413,7 +479,7 @@ def test_paired_tie_break_chooses_the_fastest_end_to_end(tiny_model, tmp_path, m
         assert ab["decided_by"] == "speed tie: the higher MAL"
         assert won["mal_vs_fastest"]["ci95"][0] > 0
     for r in ab["results"]:
-        for k in ("vs_estimate", "vs_fastest"):
+        for k in ("vs_first", "vs_fastest"):
             lo, hi = r[k]["ci95"]
             assert lo <= r[k]["ratio"] <= hi
         assert r["mal"] >= 1 and len(r["per_prompt"]) == 3
@@ -424,13 +490,13 @@ def test_paired_tie_break_chooses_the_fastest_end_to_end(tiny_model, tmp_path, m
     assert f"chosen: {ab['winner']} (decided by {ab['decided_by']}" in printed
 
     # Nothing within the margin: the estimate decides and the run says so.
-    narrow = dataclasses.replace(cfg, ab_within=1e-9, grid_add_default=False,
+    narrow = dataclasses.replace(cfg, ab_within=1e-9, grid_add_default=False, add_trees=(),
                                  out=tmp_path / "c.json")
     res = run_spec_bench(narrow, prompts=PROMPTS[:1], calib_prompts=CALIB,
                          ab_prompts=ab_prompts, drafter=drafter)
     sel = res["tree_selection"]
     assert sel["ab"]["skipped"].startswith("no other tree within")
-    assert sel["ab"]["stored_default"] is None
+    assert sel["ab"]["always_run"] == []
     assert sel["chosen_index"] == sel["estimate_index"]
     assert "paired A/B skipped" in summary(res)
 

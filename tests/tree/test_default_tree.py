@@ -212,14 +212,14 @@ def test_save_default_tree_only_from_a_lossless_automatic_run(tmp_path):
     # A paired tie-break's figures go with the choice.
     ab = {"candidates": ["chain d3", "chain d2"], "within": 0.05, "prompts": 24,
           "decided_by": "speed",
-          "results": [{"label": "chain d3", "vs_estimate": {"ratio": 1.0, "ci95": [1.0, 1.0]}},
+          "results": [{"label": "chain d3", "vs_first": {"ratio": 1.0, "ci95": [1.0, 1.0]}},
                       {"label": "chain d2",
-                       "vs_estimate": {"ratio": 1.03, "ci95": [1.01, 1.052]}}]}
+                       "vs_first": {"ratio": 1.03, "ci95": [1.01, 1.052]}}]}
     paired = {**result, "tree_selection": {**result["tree_selection"], "ab": ab}}
     saved = json.loads(save_default_tree(paired, tmp_path).read_text())["measured"]
     assert ("2 best within 5% run end to end, paired, on 24 calibration prompts: the fastest "
             "wins, or at a speed tie the higher MAL where resolved (speed)") in saved["how"]
-    assert saved["paired"]["chain d2"] == {"speed_vs_estimate": 1.03, "ci95": [1.01, 1.052]}
+    assert saved["paired"]["chain d2"] == {"speed_vs_first": 1.03, "ci95": [1.01, 1.052]}
     assert read_default_tree(tmp_path) == TreeSpec("chain", depth=2)
     assert read_default_vocab(tmp_path) == "full"
     save_default_tree({**result, "config": {**result["config"], "vocab": "fr:8192"}}, tmp_path)
