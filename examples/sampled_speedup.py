@@ -3,8 +3,10 @@ calibration prompts.
 
 The shipped tree for sampling on the Spec-Bench prompts is one command,
 ``specjax bench spec --temperature 1.0`` (the same draws: one seed a prompt, no EOS stop;
-the speedup's interval over prompts). This script is for choosing that tree: it runs
-several trees prompt by prompt, on Spec-Bench or on calibration prompts. When sampling,
+the speedup's interval over prompts), and ``--add-tree JSON`` there runs candidates paired
+against it on calibration prompts and evaluates the winner. This script keeps the finer
+controls for choosing that tree: several prompt sets (``--skip``), a split by prompt length
+(``--length-split``), vanilla beside every tree, Spec-Bench itself. When sampling,
 outputs differ run to run (only their distribution is the target's, which the chi-square
 tests check), so it compares speed alone: for each prompt, vanilla and
 speculative decoding (the tree and head generate drafts at that temperature unless given)

@@ -26,14 +26,15 @@ One command, one run, one JSON + one PNG:
 3. **Report** per task and overall: MAL, decode tokens/s of vanilla and speculative
    decoding, speedup (same run, same prompts), compiled-vs-eager speedup, prompts matched.
 
-``--temperature T`` (> 0) evaluates *sampled* decoding instead: one tree (``--tree``'s, or
-with ``auto`` the drafter's stored tree for sampling, which
-``examples/sampled_tree_calibration.py`` and ``examples/sampled_speedup.py`` choose; the
-latency model above prices greedy steps, so nothing is estimated), vanilla and speculative
-decoding drawing with one seed a prompt and without stopping at EOS (both decode the
-budget, so a prompt's two times cover as many tokens), and the speedup reported with a 95%
-interval that resamples prompts. The outputs differ from vanilla's by design; that their
-distribution is the target's is what the chi-square tests check.
+``--temperature T`` (> 0) evaluates *sampled* decoding instead: the tree for sampling
+(``--tree``'s, or with ``auto`` the drafter's stored one; with ``--add-tree`` candidates it
+first runs paired against them end to end at T on calibration prompts, and the winner goes
+on: the latency model above prices greedy steps, so nothing is estimated), vanilla and
+speculative decoding drawing with one seed a prompt and without stopping at EOS (both decode
+the budget, so a prompt's two times cover as many tokens), and the speedup reported with a
+95% interval that resamples prompts. The outputs differ from vanilla's by design; that their
+distribution is the target's is what the chi-square tests check. Greedy, ``--add-tree``
+trees join the grid and always run in the ``--ab-trees`` A/B.
 
 MAL (mean accepted length) is counted the way Spec-Bench and EAGLE count it: tokens
 committed per target forward, **the target's bonus token included** (so MAL >= 1; a
