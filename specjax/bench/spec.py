@@ -660,7 +660,7 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
             config |= {"ab_within": cfg.ab_within}
     else:
         config |= {"seed": cfg.seed, "grid": [tree_dict(t) for t in grid]}
-    if cfg.ab_trees or len(grid) > 1 and not greedy:
+    if cfg.ab_trees or (len(grid) > 1 and not greedy):
         config |= {"ab_prompts": cfg.ab_prompts, "ab_long_share": AB_LONG_SHARE,
                    "ab_max_prompt_tokens": AB_MAX_PROMPT_TOKENS}
 
@@ -673,9 +673,12 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
     selection = next((r["selection"] for r in old
                       if r.get("kind") == "selection" and r.get("key") == sel_key), None)
     choosing = selection is None and (greedy or len(grid) > 1)
-    n_steps = len(evals) + len(eager_qids) + (
-        0 if not choosing else
-        len(config["latency_sizes"]) + len(grid) + bool(cfg.ab_trees) if greedy else 1)
+    # The bar's steps: the curve's sizes, each tree's calibration and the A/B when greedy;
+    # the A/B alone when sampled; then every prompt (twice when it also runs eager).
+    n_steps = len(evals) + len(eager_qids)
+    if choosing:
+        n_steps += (len(config["latency_sizes"]) + len(grid) + bool(cfg.ab_trees) if greedy
+                    else 1)
     bar = tqdm(total=n_steps, unit="step")
     if choosing:
         if greedy:
