@@ -188,6 +188,33 @@ def pooled_difference(a: Sequence[np.ndarray], b: Sequence[np.ndarray], *,
     return {"diff": diff, "ci95": ci, "prompts": len(n), "positions": int(n.sum())}
 
 
+def paired_speedup(base: Sequence[dict[str, Any]],
+                   runs: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """Speed of ``runs`` relative to ``base`` over the same prompts (one record each, with
+    ``decode_s`` and ``new_tokens``: a B=1 generate call's), and its 95% interval resampling
+    whole prompts, paired (a prompt's speed varies by tens of percent for both alike); None
+    with fewer than two prompts that decoded.
+
+    Each prompt's base time is scaled to the run's decoded tokens (the first new token comes
+    from the prefill), so the ratio of summed times is the pooled speedup; the counts are
+    equal where greedy output matched, or where sampling ran to the budget.
+
+    Returns:
+      ``{"ratio": float, "ci95": [lo, hi]}``; above 1 means ``runs`` decoded faster.
+    """
+    if len(base) != len(runs):
+        raise ValueError("base and runs must hold the same prompts")
+    pairs = [(b, r) for b, r in zip(base, runs, strict=True)
+             if b["new_tokens"] > 1 and r["new_tokens"] > 1]
+    if len(pairs) < 2:
+        return None
+    run_s = np.array([r["decode_s"] for _, r in pairs])
+    base_s = np.array([b["decode_s"] * (r["new_tokens"] - 1) / (b["new_tokens"] - 1)
+                       for b, r in pairs])
+    ratio, ci = ratio_of_sums(base_s, run_s)
+    return {"ratio": ratio, "ci95": ci}
+
+
 def ratio_of_sums(num: np.ndarray, den: np.ndarray, *, draws: int = 10_000,
                   seed: int = 0) -> tuple[float, list[float]]:
     """sum(num) / sum(den) over prompts ([P] each, paired), and its 95% interval from

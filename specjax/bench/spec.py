@@ -73,8 +73,8 @@ from specjax.bench.common import (
     generation_record,
     jsonable,
     machine_info,
+    paired_speedup,
     pyplot,
-    ratio_of_sums,
     save_figure,
     write_json,
 )
@@ -328,22 +328,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
-def speedup_interval(records: Sequence[dict[str, Any]]) -> list[float] | None:
-    """95% interval of the decode speedup over ``records``' prompts, resampling whole
-    prompts, paired (a prompt's speed varies by tens of percent for both methods alike);
-    None with fewer than two prompts that decoded.
-
-    Each prompt's vanilla time is scaled to the speculative run's decoded tokens, so the
-    ratio of summed times is the pooled speedup; both counts are equal when greedy output
-    matched, or when sampling ran to the budget."""
-    rs = [r for r in records
-          if r["spec"]["new_tokens"] > 1 and r["vanilla"]["new_tokens"] > 1]
-    if len(rs) < 2:
-        return None
-    spec_s = np.array([r["spec"]["decode_s"] for r in rs])
-    van_s = np.array([r["vanilla"]["decode_s"] * (r["spec"]["new_tokens"] - 1)
-                      / (r["vanilla"]["new_tokens"] - 1) for r in rs])
-    return ratio_of_sums(van_s, spec_s)[1]
+def _speedup_ci95(records: Sequence[dict[str, Any]]) -> list[float] | None:
+    """The speedup's 95% interval over the prompts (:func:`paired_speedup`), or None."""
+    sp = paired_speedup([r["vanilla"] for r in records], [r["spec"] for r in records])
+    return None if sp is None else sp["ci95"]
 
 
 def _count(records: Sequence[dict[str, Any]], key: str) -> int | None:
@@ -372,7 +360,7 @@ def aggregate(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "vanilla_decode_tokens_per_s": v["decode_tokens_per_s"],
         "spec_decode_tokens_per_s": s["decode_tokens_per_s"],
         "speedup": _ratio(s["decode_tokens_per_s"], v["decode_tokens_per_s"]),
-        "speedup_ci95": speedup_interval(records),
+        "speedup_ci95": _speedup_ci95(records),
         "e2e_speedup": _ratio(s["tokens_per_s"], v["tokens_per_s"]),
         "eager_prompts": len(eager_recs),
         "eager_matched": _count(eager_recs, "eager_match"),

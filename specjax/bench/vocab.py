@@ -10,7 +10,9 @@ names):
 * mean shortlist size (valid candidates per expanded node) and coverage (the fraction of
   steps whose first committed token was in the root expansion's shortlist);
 * the draft step's latency (the jitted draft phase, B=1) against the full head's;
-* decode tokens/s against vanilla decoding in the same run;
+* decode tokens/s against vanilla decoding in the same run, and each head against the full
+  head on the same prompts (speed and MAL), with 95% intervals that resample prompts,
+  paired, so that a difference between heads reads as resolved or not;
 * greedy equality with vanilla decoding for every prompt (it must hold for every head:
   verification is always over the full vocabulary).
 
@@ -44,10 +46,12 @@ from specjax.bench.common import (
     as_command,
     first_mismatch,
     machine_info,
+    paired_speedup,
     pyplot,
     save_figure,
     write_json,
 )
+from specjax.bench.paired import mal_difference
 from specjax.bench.partial import append_record, partial_path, read_partial
 from specjax.bench.phases import draft_latency, random_features, resolve_drafter
 from specjax.bench.questions import (
@@ -217,10 +221,25 @@ def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
     for h in result["heads"].values():
         h["speedup_vs_vanilla"] = h["decode_tokens_per_s"] / result["vanilla"][
             "decode_tokens_per_s"]
+    if "full" in heads:
+        for spec in heads:
+            if spec != "full":
+                result["heads"][spec]["vs_full"] = against(records, spec, "full")
     write_json(out, result)
     plot_vocab(result, out.with_suffix(".png"))
     print(summary(result))
     return result
+
+
+def against(records: Sequence[dict], spec: str, base: str) -> dict[str, Any]:
+    """Head ``spec`` against head ``base`` on the same prompts: ``speed`` (base's decode time
+    over spec's, :func:`paired_speedup`) and ``mal`` (the mean over prompts of spec's MAL
+    minus base's), each with a 95% interval resampling prompts, paired."""
+    def mal(name: str) -> list[dict[str, float]]:
+        return [{"mal": r[name]["mean_accepted_length"]} for r in records]
+
+    return {"speed": paired_speedup([r[base] for r in records], [r[spec] for r in records]),
+            "mal": mal_difference(mal(spec), mal(base))}
 
 
 def _rates(records: Sequence[dict], spec: str) -> dict[str, float]:
@@ -237,6 +256,7 @@ def summarize(records: Sequence[dict], spec: str, latency: dict, full_latency: d
     """Pooled figures of one head over the prompts (MAL = committed / target forwards)."""
     rs = [r[spec] for r in records]
     forwards = np.array([r["target_forwards"] for r in rs], float)
+    vs_vanilla = paired_speedup([r["vanilla"] for r in records], rs)
     return {
         "mal": _mal(rs),
         "mal_per_task": {t: _mal([r[spec] for r in records if r["task"] == t]) for t in tasks},
@@ -248,6 +268,7 @@ def summarize(records: Sequence[dict], spec: str, latency: dict, full_latency: d
         "draft_speedup_vs_full": (full_latency["best_ms"] / latency["best_ms"]
                                   if full_latency else None),
         "greedy_matches": sum(r["mismatch_at"] is None for r in rs), "prompts": len(rs),
+        "speedup_ci95": None if vs_vanilla is None else vs_vanilla["ci95"],
         **_rates(records, spec),
     }
 
@@ -285,10 +306,23 @@ def summary(r: dict[str, Any]) -> str:
     for h, s in r["heads"].items():
         pct = f"{100 * s['mal'] / full:.1f}" if full else "-"
         sp = f"{s['draft_speedup_vs_full']:.2f}×" if s["draft_speedup_vs_full"] else "-"
+        ci = s.get("speedup_ci95")
+        vs = f"{s['speedup_vs_vanilla']:.2f}×" + ("" if ci is None else
+                                                  f" [{ci[0]:.2f}, {ci[1]:.2f}]")
         lines.append(f"| {h} | {s['mal']:.2f} | {pct} | {s['mean_shortlist_size']:.0f} | "
                      f"{s['shortlist_coverage']:.3f} | {s['draft_ms']:.1f} | {sp} | "
-                     f"{s['decode_tokens_per_s']:.1f} | {s['speedup_vs_vanilla']:.2f}× | "
+                     f"{s['decode_tokens_per_s']:.1f} | {vs} | "
                      f"{s['greedy_matches']}/{s['prompts']} |")
+    paired = {h: s["vs_full"] for h, s in r["heads"].items() if s.get("vs_full")}
+    if paired:
+        lines += ["", "| head against full, same prompts | speed [95%] | MAL difference [95%] |",
+                  "|---|---|---|"]
+        for h, v in paired.items():
+            speed = ("-" if v["speed"] is None else f"{v['speed']['ratio']:.3f} "
+                     f"[{v['speed']['ci95'][0]:.3f}, {v['speed']['ci95'][1]:.3f}]")
+            m = v["mal"]
+            lines.append(f"| {h} | {speed} | {m['diff']:+.3f} "
+                         f"[{m['ci95'][0]:+.3f}, {m['ci95'][1]:+.3f}] |")
     tasks = r["config"]["tasks"]
     lines += ["", "| head | " + " | ".join(tasks) + " | overall |",
               "|" + "---|" * (len(tasks) + 2)]

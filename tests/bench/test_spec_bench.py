@@ -24,7 +24,7 @@ from specjax.bench.breakdown import (
 from specjax.bench.breakdown import (
     summary as breakdown_summary,
 )
-from specjax.bench.common import first_mismatch, pooled_difference
+from specjax.bench.common import first_mismatch, paired_speedup, pooled_difference
 from specjax.bench.partial import partial_path
 from specjax.bench.phases import draft_latency, random_drafter
 from specjax.bench.questions import (
@@ -409,19 +409,21 @@ def test_sampled_settings_are_checked(tiny_model):
         spec_bench.config_from_args(p.parse_args(["--add-tree", "{bad"]))
 
 
-def test_speedup_interval_scales_vanilla_to_the_speculative_tokens():
-    def rec(van_s, van_n, spec_s, spec_n):
-        return {"vanilla": {"decode_s": van_s, "new_tokens": van_n},
-                "spec": {"decode_s": spec_s, "new_tokens": spec_n}}
+def test_paired_speedup_scales_the_base_to_the_run_tokens():
+    def rec(s, n):
+        return {"decode_s": s, "new_tokens": n}
 
-    same = [rec(2.0, 9, 1.0, 9), rec(4.0, 9, 1.0, 9)]
-    lo, hi = spec_bench.speedup_interval(same)
-    assert (lo, hi) == pytest.approx((2.0, 4.0), rel=1e-6)  # a prompt's own ratio bounds
-    # Vanilla decoded twice the tokens: its time is halved before the ratio.
-    assert spec_bench.speedup_interval([rec(4.0, 17, 1.0, 9), rec(8.0, 17, 1.0, 9)]) == (
-        pytest.approx([2.0, 4.0], rel=1e-6))
-    assert spec_bench.speedup_interval(same[:1]) is None
-    assert spec_bench.speedup_interval([*same[:1], rec(1.0, 1, 1.0, 1)]) is None
+    van, spec = [rec(2.0, 9), rec(4.0, 9)], [rec(1.0, 9), rec(1.0, 9)]
+    sp = paired_speedup(van, spec)
+    assert sp["ratio"] == pytest.approx(3.0)
+    assert sp["ci95"] == pytest.approx([2.0, 4.0], rel=1e-6)  # a prompt's own ratio bounds
+    # The base decoded twice the tokens: its time is halved before the ratio.
+    assert paired_speedup([rec(4.0, 17), rec(8.0, 17)], spec)["ci95"] == pytest.approx(
+        [2.0, 4.0], rel=1e-6)
+    assert paired_speedup(van[:1], spec[:1]) is None
+    assert paired_speedup([van[0], rec(1.0, 1)], [spec[0], rec(1.0, 1)]) is None
+    with pytest.raises(ValueError, match="same prompts"):
+        paired_speedup(van, spec[:1])
 
 
 def test_tie_candidates_are_the_best_estimates_within_the_margin():

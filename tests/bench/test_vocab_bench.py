@@ -25,10 +25,11 @@ from specjax.speculative import TreeSpec
 TASKS = ["qa", "rag"]
 
 
-def record(task: str, accepted: int, forwards: int, mismatch=None) -> dict:
-    head = {"tokens": [1] * 9, "new_tokens": 9, "decode_s": 1.0, "target_forwards": forwards,
-            "accepted_tokens": accepted, "mean_accepted_length": accepted / forwards,
-            "mean_shortlist_size": 100.0, "shortlist_coverage": 0.5, "mismatch_at": mismatch}
+def record(task: str, accepted: int, forwards: int, mismatch=None, decode_s=1.0) -> dict:
+    head = {"tokens": [1] * 9, "new_tokens": 9, "decode_s": decode_s,
+            "target_forwards": forwards, "accepted_tokens": accepted,
+            "mean_accepted_length": accepted / forwards, "mean_shortlist_size": 100.0,
+            "shortlist_coverage": 0.5, "mismatch_at": mismatch}
     return {"task": task, "vanilla": {"new_tokens": 9, "decode_s": 0.5}, "fr:8": head}
 
 
@@ -39,6 +40,21 @@ def test_pooled_mal_is_tokens_per_forward_and_mismatches_count():
     assert s["mal_per_task"] == {"qa": 8 / 6, "rag": 3.0}
     assert s["draft_speedup_vs_full"] == 2.0 and s["greedy_matches"] == 2
     assert s["decode_tokens_per_s"] == 24 / 3
+    assert s["speedup_ci95"] == pytest.approx([0.5, 0.5])  # every prompt at half speed
+
+
+def test_heads_against_the_full_head_are_paired_over_prompts():
+    """``against``: speed and MAL relative to another head, with intervals that resample
+    prompts; a head faster on every prompt is resolved faster whatever the spread."""
+    recs = [record("qa", 6, 4, decode_s=s) for s in (1.0, 2.0, 4.0)]
+    for r, fast in zip(recs, (0.8, 1.5, 3.0), strict=True):
+        r["full"] = r["fr:8"]
+        r["fr:8"] = {**r["full"], "decode_s": fast, "mean_accepted_length": 1.4}
+    got = vocab_bench.against(recs, "fr:8", "full")
+    assert got["speed"]["ratio"] == pytest.approx(7.0 / 5.3)
+    assert 1.0 < got["speed"]["ci95"][0] <= got["speed"]["ci95"][1]
+    assert got["mal"]["diff"] == pytest.approx(-0.1) and got["mal"]["ci95"] == pytest.approx(
+        [-0.1, -0.1])
 
 
 def test_report_and_plot(tmp_path):
@@ -49,8 +65,12 @@ def test_report_and_plot(tmp_path):
          "vanilla": {"decode_tokens_per_s": 16.0},
          "router_overlap": [{"k": 1, "layer": 1.0, "router": 0.2, "both": 1.2,
                              "overlapped": False}]}
+    head["vs_full"] = {"speed": {"ratio": 1.1, "ci95": [1.05, 1.15]},
+                       "mal": {"diff": -0.02, "ci95": [-0.04, 0.0]}}
     text = summary(r)
     assert "| fr:8 | 2.14 |" in text and "not overlapped" in text
+    assert "0.50× [0.50, 0.50]" in text
+    assert "| fr:8 | 1.100 [1.050, 1.150] | -0.020 [-0.040, +0.000] |" in text
     assert plot_vocab(r, tmp_path / "v.png").stat().st_size > 0
 
 
@@ -106,3 +126,6 @@ def test_heads_compared_on_the_tree_json_names(tiny_target, tmp_path, monkeypatc
         assert r["heads"][h]["mal"] >= 1.0 and r["heads"][h]["draft_ms"] > 0
     assert r["heads"][heads[1]]["mean_shortlist_size"] <= 64 < r["heads"]["full"][
         "mean_shortlist_size"]
+    vs = r["heads"][heads[1]]["vs_full"]
+    assert vs["speed"]["ci95"][0] <= vs["speed"]["ratio"] <= vs["speed"]["ci95"][1]
+    assert "vs_full" not in r["heads"]["full"]
