@@ -43,7 +43,9 @@ useless drafter gives 1.0).
 Per-prompt results are appended to ``<out stem>.partial.jsonl`` as they finish, and a
 restarted run with the same configuration skips them (and reuses the tree selection).
 
-The pieces this run shares with the other benchmarks live beside it: the questions in
+The tree choice (the estimate, the paired A/B) is in :mod:`~specjax.bench.spec_select`, the
+printed table and the plot in :mod:`~specjax.bench.spec_report`. The pieces this run shares
+with the other benchmarks live beside it: the questions in
 :mod:`~specjax.bench.questions`, timing and the latency curve in
 :mod:`~specjax.bench.timing`, the draft phase and drafters in :mod:`~specjax.bench.phases`,
 tree flags and names in :mod:`~specjax.bench.trees`, the partial file in
@@ -68,19 +70,15 @@ from tqdm import tqdm
 import specjax
 from specjax.bench.common import (
     as_command,
-    dash,
     first_mismatch,
     generation_record,
     jsonable,
     machine_info,
     paired_speedup,
-    pyplot,
-    save_figure,
     write_json,
 )
-from specjax.bench.paired import choose, paired_runs, relative_speed
 from specjax.bench.partial import append_record, drafter_stamp, resume_from
-from specjax.bench.phases import draft_latency, load_models
+from specjax.bench.phases import load_models
 from specjax.bench.questions import (
     CALIB_PROMPTS,
     QUESTIONS_ENV,
@@ -88,10 +86,18 @@ from specjax.bench.questions import (
     calibration_prompts,
     spec_bench_prompts,
 )
+from specjax.bench.spec_report import MAL_NOTE, SAMPLING_NOTE, plot_spec, summary
+from specjax.bench.spec_select import (
+    AB_LONG_SHARE,
+    AB_MAX_PROMPT_TOKENS,
+    paired_ab,
+    select_tree,
+    tie_break,
+    with_lookup,
+)
 from specjax.bench.timing import (
     cache_geometry,
     count_compiles,
-    interp_latency,
     latency_curve,
     warmup_tokens,
 )
@@ -99,9 +105,9 @@ from specjax.bench.trees import add_tree_args, tree_dict, tree_from_args, tree_l
 from specjax.defaults import resolve_model
 from specjax.loaded import Drafter, Target
 from specjax.loop import bucket
-from specjax.speculative import TreeSpec, cache_capacity, spare_rows
+from specjax.speculative import TreeSpec, spare_rows
 from specjax.train.prompts import with_long_share
-from specjax.vocab.head import VocabHead, full_head
+from specjax.vocab.head import VocabHead
 from specjax.vocab.resolve import resolve_head
 
 # Calibration uses short-prompt tasks only: each config compiles once per prompt bucket,
@@ -120,164 +126,6 @@ DEFAULT_GRID = (
     TreeSpec("eagle2", depth=5, top_k=4, total_tokens=16),
     TreeSpec("eagle2", depth=6, top_k=6, total_tokens=24),
 )
-
-
-def with_lookup(grid: Sequence[TreeSpec], lookups: Sequence[int],
-                lookup_mins: Sequence[int] = (1,)) -> tuple[TreeSpec, ...]:
-    """``grid``, then each of its trees with a chain of each length in ``lookups`` grafted on
-    a match of each length in ``lookup_mins``, so the calibration decides whether (and when)
-    a chain pays for its verify rows."""
-    return (*grid, *(dataclasses.replace(t, lookup=k, lookup_min=m)
-                     for m in lookup_mins for k in lookups for t in grid if not t.lookup))
-
-
-SAMPLING_NOTE = ("sampled: outputs differ from vanilla's by design, so none is compared token "
-                 "for token; that their distribution is the target's is checked by the "
-                 "chi-square tests (tests/speculative/test_sampling.py)")
-MAL_NOTE = ("MAL = tokens committed per target forward, the target's bonus token included "
-            "(Spec-Bench / EAGLE convention; 1.0 means no draft token was ever accepted)")
-
-
-# --------------------------------------------------------------------------------------
-# Tree selection
-# --------------------------------------------------------------------------------------
-
-
-def select_tree(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
-                calib_ids: Sequence[list[int]], curve: dict[str, Any], *, prompt_len: int,
-                max_new_tokens: int, calib_max_new_tokens: int, stop_on_eos: bool, runs: int,
-                head: VocabHead | None = None, bar: tqdm | None = None) -> dict[str, Any]:
-    """Estimate each tree's decode speed and pick the fastest.
-
-    speed = MAL / (verify_latency(T) + draft_time), with MAL from one batched greedy run
-    over the calibration prompts (MAL is per row, so batching does not change it and
-    costs one compile per tree), verify latency read off ``curve`` (for a tree with a
-    lookup chain, averaged over the calibration steps with and without the chain) and draft time
-    measured on the jitted draft phase, with the cache that generating ``max_new_tokens``
-    from a ``prompt_len``-token prompt allocates for that tree. Vanilla decoding is
-    estimated as 1 / latency(1). ``head`` is the drafter's vocabulary head (default full).
-    """
-    head = head or full_head(target.cfg.vocab_size)
-    ctx = curve["context"]
-    vanilla_ms = interp_latency(curve, 1)
-    rows = []
-    for tree in grid:
-        if bar is not None:
-            bar.set_description(f"calibrate {tree_label(tree)}")
-        res = specjax.generate(target, [list(p) for p in calib_ids],
-                               max_new_tokens=calib_max_new_tokens, stop_on_eos=stop_on_eos,
-                               drafter=drafter, tree=tree, vocab=head)
-        draft = draft_latency(target, drafter, tree, context=ctx,
-                              capacity=cache_capacity(prompt_len, max_new_tokens, tree),
-                              out_len=bucket(max_new_tokens), runs=runs, head=head)
-        # A lookup chain is verified only on the steps that grafted it (TreeSpec.lookup_min);
-        # the others verify the tree without its rows.
-        chained = res.stats["chained_fraction"] if tree.lookup else None
-        verify_ms = interp_latency(curve, tree.num_nodes)
-        if tree.lookup:
-            verify_ms = (chained * verify_ms + (1 - chained)
-                         * interp_latency(curve, tree.num_nodes - tree.lookup))
-        mal = res.stats["mean_accepted_length"]
-        step_ms = verify_ms + draft["best_ms"]
-        rows.append({"label": tree_label(tree), "tree": tree_dict(tree), "mal": mal,
-                     "calib_target_forwards": res.stats["target_forwards"],
-                     "chained_fraction": chained,
-                     "draft_ms": draft["best_ms"], "draft_median_ms": draft["median_ms"],
-                     "verify_ms": verify_ms, "step_ms": step_ms,
-                     "est_tokens_per_s": 1e3 * mal / step_ms,
-                     "est_speedup": mal * vanilla_ms / step_ms})
-        if bar is not None:
-            bar.update()
-    best = max(range(len(rows)), key=lambda i: rows[i]["est_tokens_per_s"])
-    return {"grid": rows, "chosen_index": best, "chosen": rows[best],
-            "vanilla_est_tokens_per_s": 1e3 / vanilla_ms,
-            "formula": "est_tokens_per_s = MAL / (verify_latency(T = num_nodes) + draft_time); "
-                       "est_speedup = that * latency(1); latencies from the monotone fit",
-            "mal_note": MAL_NOTE}
-
-
-# The paired run's prompts: Spec-Bench's mix of lengths (two of its six tasks give a
-# 500-1,600-token text), as the A/Bs that chose the shipped trees drew them.
-AB_LONG_SHARE = 1 / 3
-AB_MAX_PROMPT_TOKENS = 1024
-
-
-def tie_candidates(rows: Sequence[dict[str, Any]], k: int, within: float,
-                   keep: Sequence[int] = ()) -> list[int]:
-    """Indices of the ``k`` best estimated trees of a :func:`select_tree` grid whose estimate
-    is within ``within`` (a fraction) of the best, best first; then those of ``keep`` (the
-    stored default, trees given to compare, which run however they were estimated) not
-    among them."""
-    order = sorted(range(len(rows)), key=lambda i: -rows[i]["est_tokens_per_s"])
-    top = rows[order[0]]["est_tokens_per_s"]
-    cand = [i for i in order if rows[i]["est_tokens_per_s"] >= (1 - within) * top][:k]
-    return [*cand, *(i for i in dict.fromkeys(keep) if i not in cand)]
-
-
-def paired_ab(target: Target, drafter: Drafter, trees: Sequence[TreeSpec],
-              labels: Sequence[str], prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-              stop_on_eos: bool, head: VocabHead | None = None, temperature: float = 0.0,
-              seed: int = 0) -> tuple[dict[str, Any], int]:
-    """Run ``trees`` on ``prompts`` at batch 1, every prompt running every tree in turn with
-    one seed (:func:`specjax.bench.paired.paired_runs`), and choose by
-    :func:`specjax.bench.paired.choose`: the fastest, or at a speed tie the one whose MAL is
-    higher by a resolved margin (MAL does not depend on the machine, greedy or sampled).
-
-    Returns:
-      (the A/B's record: the prompts' lengths; per tree its label, MAL, summed decode time,
-      speed relative to the first tree (``vs_first``) and to the fastest with 95% intervals
-      over prompts, MAL against the fastest's and per-prompt records; ``winner``,
-      ``fastest``, ``tied`` and the rule that ``decided_by``; the chosen position in
-      ``trees``).
-    """
-    runs = paired_runs(target, drafter, trees, prompts, max_new_tokens=max_new_tokens,
-                       temperature=temperature, stop_on_eos=stop_on_eos, seed=seed,
-                       vocab=head, desc="paired A/B")
-    pick = choose(runs)
-    results = [{"label": label, "mal": float(np.mean([r["mal"] for r in rows])),
-                "decode_s": sum(r["spec_decode_s"] for r in rows),
-                "vs_first": relative_speed(rows, runs[0]),
-                "vs_fastest": pick["speed_vs_fastest"][j],
-                "mal_vs_fastest": pick["mal_vs_fastest"][j], "per_prompt": rows}
-               for j, (label, rows) in enumerate(zip(labels, runs, strict=True))]
-    return {"prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
-            "results": results, "winner": labels[pick["chosen"]],
-            "fastest": labels[pick["fastest"]], "tied": [labels[j] for j in pick["tied"]],
-            "decided_by": pick["decided_by"]}, pick["chosen"]
-
-
-def tie_break(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
-              selection: dict[str, Any], prompts: Sequence[Sequence[int]], *, k: int,
-              within: float, max_new_tokens: int, stop_on_eos: bool,
-              head: VocabHead | None = None, keep: Sequence[int] = ()) -> dict[str, Any]:
-    """Break the estimate's near-ties end to end: the candidates of :func:`tie_candidates`,
-    greedy, by :func:`paired_ab` (the first is the estimate's choice).
-
-    ``keep`` (grid indices: the drafter's stored default, trees given to compare) run
-    whatever their estimate, so the run says whether they win end to end.
-
-    Returns:
-      ``selection`` with ``"ab"`` (the candidates' labels, those that ran whatever their
-      estimate, and :func:`paired_ab`'s record, each result with its grid ``index``) and,
-      where another candidate won, ``chosen_index`` / ``chosen`` moved to it
-      (``estimate_index`` keeps the estimate's).
-    """
-    rows = selection["grid"]
-    cand = tie_candidates(rows, k, within, keep)
-    ab: dict[str, Any] = {"k": k, "within": within,
-                          "candidates": [rows[i]["label"] for i in cand],
-                          "always_run": [rows[i]["label"] for i in keep]}
-    out = {**selection, "estimate_index": selection["chosen_index"], "ab": ab}
-    if len(cand) < 2:
-        ab["skipped"] = (f"no other tree within {within:.0%} of the best estimate"
-                         + (", which is the only tree to run always" if keep else ""))
-        return out
-    record, j = paired_ab(target, drafter, [grid[i] for i in cand], ab["candidates"], prompts,
-                          max_new_tokens=max_new_tokens, stop_on_eos=stop_on_eos, head=head)
-    for i, res in zip(cand, record["results"], strict=True):
-        res["index"] = i
-    ab |= record
-    return out | {"chosen_index": cand[j], "chosen": rows[cand[j]]}
 
 
 # --------------------------------------------------------------------------------------
@@ -770,192 +618,6 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
     ppath.unlink(missing_ok=True)
     print(summary(result))
     return result
-
-
-# --------------------------------------------------------------------------------------
-# Output
-# --------------------------------------------------------------------------------------
-
-
-def plot_spec(r: dict[str, Any], path: Path) -> Path:
-    """MAL and speedup per task; for a greedy run also the latency curve and the tree grid
-    (a sampled run has neither: it estimates nothing)."""
-    plt = pyplot()
-
-    tasks = list(r["per_task"]) + ["overall"]
-    rows = [r["per_task"][t] for t in tasks[:-1]] + [r["overall"]]
-    nan = float("nan")
-
-    def vals(key: str) -> list[float]:
-        return [nan if x[key] is None else x[key] for x in rows]
-
-    greedy = r["latency"] is not None
-    fig, axes = plt.subplots(2 if greedy else 1, 2, figsize=(12, 8 if greedy else 4.5),
-                             squeeze=False)
-    xs = np.arange(len(tasks))
-    ax = axes[0, 0]
-    bars = ax.bar(xs, vals("mal"), color="tab:blue")
-    ax.bar_label(bars, fmt="%.2f", fontsize=8)
-    ax.axhline(1.0, color="k", lw=0.8, ls=":")
-    ax.set_xticks(xs, tasks, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("MAL (tokens / target forward)")
-    ax.set_title("Mean accepted length per task (bonus token included)", fontsize=10)
-
-    ax = axes[0, 1]
-    eager = r["overall"]["eager_prompts"] > 0
-    w = 0.4 if eager else 0.6
-    speed = vals("speedup")
-    # The interval's distance from the point, per side (none where it was not computed).
-    err = np.array([[nan, nan] if x["speedup_ci95"] is None else
-                    [x["speedup"] - x["speedup_ci95"][0], x["speedup_ci95"][1] - x["speedup"]]
-                    for x in rows]).T
-    b = ax.bar(xs - w / 2 if eager else xs, speed, w, yerr=err, capsize=3,
-               label="speculative compiled / vanilla (95% interval)")
-    ax.bar_label(b, fmt="%.2f", fontsize=7)
-    if eager:
-        b = ax.bar(xs + w / 2, vals("eager_speedup"), w, label="speculative eager / vanilla")
-        ax.bar_label(b, fmt="%.2f", fontsize=7)
-    ax.axhline(1.0, color="k", lw=0.8, ls="--")
-    ax.set_xticks(xs, tasks, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("decode speedup (same run)")
-    m = r["greedy_equality"]
-    ax.set_title("Speedup per task; " + (
-        f"greedy equal {m['matched']}/{m['prompts']} prompts" if m is not None else
-        f"sampled at temperature {r['config']['temperature']:g}"), fontsize=10)
-    ax.legend(fontsize=8, loc="lower right")
-    if greedy:
-        _plot_selection(r, axes[1, 0], axes[1, 1])
-    mach = r["machine"]
-    how = ("greedy" if greedy else f"sampled (T={r['config']['temperature']:g})")
-    fig.suptitle(f"{r['model_name']} + drafter {Path(r['config']['drafter']).name}, tree "
-                 f"{r['tree_label']}, {r['config']['max_new_tokens']} {how} tokens, "
-                 f"{mach['nproc']} CPUs ({mach['cpu_model']})", fontsize=10)
-    return save_figure(fig, path)
-
-
-def _plot_selection(r: dict[str, Any], ax_latency: Any, ax_grid: Any) -> None:
-    """The latency curve and the estimate over the tree grid, on two axes."""
-    ax = ax_latency
-    lat = r["latency"]
-    ax.plot(lat["sizes"], lat["best_ms"], "o", label=f"best of {lat['runs']}")
-    ax.plot(lat["sizes"], lat["median_ms"], "x", alpha=0.6, label="median")
-    ax.plot(lat["sizes"], lat["fit_ms"], "-", label="monotone fit (used for estimates)")
-    t = r["tree"]["num_nodes"]
-    ax.axvline(t, color="tab:red", ls=":", label=f"chosen tree T={t}")
-    ax.set_xlabel("tokens per target forward (T)")
-    ax.set_ylabel("ms")
-    ax.set_title(f"Target forward latency, B=1, cache {lat['context']}/{lat['capacity']} rows",
-                 fontsize=10)
-    ax.legend(fontsize=8)
-
-    ax = ax_grid
-    sel = r["tree_selection"]
-    g = sel["grid"]
-    gx = np.arange(len(g))
-    colors = ["tab:red" if i == sel["chosen_index"] else "tab:gray" for i in gx]
-    bars = ax.bar(gx, [row["est_tokens_per_s"] for row in g], color=colors)
-    ax.bar_label(bars, labels=[f"{row['mal']:.2f}" for row in g], fontsize=7)
-    ax.axhline(sel["vanilla_est_tokens_per_s"], color="k", ls="--", lw=1,
-               label="vanilla est. 1/latency(1)")
-    ax.set_xticks(gx, [row["label"] for row in g], rotation=30, ha="right", fontsize=7)
-    ax.set_ylabel("estimated tokens/s")
-    ax.set_title("Tree grid: MAL / (verify(T) + draft); bar labels = calibration MAL",
-                 fontsize=10)
-    ax.legend(fontsize=8)
-
-
-def _selection_lines(r: dict[str, Any]) -> list[str]:
-    """The latency curve, the estimate's grid and the paired A/B of a greedy run."""
-    sel = r["tree_selection"]
-    lines = ["latency (ms, best; monotone fit) " + ", ".join(
-                 f"T={t}: {ms:.1f}" + ("" if abs(fit - ms) < 0.05 else f" ({fit:.1f})")
-                 for t, ms, fit in zip(r["latency"]["sizes"], r["latency"]["best_ms"],
-                                       r["latency"]["fit_ms"], strict=True)),
-             f"{'tree':<24}{'T':>4}{'cal MAL':>9}{'draft ms':>10}{'verify ms':>10}"
-             f"{'est tok/s':>10}{'est x':>7}"]
-    for i, g in enumerate(sel["grid"]):
-        lines.append(f"{g['label']:<24}{g['tree']['num_nodes']:>4}{g['mal']:>9.2f}"
-                     f"{g['draft_ms']:>10.1f}{g['verify_ms']:>10.1f}{g['est_tokens_per_s']:>10.1f}"
-                     f"{g['est_speedup']:>7.2f}" + ("  <- chosen" if i == sel["chosen_index"]
-                                                    else ""))
-    if sel.get("ab"):
-        lines += _ab_lines(sel["ab"])
-    lines.append(f"chosen tree: {r['tree_label']} (vanilla est. "
-                 f"{sel['vanilla_est_tokens_per_s']:.1f} tok/s)")
-    return lines
-
-
-def _ab_lines(ab: dict[str, Any]) -> list[str]:
-    """A paired A/B's table: each tree's MAL and speed against the first, and the rule."""
-    if "results" not in ab:
-        return [f"paired A/B skipped: {ab['skipped']}"]
-    first = ab["results"][0]["label"]
-    lines = [f"paired A/B on {ab['prompts']} calibration prompts, speed vs {first}:"]
-    lines += [f"  {x['label']:<24} MAL {x['mal']:.2f}  {x['vs_first']['ratio']:.3f} "
-              f"[{x['vs_first']['ci95'][0]:.3f}, {x['vs_first']['ci95'][1]:.3f}]"
-              for x in ab["results"]]
-    lines.append(f"  chosen: {ab['winner']} (decided by {ab['decided_by']}; fastest "
-                 f"{ab['fastest']}" + "".join(
-                     f", tied with {t}" for t in ab["tied"] if t != ab["fastest"]) + ")")
-    return lines
-
-
-def _equality_lines(r: dict[str, Any]) -> list[str]:
-    """What was checked of the output: greedy equality, or the sampling note."""
-    eq = r["greedy_equality"]
-    if eq is None:
-        return [r["sampling"]["note"]]
-    if eq["all_match"]:
-        return [f"greedy equality: all {eq['prompts']} prompts match vanilla token for token"]
-    return [f"!!! greedy equality: {eq['matched']}/{eq['prompts']} prompts match; "
-            "mismatches (question, first differing new token): " + ", ".join(
-                f"q{m['question_id']}@{m['first_mismatch']}"
-                + (f" eager@{m['eager_first_mismatch']}"
-                   if m["eager_first_mismatch"] is not None else "")
-                for m in eq["mismatches"]) + " !!!"]
-
-
-def summary(r: dict[str, Any]) -> str:
-    """A human-readable table of one result."""
-    conf = r["config"]
-    how = ("greedy new tokens" if conf["greedy"] else
-           f"new tokens sampled at temperature {conf['temperature']:g} (no EOS stop, "
-           f"seeds {conf['seed']}+)")
-    lines = [f"{r['model_name']}, drafter {conf['drafter']} (vocab {conf.get('vocab', 'full')}), "
-             f"{conf['max_new_tokens']} {how}, batch 1"]
-    if r["latency"] is not None:  # greedy: the estimate, maybe an A/B
-        lines += _selection_lines(r)
-    elif r["tree_selection"] is not None:  # sampled: an A/B of the given trees
-        lines += _ab_lines(r["tree_selection"]["ab"])
-        lines.append(f"chosen tree: {r['tree_label']}")
-    else:
-        lines.append(f"tree: {r['tree_label']} ({conf['tree_mode']})")
-    lines.append(f"{'task':<16}{'n':>3}{'MAL*':>7}{'vanilla':>9}{'spec':>9}{'speedup':>9}"
-                 f"{'e2e x':>8}{'eager':>9}{'comp/eag':>9}{'matched':>9}")
-    for name, a in list(r["per_task"].items()) + [("overall", r["overall"])]:
-        matched = "-" if a["matched"] is None else f"{a['matched']}/{a['prompts']}"
-        lines.append(f"{name:<16}{a['prompts']:>3}{dash(a['mal']):>7}"
-                     f"{dash(a['vanilla_decode_tokens_per_s'], '.1f'):>9}"
-                     f"{dash(a['spec_decode_tokens_per_s'], '.1f'):>9}{dash(a['speedup']):>9}"
-                     f"{dash(a['e2e_speedup']):>8}"
-                     f"{dash(a['eager_decode_tokens_per_s'], '.1f'):>9}"
-                     f"{dash(a['compiled_vs_eager']):>9}{matched:>9}")
-    lines.append("* " + MAL_NOTE + "; rates are decode tokens/s; e2e x is the whole "
-                 "call's (prefill included) over vanilla's")
-    ci = r["overall"]["speedup_ci95"]
-    if ci is not None:
-        lines.append(f"decode speedup {dash(r['overall']['speedup'])}x, 95% interval "
-                     f"[{ci[0]:.2f}, {ci[1]:.2f}] resampling prompts")
-    p = r["prediction"]
-    if p is not None:
-        lines.append(f"predicted {dash(p['est_tokens_per_s'], '.1f')} tok/s "
-                     f"({dash(p['est_speedup'])}x, calibration MAL {dash(p['calibration_mal'])}); "
-                     f"realized {dash(p['realized_spec_decode_tokens_per_s'], '.1f')} tok/s "
-                     f"({dash(p['realized_speedup'])}x, MAL {dash(p['evaluation_mal'])})")
-    if r["timed_compiles"]:
-        lines.append(f"warning: {r['timed_compiles']} XLA compiles happened inside timed "
-                     "calls (recompiles); those prompts' times include them")
-    return "\n".join(lines + _equality_lines(r))
 
 
 # --------------------------------------------------------------------------------------

@@ -34,14 +34,9 @@ from specjax.bench.questions import (
     resolve_questions,
     select_questions,
 )
-from specjax.bench.spec import (
-    SpecBenchConfig,
-    add_spec_args,
-    run_spec_bench,
-    summary,
-    tie_candidates,
-    with_lookup,
-)
+from specjax.bench.spec import SpecBenchConfig, add_spec_args, run_spec_bench
+from specjax.bench.spec_report import summary
+from specjax.bench.spec_select import tie_candidates, with_lookup
 from specjax.bench.timing import monotone_fit, warmup_tokens
 from specjax.bench.trees import tree_dict, tree_from_args, tree_label
 from specjax.loop import bucket
