@@ -688,7 +688,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "prompt (default 0)")
     p.add_argument("--save-default-tree", action="store_true",
                    help="store the chosen tree and this run's head in the drafter's folder "
-                        "(default_tree.json): generate then uses them when given none")
+                        "(default_tree.json): generate then uses them when given none; at "
+                        "--temperature > 0 (with --add-tree) the winner becomes the tree for "
+                        "sampling, beside the greedy tree and head")
     p.add_argument("--out", default="results/bench_spec.json")
 
 
