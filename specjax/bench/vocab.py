@@ -10,9 +10,11 @@ names):
 * mean shortlist size (valid candidates per expanded node) and coverage (the fraction of
   steps whose first committed token was in the root expansion's shortlist);
 * the draft step's latency (the jitted draft phase, B=1) against the full head's;
-* decode tokens/s against vanilla decoding in the same run, and each head against the full
-  head on the same prompts (speed and MAL), with 95% intervals that resample prompts,
-  paired, so that a difference between heads reads as resolved or not;
+* decode tokens/s against vanilla decoding in the same run, and heads against each other
+  on the same prompts (speed and MAL; each head against the first one listed, the full
+  head by default, or against the heads ``--versus`` names, ``all`` for every pair), with
+  95% intervals that resample prompts, paired, so that a difference between heads reads as
+  resolved or not;
 * greedy equality with vanilla decoding for every prompt (it must hold for every head:
   verification is always over the full vocabulary).
 
@@ -151,14 +153,17 @@ def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
                     heads: Sequence[str] = DEFAULT_HEADS, per_task: int = 4,
                     tasks: Sequence[str] = TASKS, max_new_tokens: int = 128,
                     tree: TreeSpec | str | None = None, runs: int = 5,
-                    questions: str | Path | None = None,
+                    questions: str | Path | None = None, versus: Sequence[str] | None = None,
                     out: str | Path = "results/bench_vocab.json") -> dict[str, Any]:
     """Run the comparison; writes ``out`` (JSON), a PNG beside it, and returns the result.
 
     ``tree``: every head's draft tree (default: :class:`TreeSpec`'s EAGLE-2 tree;
     ``"default"``: the drafter's measured greedy tree, see :func:`resolve_tree`).
+    ``versus``: the heads every other head is paired against (the result's ``"paired"``,
+    see :func:`pairs`; default: the first head).
     """
     out = Path(out)
+    compared = pairs(heads, versus)  # before the run: a bad name costs no decoding
     target = specjax.load(model_dir)
     drafter, drafter_label = resolve_drafter(drafter_dir, target)
     tree = resolve_tree(tree, drafter)
@@ -221,14 +226,27 @@ def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
     for h in result["heads"].values():
         h["speedup_vs_vanilla"] = h["decode_tokens_per_s"] / result["vanilla"][
             "decode_tokens_per_s"]
-    if "full" in heads:
-        for spec in heads:
-            if spec != "full":
-                result["heads"][spec]["vs_full"] = against(records, spec, "full")
+    result["paired"] = [{"head": h, "base": b, **against(records, h, b)} for h, b in compared]
     write_json(out, result)
     plot_vocab(result, out.with_suffix(".png"))
     print(summary(result))
     return result
+
+
+def pairs(heads: Sequence[str], versus: Sequence[str] | None) -> list[tuple[str, str]]:
+    """The (head, base) pairs to compare: each head against each base in ``versus`` (default
+    the first head; ``["all"]``: every pair, the base the one listed first), a pair once."""
+    versus = list(heads[:1] if versus is None else heads if list(versus) == ["all"] else versus)
+    unknown = [b for b in versus if b not in heads]
+    if unknown:
+        raise ValueError(f"--versus names {unknown}, which --heads does not run ({list(heads)}); "
+                         "name bases among the heads, or 'all' for every pair")
+    out: list[tuple[str, str]] = []
+    for b in versus:
+        for h in heads:
+            if h != b and (h, b) not in out and (b, h) not in out:
+                out.append((h, b))
+    return out
 
 
 def against(records: Sequence[dict], spec: str, base: str) -> dict[str, Any]:
@@ -313,15 +331,14 @@ def summary(r: dict[str, Any]) -> str:
                      f"{s['shortlist_coverage']:.3f} | {s['draft_ms']:.1f} | {sp} | "
                      f"{s['decode_tokens_per_s']:.1f} | {vs} | "
                      f"{s['greedy_matches']}/{s['prompts']} |")
-    paired = {h: s["vs_full"] for h, s in r["heads"].items() if s.get("vs_full")}
-    if paired:
-        lines += ["", "| head against full, same prompts | speed [95%] | MAL difference [95%] |",
-                  "|---|---|---|"]
-        for h, v in paired.items():
+    if r.get("paired"):
+        lines += ["", "| head | against, same prompts | speed [95%] | MAL difference [95%] |",
+                  "|---|---|---|---|"]
+        for v in r["paired"]:
             speed = ("-" if v["speed"] is None else f"{v['speed']['ratio']:.3f} "
                      f"[{v['speed']['ci95'][0]:.3f}, {v['speed']['ci95'][1]:.3f}]")
             m = v["mal"]
-            lines.append(f"| {h} | {speed} | {m['diff']:+.3f} "
+            lines.append(f"| {v['head']} | {v['base']} | {speed} | {m['diff']:+.3f} "
                          f"[{m['ci95'][0]:+.3f}, {m['ci95'][1]:+.3f}] |")
     tasks = r["config"]["tasks"]
     lines += ["", "| head | " + " | ".join(tasks) + " | overall |",
@@ -343,6 +360,9 @@ def add_vocab_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=None, help="drafter folder (default: the shipped one)")
     p.add_argument("--heads", default=",".join(DEFAULT_HEADS),
                    help="comma-separated --vocab specs to compare")
+    p.add_argument("--versus", default=None,
+                   help="comma-separated heads to pair every other head against, speed and "
+                        "MAL on the same prompts (default: the first head; 'all': every pair)")
     p.add_argument("--per-task", type=int, default=4)
     p.add_argument("--tasks", default=",".join(TASKS))
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -359,7 +379,8 @@ def run_vocab_from_args(args: argparse.Namespace) -> dict[str, Any]:
         resolve_model(args.model), args.drafter, heads=args.heads.split(","),
         per_task=args.per_task, tasks=args.tasks.split(","), max_new_tokens=args.max_new_tokens,
         tree=tree_from_args(args),
-        runs=args.runs, questions=args.questions, out=args.out)
+        runs=args.runs, questions=args.questions,
+        versus=None if args.versus is None else args.versus.split(","), out=args.out)
     print(f"bench vocab: {time.perf_counter() - t0:.0f} s")
     return r
 

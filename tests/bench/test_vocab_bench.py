@@ -57,6 +57,23 @@ def test_heads_against_the_full_head_are_paired_over_prompts():
         [-0.1, -0.1])
 
 
+def test_pairs_are_each_head_against_the_bases_once():
+    heads = ["full", "fr:8192", "dynaspec", "evospec:8192+256"]
+    assert vocab_bench.pairs(heads, None) == [("fr:8192", "full"), ("dynaspec", "full"),
+                                              ("evospec:8192+256", "full")]
+    assert vocab_bench.pairs(heads, ["fr:8192"]) == [
+        ("full", "fr:8192"), ("dynaspec", "fr:8192"), ("evospec:8192+256", "fr:8192")]
+    every = vocab_bench.pairs(heads, ["all"])
+    assert len(every) == 6 and len({frozenset(p) for p in every}) == 6
+    assert every[3:] == [("dynaspec", "fr:8192"), ("evospec:8192+256", "fr:8192"),
+                         ("evospec:8192+256", "dynaspec")]
+    # Two bases: the pair between them is counted once, against the first named.
+    assert vocab_bench.pairs(heads, ["full", "fr:8192"]).count(("fr:8192", "full")) == 1
+    assert ("full", "fr:8192") not in vocab_bench.pairs(heads, ["full", "fr:8192"])
+    with pytest.raises(ValueError, match=r"names \['fr:2730'\], which --heads does not run"):
+        vocab_bench.pairs(heads, ["fr:2730"])
+
+
 def test_report_and_plot(tmp_path):
     recs = [record("qa", 6, 4), record("rag", 9, 3)]
     head = summarize(recs, "fr:8", {"best_ms": 5.0}, None, TASKS)
@@ -65,12 +82,12 @@ def test_report_and_plot(tmp_path):
          "vanilla": {"decode_tokens_per_s": 16.0},
          "router_overlap": [{"k": 1, "layer": 1.0, "router": 0.2, "both": 1.2,
                              "overlapped": False}]}
-    head["vs_full"] = {"speed": {"ratio": 1.1, "ci95": [1.05, 1.15]},
-                       "mal": {"diff": -0.02, "ci95": [-0.04, 0.0]}}
+    r["paired"] = [{"head": "fr:8", "base": "full", "speed": {"ratio": 1.1, "ci95": [1.05, 1.15]},
+                    "mal": {"diff": -0.02, "ci95": [-0.04, 0.0]}}]
     text = summary(r)
     assert "| fr:8 | 2.14 |" in text and "not overlapped" in text
     assert "0.50× [0.50, 0.50]" in text
-    assert "| fr:8 | 1.100 [1.050, 1.150] | -0.020 [-0.040, +0.000] |" in text
+    assert "| fr:8 | full | 1.100 [1.050, 1.150] | -0.020 [-0.040, +0.000] |" in text
     assert plot_vocab(r, tmp_path / "v.png").stat().st_size > 0
 
 
@@ -126,6 +143,6 @@ def test_heads_compared_on_the_tree_json_names(tiny_target, tmp_path, monkeypatc
         assert r["heads"][h]["mal"] >= 1.0 and r["heads"][h]["draft_ms"] > 0
     assert r["heads"][heads[1]]["mean_shortlist_size"] <= 64 < r["heads"]["full"][
         "mean_shortlist_size"]
-    vs = r["heads"][heads[1]]["vs_full"]
+    [vs] = r["paired"]
+    assert (vs["head"], vs["base"]) == (heads[1], "full")
     assert vs["speed"]["ci95"][0] <= vs["speed"]["ratio"] <= vs["speed"]["ci95"][1]
-    assert "vs_full" not in r["heads"]["full"]
