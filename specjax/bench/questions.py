@@ -1,8 +1,11 @@
 """Spec-Bench questions: where the file is, how it reads, which questions a run takes.
 
 Spec-Bench (hemingkx/Spec-Bench, ``data/spec_bench/question.jsonl``) holds MT-bench's 80
-questions in 8 categories plus 80 of each of five tasks. The benchmarks here use the first
-turn of each question and group MT-bench's categories into one task, ``mt_bench``.
+questions in 8 categories plus 80 of each of five tasks. The benchmarks here group
+MT-bench's categories into one task, ``mt_bench``, and by default ask the first turn of each
+question. MT-bench's questions have a second turn ("Rewrite your previous response ...");
+Spec-Bench's own evaluation asks it after the model's first answer, which
+:func:`follow_up_ids` renders (``specjax bench spec --turns all``).
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ QUESTIONS_ENV = "SPECJAX_SPEC_BENCH"
 
 @dataclasses.dataclass(frozen=True)
 class Question:
-    """One Spec-Bench question (its first turn only)."""
+    """One Spec-Bench question: its first turn (``text``) and all its turns (``turns``,
+    the first included; two for MT-bench's questions, one for the other tasks')."""
 
     question_id: int
     task: str  # "mt_bench" for MT-bench's 8 categories, else the category
     category: str
     text: str
+    turns: tuple[str, ...] = ()
 
 
 def resolve_questions(path: str | Path | None = None) -> Path:
@@ -63,10 +68,12 @@ def load_questions(path: Path) -> list[Question]:
             continue
         try:
             q = json.loads(line)
-            cat = q["category"]
+            cat, turns = q["category"], tuple(q["turns"])
+            if not all(isinstance(t, str) for t in turns):
+                raise TypeError("a turn is not text")
             out.append(Question(int(q["question_id"]),
                                 "mt_bench" if cat in MT_BENCH_CATEGORIES else cat, cat,
-                                q["turns"][0]))
+                                turns[0], turns))
         except (ValueError, KeyError, IndexError, TypeError) as e:
             raise ValueError(f"{path}:{n}: not a Spec-Bench question ({e!r})") from None
     return out
@@ -93,25 +100,78 @@ def question_ids(target: Any, text: str) -> list[int]:
     return encode_prompts(target, text, chat=uses_chat(target))[0]
 
 
+def follow_up_ids(target: Any, turns: Sequence[str], answers: Sequence[Sequence[int]]
+                  ) -> list[int]:
+    """Turn ``len(answers) + 1`` of a multi-turn question as prompt ids, as Spec-Bench asks
+    it: each earlier turn followed by the model's answer to it (token ids, decoded without
+    special tokens), then the next turn, through the target's chat template.
+
+    Args:
+      turns: the question's turns, at least ``len(answers) + 1`` of them.
+      answers: the model's answer to each earlier turn (new token ids).
+    Raises:
+      ValueError: the target has no chat template (a base model reads one plain text; a
+        conversation needs the template's turns), or too few turns.
+    """
+    from specjax.tokenizer import render_chat
+
+    check_conversation(target)
+    if len(turns) <= len(answers):
+        raise ValueError(f"{len(answers)} answers need at least {len(answers) + 1} turns, "
+                         f"got {len(turns)}")
+    tok = target.tokenizer
+    msgs: list[dict[str, str]] = []
+    for turn, answer in zip(turns, answers, strict=False):
+        msgs += [{"role": "user", "content": turn},
+                 {"role": "assistant",
+                  "content": tok.decode(list(answer), skip_special_tokens=True).strip()}]
+    msgs.append({"role": "user", "content": turns[len(answers)]})
+    return list(render_chat(tok, msgs, where=str(target.path), add_generation_prompt=True,
+                            tokenize=True, return_dict=False))
+
+
+def check_conversation(target: Any) -> None:
+    """Raise ValueError where ``target`` cannot be asked a later turn: it has no chat
+    template (a base model reads one plain text; only a template lays out a conversation)."""
+    if not uses_chat(target):
+        raise ValueError(f"{target.path} has no chat template (a base model): a later turn "
+                         "follows a conversation, which only a chat template lays out; ask "
+                         "the first turns only (--turns first)")
+
+
 def uses_chat(target: Any) -> bool:
     """Whether the benchmarks render prompts with ``target``'s chat template."""
     return getattr(target.tokenizer, "chat_template", None) is not None
 
 
 def spec_bench_prompts(target: Any, *, questions: str | Path | None, tasks: Sequence[str],
-                       per_task: int, prompts: Sequence[dict[str, Any]] | None = None
-                       ) -> tuple[list[dict[str, Any]], Path | None]:
+                       per_task: int, prompts: Sequence[dict[str, Any]] | None = None,
+                       all_turns: bool = False) -> tuple[list[dict[str, Any]], Path | None]:
     """(evaluation prompts, questions file): the first ``per_task`` questions of each task
-    as :func:`question_ids` reads them; or, for tests, the given pre-tokenised ``prompts``
-    (``{"question_id", "task", "ids"}``), returned with no file."""
+    as :func:`question_ids` reads them, with ``all_turns`` each question's ``"turns"`` (the
+    text of every turn, for :func:`follow_up_ids`); or, for tests, the given pre-tokenised
+    ``prompts`` (``{"question_id", "task", "ids"}``, and optionally ``"later_ids"``: each
+    later turn's ids, which follow the earlier turns and answers as they are), returned
+    with no file.
+
+    Raises:
+      ValueError: ``all_turns`` for a target without a chat template (see
+        :func:`follow_up_ids`), before anything runs.
+    """
     if prompts is not None:
         return [{"question_id": int(p["question_id"]), "task": p["task"],
                  "category": p.get("category", p["task"]), "ids": list(map(int, p["ids"]))}
+                | ({"later_ids": [list(map(int, x)) for x in p.get("later_ids", [])]}
+                   if all_turns else {})
                 for p in prompts], None
+    if all_turns:
+        check_conversation(target)
     qpath = resolve_questions(questions)
     chosen = select_questions(load_questions(qpath), tasks, per_task)
     return [{"question_id": q.question_id, "task": q.task, "category": q.category,
-             "ids": question_ids(target, q.text)} for q in chosen], qpath
+             "ids": question_ids(target, q.text)} | ({"turns": list(q.turns)} if all_turns
+                                                     else {})
+            for q in chosen], qpath
 
 
 # Calibration (choosing a tree, a threshold) must not tune on Spec-Bench, which is the

@@ -17,7 +17,9 @@ One command, one run, one JSON + one PNG:
    (:mod:`specjax.bench.paired`), and the fastest there is chosen, or at a speed tie the
    one with a resolved higher MAL (:func:`tie_break`).
 2. **Evaluation** on a deterministic Spec-Bench subset (the first ``per_task`` questions of
-   each task, first turn, chat template, greedy, batch 1): vanilla decoding, speculative
+   each task, first turn, chat template, greedy, batch 1; ``--turns all`` also asks MT-bench's
+   second turns after vanilla's first answer, Spec-Bench's own protocol): vanilla decoding,
+   speculative
    compiled and, for the first ``eager_per_task`` prompts of each task, speculative eager.
    Every shape bucket is compiled by an untimed warm-up call first. Speculative tokens are
    compared with vanilla tokens for every prompt (greedy decoding is lossless, so they
@@ -84,6 +86,7 @@ from specjax.bench.questions import (
     QUESTIONS_ENV,
     TASKS,
     calibration_prompts,
+    follow_up_ids,
     spec_bench_prompts,
 )
 from specjax.bench.spec_report import MAL_NOTE, SAMPLING_NOTE, plot_spec, summary
@@ -117,6 +120,9 @@ LATENCY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32)
 # verify costs several decode steps, so bigger trees cannot pay off.
 # A chain of 1 is where a weak drafter on a cheap-to-widen target (Gemma 3: T=2 costs
 # 1.14x T=1) pays; deeper chains and trees where acceptance is higher.
+TURNS_NOTE = {"first": "first turn only",
+              "all": "every turn (Spec-Bench's protocol), each later one after vanilla "
+                     "decoding's answers to the turns before"}
 DEFAULT_GRID = (
     TreeSpec("chain", depth=1), TreeSpec("chain", depth=2), TreeSpec("chain", depth=3),
     TreeSpec("chain", depth=4), TreeSpec("chain", depth=5),
@@ -159,6 +165,55 @@ class _Runner:
         with count_compiles() as n:
             res = specjax.generate(self.target, [ids], max_new_tokens=self.max_new_tokens, **kw)
         return generation_record(res, n[0])
+
+
+def _turn_count(p: dict[str, Any]) -> int:
+    """How many turns of evaluation prompt ``p`` a run asks: one, or with ``--turns all``
+    every turn of the question (``"turns"``; tests: 1 + ``len(p["later_ids"])``)."""
+    if "turns" in p:
+        return len(p["turns"])
+    return 1 + len(p.get("later_ids", []))
+
+
+def _follow_up(target: Target, p: dict[str, Any], ids: list[int],
+               answers: Sequence[list[int]]) -> list[int]:
+    """Prompt ids of turn ``len(answers) + 1`` of ``p``, its earlier turns answered by
+    ``answers``: through the chat template (:func:`follow_up_ids`), or in tests the
+    previous turn's ids, its answer and the next turn's given ids, as they are."""
+    if "turns" in p:
+        return follow_up_ids(target, p["turns"], answers)
+    return [*ids, *answers[-1], *p["later_ids"][len(answers) - 1]]
+
+
+def _run_turn(runner: _Runner, p: dict[str, Any], ids: list[int], turn: int, *, seed: int,
+              eager: bool, greedy: bool, bar: tqdm) -> dict[str, Any]:
+    """One turn of one evaluation prompt: vanilla, speculative and maybe eager decoding of
+    ``ids``, checked token for token against vanilla where greedy (a mismatch is shouted,
+    and recorded)."""
+    qid = p["question_id"]
+    bar.set_description(f"q{qid} {p['task']}" + (f" turn {turn}" if turn > 1 else ""))
+    rec = {"question_id": qid, "turn": turn, "task": p["task"], "category": p["category"],
+           "prompt_tokens": len(ids), "seed": seed}
+    rec["vanilla"] = runner("vanilla", ids, seed)
+    rec["spec"] = runner("spec", ids, seed)
+    ref = rec["vanilla"]["tokens"] if greedy else None
+    rec["first_mismatch"] = first_mismatch(rec["spec"]["tokens"], ref) if greedy else None
+    rec["greedy_match"] = rec["first_mismatch"] is None if greedy else None
+    bar.update()
+    rec["eager"] = rec["eager_first_mismatch"] = rec["eager_match"] = None
+    if eager:
+        bar.set_description(f"q{qid} {p['task']} eager")
+        rec["eager"] = runner("eager", ids, seed)
+        if greedy:
+            rec["eager_first_mismatch"] = first_mismatch(rec["eager"]["tokens"], ref)
+            rec["eager_match"] = rec["eager_first_mismatch"] is None
+        bar.update()
+    for name, pos in (("speculative", rec["first_mismatch"]),
+                      ("eager speculative", rec["eager_first_mismatch"])):
+        if pos is not None:
+            tqdm.write(f"!!! GREEDY MISMATCH: question {qid} turn {turn} ({p['task']}): {name} "
+                       f"output differs from vanilla at new token {pos} !!!")
+    return rec
 
 
 def _pool(recs: Sequence[dict[str, Any]], method: str) -> dict[str, float | None]:
@@ -275,6 +330,13 @@ class SpecBenchConfig:
         tokens. Outputs then differ from vanilla's by design (only their distribution is
         the target's, which the chi-square tests check), so no equality is counted.
       seed: the first prompt's seed at ``temperature`` > 0 (and the paired A/B's there).
+      turns: ``"first"``, each question's first turn (the issue's 24 prompts); or ``"all"``,
+        Spec-Bench's protocol: every turn, a later one asked after the conversation so far
+        (:func:`~specjax.bench.questions.follow_up_ids`) in which each earlier turn is
+        answered by vanilla decoding's output (the target's own; greedy, the speculative
+        output is the same, and sampled, both methods then read one context, so the pair
+        stays paired). MT-bench's questions have two turns, the other tasks' one; the task
+        and overall figures pool every turn, and ``per_turn`` splits them.
     """
 
     model_dir: str | Path
@@ -302,8 +364,11 @@ class SpecBenchConfig:
     add_trees: Sequence[TreeSpec] = ()
     temperature: float = 0.0
     seed: int = 0
+    turns: str = "first"
 
     def __post_init__(self) -> None:
+        if self.turns not in ("first", "all"):
+            raise ValueError(f"turns is 'first' or 'all', got {self.turns!r}")
         if self.per_task < 1 or self.max_new_tokens < 1 or self.eager_per_task < 0:
             raise ValueError("need per_task >= 1, max_new_tokens >= 1 and eager_per_task >= 0")
         if not self.temperature >= 0:  # also refuses NaN
@@ -462,7 +527,8 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
     head = resolve_head(vocab, target, drafter)
 
     evals, qpath = spec_bench_prompts(target, questions=cfg.questions, tasks=cfg.tasks,
-                                      per_task=cfg.per_task, prompts=prompts)
+                                      per_task=cfg.per_task, prompts=prompts,
+                                      all_turns=cfg.turns == "all")
     task_order = [t for t in dict.fromkeys(p["task"] for p in evals)]
     eager_qids = {p["question_id"] for t in task_order
                   for p in [q for q in evals if q["task"] == t][:cfg.eager_per_task]}
@@ -472,7 +538,7 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
         "max_new_tokens": max_new_tokens, "tasks": task_order,
         "eager_per_task": cfg.eager_per_task, "greedy": greedy,
         "temperature": cfg.temperature, "chat_template": prompts is None,
-        "batch_size": 1, "stop_on_eos": stop_on_eos, "turns": "first turn only",
+        "batch_size": 1, "stop_on_eos": stop_on_eos, "turns": TURNS_NOTE[cfg.turns],
         "questions": None if qpath is None else str(qpath),
         "tree_mode": ("auto" if greedy and cfg.tree is None else
                       "paired" if len(grid) > 1 else
@@ -510,8 +576,9 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
                       if r.get("kind") == "selection" and r.get("key") == sel_key), None)
     choosing = selection is None and (greedy or len(grid) > 1)
     # The bar's steps: the curve's sizes, each tree's calibration and the A/B when greedy;
-    # the A/B alone when sampled; then every prompt (twice when it also runs eager).
-    n_steps = len(evals) + len(eager_qids)
+    # the A/B alone when sampled; then every turn asked (the first twice when it also runs
+    # eager).
+    n_steps = sum(map(_turn_count, evals)) + len(eager_qids)
     if choosing:
         n_steps += (len(config["latency_sizes"]) + len(grid) + bool(cfg.ab_trees) if greedy
                     else 1)
@@ -538,45 +605,31 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
         tqdm.write(f"resuming: reusing the tree selection in {ppath}")
     chosen_tree = grid[0] if selection is None else grid[selection["chosen_index"]]
     run_key = json.dumps({"sel": sel_key, "tree": tree_dict(chosen_tree)}, sort_keys=True)
-    done = {r["question_id"]: r for r in old if r.get("kind") == "prompt"
-            and r.get("key") == run_key and (r["eager"] is not None) == (
-                r["question_id"] in eager_qids)}
+    done = {(r["question_id"], r.get("turn", 1)): r for r in old
+            if r.get("kind") == "prompt" and r.get("key") == run_key
+            and (r["eager"] is not None) == (r["question_id"] in eager_qids
+                                             and r.get("turn", 1) == 1)}
 
     runner = _Runner(target, drafter, chosen_tree, max_new_tokens, stop_on_eos, head,
                      cfg.temperature)
     records = []
     for i, p in enumerate(evals):
-        qid = p["question_id"]
-        if qid in done:
-            records.append(done[qid])
-            bar.update(2 if qid in eager_qids else 1)
-            continue
-        bar.set_description(f"q{qid} {p['task']}")
-        # One seed a prompt, shared by its methods (it does not matter when greedy).
-        seed = cfg.seed + i
-        rec = {"kind": "prompt", "key": run_key, "question_id": qid, "task": p["task"],
-               "category": p["category"], "prompt_tokens": len(p["ids"]), "seed": seed}
-        rec["vanilla"] = runner("vanilla", p["ids"], seed)
-        rec["spec"] = runner("spec", p["ids"], seed)
-        ref = rec["vanilla"]["tokens"] if greedy else None
-        rec["first_mismatch"] = first_mismatch(rec["spec"]["tokens"], ref) if greedy else None
-        rec["greedy_match"] = rec["first_mismatch"] is None if greedy else None
-        bar.update()
-        rec["eager"] = rec["eager_first_mismatch"] = rec["eager_match"] = None
-        if qid in eager_qids:
-            bar.set_description(f"q{qid} {p['task']} eager")
-            rec["eager"] = runner("eager", p["ids"], seed)
-            if greedy:
-                rec["eager_first_mismatch"] = first_mismatch(rec["eager"]["tokens"], ref)
-                rec["eager_match"] = rec["eager_first_mismatch"] is None
-            bar.update()
-        for name, pos in (("speculative", rec["first_mismatch"]),
-                          ("eager speculative", rec["eager_first_mismatch"])):
-            if pos is not None:
-                tqdm.write(f"!!! GREEDY MISMATCH: question {qid} ({p['task']}): {name} output "
-                           f"differs from vanilla at new token {pos} !!!")
-        append_record(ppath, rec)
-        records.append(rec)
+        qid, ids, answers = p["question_id"], p["ids"], []
+        for turn in range(1, _turn_count(p) + 1):
+            if turn > 1:  # the conversation so far, answered by vanilla (the target)
+                ids = _follow_up(target, p, ids, answers)
+            eager = qid in eager_qids and turn == 1
+            if (qid, turn) in done:
+                rec = done[(qid, turn)]
+                bar.update(2 if eager else 1)
+            else:
+                # One seed a prompt, shared by its methods (it does not matter when greedy).
+                rec = _run_turn(runner, p, ids, turn, seed=cfg.seed + i + len(evals) * (
+                    turn - 1), eager=eager, greedy=greedy, bar=bar)
+                rec |= {"kind": "prompt", "key": run_key}
+                append_record(ppath, rec)
+            records.append(rec)
+            answers.append(rec["vanilla"]["tokens"])
     bar.close()
 
     by_task = {t: aggregate([r for r in records if r["task"] == t]) for t in task_order}
@@ -585,7 +638,8 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
     timed_compiles = sum(r[m]["compiles_while_timed"] for r in records
                          for m in ("vanilla", "spec", "eager") if r.get(m))
     overall = aggregate(records)
-    mismatches = [{"question_id": r["question_id"], "task": r["task"],
+    turns = sorted({r.get("turn", 1) for r in records})
+    mismatches = [{"question_id": r["question_id"], "turn": r.get("turn", 1), "task": r["task"],
                    "first_mismatch": r["first_mismatch"],
                    "eager_first_mismatch": r["eager_first_mismatch"]}
                   for r in records if r["greedy_match"] is False or r["eager_match"] is False]
@@ -597,6 +651,8 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
         "tree": tree_dict(chosen_tree), "tree_label": tree_label(chosen_tree),
         "latency": selection["latency"] if greedy else None, "tree_selection": selection,
         "per_task": by_task, "overall": overall, "timed_compiles": timed_compiles,
+        "per_turn": None if cfg.turns == "first" else {
+            str(t): aggregate([r for r in records if r.get("turn", 1) == t]) for t in turns},
         "greedy_equality": None if not greedy else {
             "matched": overall["matched"], "prompts": len(records), "all_match": not mismatches,
             "mismatches": mismatches},
@@ -608,7 +664,8 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
             "calibration_mal": selection["chosen"]["mal"], "evaluation_mal": overall["mal"],
             "est_speedup": selection["chosen"]["est_speedup"],
             "realized_speedup": overall["speedup"]},
-        "resumed_prompts": len([r for r in records if r["question_id"] in done]),
+        "resumed_prompts": len([r for r in records
+                                if (r["question_id"], r.get("turn", 1)) in done]),
         "warmup_s": runner.warmup_s, "wall_s": time.perf_counter() - t_start,
         "per_prompt": [{k: v for k, v in r.items() if k not in ("kind", "key")}
                        for r in records],
@@ -683,6 +740,10 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "prompt and no EOS stop, the speedup with a 95%% interval over prompts; "
                         "the tree is --tree's, or with auto the drafter's stored tree for "
                         "sampling, or the winner of a paired A/B against --add-tree's")
+    p.add_argument("--turns", default="first", choices=["first", "all"],
+                   help="first (default): each question's first turn (the issue's 24 "
+                        "prompts); all: Spec-Bench's protocol, MT-bench's second turns too, "
+                        "asked after vanilla's answer to the first (reported per turn)")
     p.add_argument("--seed", type=int, default=0,
                    help="with --temperature > 0: the first prompt's seed, then one more a "
                         "prompt (default 0)")
@@ -709,7 +770,7 @@ def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
                            ab_within=args.ab_within, ab_prompts=args.ab_prompts,
                            add_trees=tuple(TreeSpec.from_json_text(t, "--add-tree")
                                            for t in args.add_tree),
-                           temperature=args.temperature, seed=args.seed)
+                           temperature=args.temperature, seed=args.seed, turns=args.turns)
 
 
 def save_default_tree(result: dict[str, Any], drafter_dir: str | Path,

@@ -149,7 +149,8 @@ def _equality_lines(r: dict[str, Any]) -> list[str]:
         return [f"greedy equality: all {eq['prompts']} prompts match vanilla token for token"]
     return [f"!!! greedy equality: {eq['matched']}/{eq['prompts']} prompts match; "
             "mismatches (question, first differing new token): " + ", ".join(
-                f"q{m['question_id']}@{m['first_mismatch']}"
+                f"q{m['question_id']}" + (f" turn {m['turn']}" if m.get("turn", 1) > 1
+                                          else "") + f"@{m['first_mismatch']}"
                 + (f" eager@{m['eager_first_mismatch']}"
                    if m["eager_first_mismatch"] is not None else "")
                 for m in eq["mismatches"]) + " !!!"]
@@ -172,7 +173,8 @@ def summary(r: dict[str, Any]) -> str:
         lines.append(f"tree: {r['tree_label']} ({conf['tree_mode']})")
     lines.append(f"{'task':<16}{'n':>3}{'MAL*':>7}{'vanilla':>9}{'spec':>9}{'speedup':>9}"
                  f"{'e2e x':>8}{'eager':>9}{'comp/eag':>9}{'matched':>9}")
-    for name, a in list(r["per_task"].items()) + [("overall", r["overall"])]:
+    by_turn = [(f"turn {t}", a) for t, a in (r.get("per_turn") or {}).items()]
+    for name, a in list(r["per_task"].items()) + [("overall", r["overall"])] + by_turn:
         matched = "-" if a["matched"] is None else f"{a['matched']}/{a['prompts']}"
         lines.append(f"{name:<16}{a['prompts']:>3}{dash(a['mal']):>7}"
                      f"{dash(a['vanilla_decode_tokens_per_s'], '.1f'):>9}"

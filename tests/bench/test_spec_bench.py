@@ -214,7 +214,7 @@ def test_spec_bench_pipeline_on_a_tiny_model(tiny_model, tmp_path, monkeypatch, 
     assert list(res["per_task"]) == ["qa", "rag"]
     eq = res["greedy_equality"]
     assert (eq["matched"], eq["prompts"], eq["all_match"]) == (1, 2, False)
-    assert eq["mismatches"] == [{"question_id": 9, "task": "rag", "first_mismatch": 3,
+    assert eq["mismatches"] == [{"question_id": 9, "turn": 1, "task": "rag", "first_mismatch": 3,
                                  "eager_first_mismatch": None}]
     first, second = res["per_prompt"]
     assert first["greedy_match"] and first["eager_match"] and first["first_mismatch"] is None
@@ -647,3 +647,89 @@ def test_pooled_difference_resamples_prompts_and_pairs_them():
     assert g0["ci95"][0] < 0 < g0["ci95"][1]
     with pytest.raises(ValueError, match="same positions"):
         pooled_difference(base, base[:-1])
+
+
+def test_later_turns_follow_vanilla_answers_and_are_reported_per_turn(tiny_model, tmp_path,
+                                                                       monkeypatch):
+    """``turns="all"`` (Spec-Bench's protocol): a question's second turn is asked after its
+    first and vanilla's answer to it; each turn is a record, checked against vanilla like
+    the first, pooled into its task and split by turn."""
+    target = specjax.load(tiny_model)
+    drafter = random_drafter(target)
+    prompts = [PROMPTS[0] | {"later_ids": [[3, 4, 5]]}, PROMPTS[1]]
+    cfg = SpecBenchConfig(tiny_model, per_task=1, max_new_tokens=8, out=tmp_path / "t.json",
+                          eager_per_task=1, tree=TreeSpec("chain", depth=2), turns="all")
+    kw = dict(prompts=prompts, calib_prompts=CALIB, drafter=drafter)
+    # Interrupted at the second turn, then resumed: the first turn's record is reused and
+    # its vanilla answer starts the second turn's conversation.
+    run_turn = spec_bench._run_turn
+
+    def stop_at_turn_2(runner, p, ids, turn, **kw):
+        if turn == 2:
+            raise KeyboardInterrupt
+        return run_turn(runner, p, ids, turn, **kw)
+
+    monkeypatch.setattr(spec_bench, "_run_turn", stop_at_turn_2)
+    with pytest.raises(KeyboardInterrupt):
+        run_spec_bench(cfg, **kw)
+    monkeypatch.setattr(spec_bench, "_run_turn", run_turn)
+    res = run_spec_bench(cfg, **kw)
+    assert res["resumed_prompts"] == 1
+    recs = res["per_prompt"]
+    assert [(r["question_id"], r["turn"]) for r in recs] == [(7, 1), (7, 2), (9, 1)]
+    first, second = recs[0], recs[1]
+    answer = first["vanilla"]["tokens"]
+    assert second["prompt_tokens"] == len(PROMPTS[0]["ids"]) + len(answer) + 3
+    follow_up = [*PROMPTS[0]["ids"], *answer, 3, 4, 5]
+    assert second["vanilla"]["tokens"] == specjax.generate(target, [follow_up],
+                                                           max_new_tokens=8).tokens[0]
+    assert all(r["greedy_match"] for r in recs) and res["greedy_equality"]["prompts"] == 3
+    # Eager runs on first turns only; the turn's seed differs from the first turns'.
+    assert first["eager"] is not None and second["eager"] is None
+    assert len({r["seed"] for r in recs}) == 3
+    assert res["per_task"]["qa"]["prompts"] == 2 and res["overall"]["prompts"] == 3
+    assert {t: a["prompts"] for t, a in res["per_turn"].items()} == {"1": 2, "2": 1}
+    assert res["config"]["turns"].startswith("every turn")
+    assert "turn 2" in summary(res)
+    # The first-turn run is the default and keeps its key and records' shape.
+    one = run_spec_bench(dataclasses.replace(cfg, turns="first", out=tmp_path / "f.json"), **kw)
+    assert [r["turn"] for r in one["per_prompt"]] == [1, 1] and one["per_turn"] is None
+    assert one["config"]["turns"] == "first turn only"
+    with pytest.raises(ValueError, match="turns is 'first' or 'all'"):
+        SpecBenchConfig(tiny_model, turns="both")
+
+
+def test_follow_up_turns_render_the_conversation_through_the_chat_template(tiny_target):
+    """A later turn's prompt is the conversation so far (each answer decoded without
+    special tokens) and the next turn, as the template lays it out; a base model, which
+    has no template, is refused with the flag that avoids it."""
+    from tokenizers import decoders
+
+    from specjax.bench.questions import follow_up_ids, spec_bench_prompts
+    from tests.train.test_train_drafter import _char_tokenizer
+
+    tok = _char_tokenizer()
+    tok.backend_tokenizer.decoder = decoders.Fuse()  # characters back to text, unspaced
+    chat = dataclasses.replace(tiny_target, tokenizer=tok)
+    answer = tok.encode("fine, thanks") + [tok.convert_tokens_to_ids("<|im_end|>")]
+    got = follow_up_ids(chat, ["hi", "and you?", "unused"], [answer])
+    want = tok.apply_chat_template([{"role": "user", "content": "hi"},
+                                    {"role": "assistant", "content": "fine, thanks"},
+                                    {"role": "user", "content": "and you?"}],
+                                   add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert got == list(want)
+    with pytest.raises(ValueError, match="at least 2 turns"):
+        follow_up_ids(chat, ["hi"], [answer])
+    base = dataclasses.replace(tiny_target, tokenizer=None)
+    with pytest.raises(ValueError, match="no chat template.*--turns first"):
+        follow_up_ids(base, ["hi", "more"], [answer])
+    with pytest.raises(ValueError, match="no chat template"):
+        spec_bench_prompts(base, questions=None, tasks=["qa"], per_task=1, all_turns=True)
+
+
+def test_spec_bench_questions_keep_every_turn():
+    """MT-bench's questions in Spec-Bench's file have two turns, the other tasks' one."""
+    qs = load_questions(resolve_questions())
+    mt = [q for q in qs if q.task == "mt_bench"]
+    assert len(mt) == 80 and all(len(q.turns) == 2 and q.turns[0] == q.text for q in mt)
+    assert all(len(q.turns) == 1 for q in qs if q.task != "mt_bench")
