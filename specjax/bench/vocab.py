@@ -292,11 +292,15 @@ def summarize(records: Sequence[dict], spec: str, latency: dict, full_latency: d
 
 
 def plot_vocab(r: dict[str, Any], path: Path) -> Path:
-    """MAL per task per head (left); draft-step time vs mean shortlist size (right)."""
+    """MAL per task per head (left); draft-step time vs mean shortlist size (middle); where
+    heads were paired, each pair's speed ratio with its 95% interval (right: an interval
+    clear of 1 is a resolved difference), its MAL difference in the label."""
     plt = pyplot()
 
     heads, tasks = list(r["heads"]), r["config"]["tasks"]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 4.8))
+    paired = [v for v in r.get("paired", []) if v["speed"] is not None]
+    fig, axes = plt.subplots(1, 3 if paired else 2, figsize=(21 if paired else 14, 4.8))
+    ax, bx = axes[:2]
     width = 0.8 / len(heads)
     for i, h in enumerate(heads):
         vals = [r["heads"][h]["mal_per_task"][t] for t in tasks] + [r["heads"][h]["mal"]]
@@ -313,6 +317,16 @@ def plot_vocab(r: dict[str, Any], path: Path) -> Path:
         bx.annotate(h, (x, y), fontsize=8)
     bx.set_xlabel("mean shortlist size (tokens)")
     bx.set_ylabel("draft step (ms, B=1)")
+    if paired:
+        cx, y = axes[2], np.arange(len(paired))[::-1]
+        ratio = np.array([v["speed"]["ratio"] for v in paired])
+        ci = np.array([v["speed"]["ci95"] for v in paired])
+        cx.errorbar(ratio, y, xerr=[ratio - ci[:, 0], ci[:, 1] - ratio], fmt="o", capsize=3)
+        cx.axvline(1.0, color="gray", lw=0.8, ls="--")
+        cx.set_yticks(y, [f"{v['head']} vs {v['base']}\nMAL {v['mal']['diff']:+.3f}"
+                          for v in paired], fontsize=7)
+        cx.set_xlabel("speed ratio, same prompts (95% interval)")
+        cx.set_title("heads paired", fontsize=10)
     return save_figure(fig, path, dpi=120)
 
 
