@@ -94,9 +94,12 @@ def tree_from_args(args: argparse.Namespace) -> TreeSpec | str | None:
                     else args.tree_tokens)
 
 
-def resolve_tree(tree: TreeSpec | str | None, drafter: Any) -> TreeSpec:
+def resolve_tree(tree: TreeSpec | str | None, drafter: Any, *,
+                 greedy: bool = True) -> TreeSpec:
     """``tree`` itself; :class:`TreeSpec`'s defaults for None; for
-    :data:`DRAFTER_DEFAULT` the loaded ``drafter``'s measured greedy tree.
+    :data:`DRAFTER_DEFAULT` the loaded ``drafter``'s measured greedy tree, or with ``greedy``
+    False the tree it drafts when sampling (its tree for sampling, else its greedy tree:
+    ``Drafter.tree_for``).
 
     Raises:
       ValueError: the drafter has no measured tree (no default_tree.json in its folder).
@@ -105,6 +108,8 @@ def resolve_tree(tree: TreeSpec | str | None, drafter: Any) -> TreeSpec:
         return TreeSpec()
     if tree != DRAFTER_DEFAULT:
         return tree
+    if not greedy and drafter.default_sampled_tree is not None:
+        return drafter.default_sampled_tree
     if drafter.default_tree is None:
         raise ValueError(f"--tree {DRAFTER_DEFAULT}: the drafter "
                          f"{drafter.path or '(in memory)'} has no measured tree (no "

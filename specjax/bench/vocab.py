@@ -9,7 +9,7 @@ names):
 * mean accepted length per task and overall (the bonus token counted);
 * mean shortlist size (valid candidates per expanded node) and coverage (the fraction of
   steps whose first committed token was in the root expansion's shortlist);
-* the draft step's latency (the jitted draft phase, B=1) against the full head's;
+* the draft step's latency (the jitted draft phase, greedy draws, B=1) against the full head's;
 * decode tokens/s against vanilla decoding in the same run, and heads against each other
   on the same prompts (speed and MAL; each head against the first one listed, the full
   head by default, or against the heads ``--versus`` names, ``all`` for every pair), with
@@ -17,6 +17,13 @@ names):
   resolved or not;
 * greedy equality with vanilla decoding for every prompt (it must hold for every head:
   verification is always over the full vocabulary).
+
+``--temperature T`` (> 0) compares the heads sampled, as FR-Spec's Table 3 and EvoSpec's
+Appendix H do (EvoSpec normalises speed to FR-Spec's at the same temperature: ``--versus
+fr:8192``): vanilla and every head draw with one seed a prompt (``--seed`` + its index)
+and decode the whole budget (no EOS stop), so a prompt's times cover as many tokens and
+its methods are paired; ``--tree default`` is then the drafter's tree for sampling. No
+equality is counted (the output's distribution is the target's: the chi-square tests).
 
 EvoSpec's head (``evospec:8192+256``) is stateful: each prompt starts from an empty
 buffer, which then evolves within the request.
@@ -64,6 +71,7 @@ from specjax.bench.questions import (
     select_questions,
     uses_chat,
 )
+from specjax.bench.spec_report import SAMPLING_NOTE
 from specjax.bench.timing import count_compiles, warmup_tokens
 from specjax.bench.trees import add_tree_args, resolve_tree, tree_dict, tree_from_args
 from specjax.defaults import resolve_model
@@ -81,10 +89,14 @@ DEFAULT_HEADS = ("full", "fr:2730", "fr:8192", "fr:16384", "fr:32768", "pafr:327
 
 
 def _generate(target: Target, drafter: Drafter | None, head: VocabHead | None, tree: TreeSpec,
-              ids: list[int], max_new_tokens: int) -> dict[str, Any]:
-    kw: dict[str, Any] = {}
+              ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+              seed: int = 0) -> dict[str, Any]:
+    # Sampled runs decode the whole budget: EOS drawn at different steps would leave the
+    # methods' times over different token counts.
+    kw: dict[str, Any] = {"temperature": temperature, "seed": seed,
+                          "stop_on_eos": temperature == 0}
     if drafter is not None:
-        kw = {"drafter": drafter, "tree": tree, "vocab": head}
+        kw |= {"drafter": drafter, "tree": tree, "vocab": head}
     with count_compiles() as n:
         res = specjax.generate(target, [ids], max_new_tokens=max_new_tokens, **kw)
     s = res.stats
@@ -154,31 +166,39 @@ def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
                     tasks: Sequence[str] = TASKS, max_new_tokens: int = 128,
                     tree: TreeSpec | str | None = None, runs: int = 5,
                     questions: str | Path | None = None, versus: Sequence[str] | None = None,
+                    temperature: float = 0.0, seed: int = 0,
                     out: str | Path = "results/bench_vocab.json") -> dict[str, Any]:
     """Run the comparison; writes ``out`` (JSON), a PNG beside it, and returns the result.
 
     ``tree``: every head's draft tree (default: :class:`TreeSpec`'s EAGLE-2 tree;
     ``"default"``: the drafter's measured greedy tree, see :func:`resolve_tree`).
     ``versus``: the heads every other head is paired against (the result's ``"paired"``,
-    see :func:`pairs`; default: the first head).
+    see :func:`pairs`; default: the first head). ``temperature`` > 0: sampled, one seed a
+    prompt (``seed`` + its index) shared by vanilla and every head, no EOS stop, no
+    equality counted; ``"default"`` is then the drafter's tree for sampling.
     """
+    if not temperature >= 0:  # also refuses NaN
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    greedy = temperature == 0
     out = Path(out)
     compared = pairs(heads, versus)  # before the run: a bad name costs no decoding
     target = specjax.load(model_dir)
     drafter, drafter_label = resolve_drafter(drafter_dir, target)
-    tree = resolve_tree(tree, drafter)
+    tree = resolve_tree(tree, drafter, greedy=greedy)
     built = {spec: resolve_head(spec, target, drafter) for spec in heads}
     qs = select_questions(load_questions(resolve_questions(questions)), tasks, per_task)
     config = {"heads": list(heads), "tasks": list(tasks), "per_task": per_task,
               "max_new_tokens": max_new_tokens, "tree": tree_dict(tree),
               "drafter": drafter_label, "chat_template": uses_chat(target)}
+    if not greedy:  # greedy runs keep their partial files' key
+        config |= {"temperature": temperature, "seed": seed}
     config = json.loads(json.dumps(config))  # as the partial file holds it (tuples -> lists)
     part = partial_path(out)
     done = {r["question_id"]: r for r in read_partial(part) if r.get("config") == config}
     warm: set[tuple[str, int]] = set()
     bar = tqdm(total=len(qs) * (len(heads) + 1), desc="bench vocab")
     records = []
-    for q in qs:
+    for i, q in enumerate(qs):
         if q.question_id in done:
             records.append(done[q.question_id])
             bar.update(len(heads) + 1)
@@ -188,11 +208,13 @@ def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
         for spec in ("vanilla", *heads):
             dr, head = (None, None) if spec == "vanilla" else (drafter, built[spec])
             if (spec, bucket(len(ids))) not in warm:  # compile outside the timed call
-                _generate(target, dr, head, tree, ids, warmup_tokens(max_new_tokens))
+                _generate(target, dr, head, tree, ids, warmup_tokens(max_new_tokens),
+                          temperature)
                 warm.add((spec, bucket(len(ids))))
             bar.set_description(f"q{q.question_id} {spec}")
-            rec[spec] = _generate(target, dr, head, tree, ids, max_new_tokens)
-            if spec != "vanilla":
+            rec[spec] = _generate(target, dr, head, tree, ids, max_new_tokens, temperature,
+                                  seed + i)
+            if spec != "vanilla" and greedy:
                 rec[spec]["mismatch_at"] = first_mismatch(rec[spec]["tokens"],
                                                           rec["vanilla"]["tokens"])
                 if rec[spec]["mismatch_at"] is not None:
@@ -216,6 +238,8 @@ def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
     overlap = [router_overlap(target, drafter, routed[0], k=k, context=ctx, runs=50)
                for k in ks] if routed else []
     result = {"config": config, "machine": machine_info(),
+              "sampling": None if greedy else {"temperature": temperature, "seed": seed,
+                                               "note": SAMPLING_NOTE},
               "heads": {spec: summarize(records, spec, latency[spec], latency["full"]
                                         if "full" in latency else None, tasks)
                         for spec in heads},
@@ -285,7 +309,9 @@ def summarize(records: Sequence[dict], spec: str, latency: dict, full_latency: d
         "draft_ms": latency["best_ms"],
         "draft_speedup_vs_full": (full_latency["best_ms"] / latency["best_ms"]
                                   if full_latency else None),
-        "greedy_matches": sum(r["mismatch_at"] is None for r in rs), "prompts": len(rs),
+        "greedy_matches": (sum(r["mismatch_at"] is None for r in rs)
+                           if all("mismatch_at" in r for r in rs) else None),
+        "prompts": len(rs),
         "speedup_ci95": None if vs_vanilla is None else vs_vanilla["ci95"],
         **_rates(records, spec),
     }
@@ -341,10 +367,10 @@ def summary(r: dict[str, Any]) -> str:
         ci = s.get("speedup_ci95")
         vs = f"{s['speedup_vs_vanilla']:.2f}×" + ("" if ci is None else
                                                   f" [{ci[0]:.2f}, {ci[1]:.2f}]")
+        equal = "-" if s["greedy_matches"] is None else f"{s['greedy_matches']}/{s['prompts']}"
         lines.append(f"| {h} | {s['mal']:.2f} | {pct} | {s['mean_shortlist_size']:.0f} | "
                      f"{s['shortlist_coverage']:.3f} | {s['draft_ms']:.1f} | {sp} | "
-                     f"{s['decode_tokens_per_s']:.1f} | {vs} | "
-                     f"{s['greedy_matches']}/{s['prompts']} |")
+                     f"{s['decode_tokens_per_s']:.1f} | {vs} | {equal} |")
     if r.get("paired"):
         lines += ["", "| head | against, same prompts | speed [95%] | MAL difference [95%] |",
                   "|---|---|---|---|"]
@@ -361,6 +387,9 @@ def summary(r: dict[str, Any]) -> str:
         lines.append(f"| {h} | " + " | ".join(f"{s['mal_per_task'][t]:.2f}" for t in tasks)
                      + f" | {s['mal']:.2f} |")
     lines.append(f"\nvanilla: {r['vanilla']['decode_tokens_per_s']:.1f} tok/s")
+    if r.get("sampling"):
+        lines.append(f"sampled at temperature {r['sampling']['temperature']:g} (seeds "
+                     f"{r['sampling']['seed']}+, no EOS stop): {r['sampling']['note']}")
     for o in r["router_overlap"]:
         lines.append(f"router overlap, K={o['k']}: layer {o['layer']:.2f} ms, router "
                      f"{o['router']:.2f} ms, both in one jit {o['both']:.2f} ms "
@@ -377,6 +406,12 @@ def add_vocab_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--versus", default=None,
                    help="comma-separated heads to pair every other head against, speed and "
                         "MAL on the same prompts (default: the first head; 'all': every pair)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="0 (default): greedy, each head checked against vanilla token for "
+                        "token; > 0: sampled, one seed a prompt shared by vanilla and every "
+                        "head, no EOS stop (--tree default: the drafter's tree for sampling)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="with --temperature > 0: the first prompt's seed (default 0)")
     p.add_argument("--per-task", type=int, default=4)
     p.add_argument("--tasks", default=",".join(TASKS))
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -394,7 +429,8 @@ def run_vocab_from_args(args: argparse.Namespace) -> dict[str, Any]:
         per_task=args.per_task, tasks=args.tasks.split(","), max_new_tokens=args.max_new_tokens,
         tree=tree_from_args(args),
         runs=args.runs, questions=args.questions,
-        versus=None if args.versus is None else args.versus.split(","), out=args.out)
+        versus=None if args.versus is None else args.versus.split(","),
+        temperature=args.temperature, seed=args.seed, out=args.out)
     print(f"bench vocab: {time.perf_counter() - t0:.0f} s")
     return r
 

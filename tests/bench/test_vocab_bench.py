@@ -103,6 +103,20 @@ def test_router_overlap_times_the_layer_and_router_on_real_weights(tiny_target, 
     assert all(got[name] > 0 for name in ("layer", "router", "both"))
 
 
+def _tiny_questions_and_heads(tiny_target, tmp_path, monkeypatch):
+    """A two-question Spec-Bench file whose texts are the tiny target's ids (it has no
+    tokenizer), and two heads: full and a 64-row FR shortlist."""
+    ranked = tmp_path / "ranked.npy"
+    np.save(ranked, np.arange(tiny_target.cfg.vocab_size)[::-1].copy())
+    monkeypatch.setattr(vocab_bench, "question_ids", lambda _, text: json.loads(text))
+    lines = [{"question_id": i, "category": c, "turns": [json.dumps(ids)]}
+             for i, (c, ids) in enumerate([("qa", [1, 17, 42, 99, 5]),
+                                           ("rag", [1, 60, 61, 62, 60, 61, 62, 60])], 1)]
+    questions = tmp_path / "question.jsonl"
+    questions.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return questions, ["full", f"fr:64:{ranked}"]
+
+
 def test_heads_compared_on_the_tree_json_names(tiny_target, tmp_path, monkeypatch):
     """``--tree-json`` puts every head on one tree (here a static root of three children
     plus a lookup chain, the shipped greedy tree's shape): the run drafts with it, each head
@@ -122,17 +136,7 @@ def test_heads_compared_on_the_tree_json_names(tiny_target, tmp_path, monkeypatc
     with pytest.raises(ValueError, match="has no measured tree.*--save-default-tree"):
         resolve_tree(DRAFTER_DEFAULT, random_drafter(tiny_target))
 
-    v = tiny_target.cfg.vocab_size
-    ranked = tmp_path / "ranked.npy"
-    np.save(ranked, np.arange(v)[::-1].copy())
-    # The tiny target has no tokenizer: each question's text is its ids.
-    monkeypatch.setattr(vocab_bench, "question_ids", lambda _, text: json.loads(text))
-    lines = [{"question_id": i, "category": c, "turns": [json.dumps(ids)]}
-             for i, (c, ids) in enumerate([("qa", [1, 17, 42, 99, 5]),
-                                           ("rag", [1, 60, 61, 62, 60, 61, 62, 60])], 1)]
-    questions = tmp_path / "question.jsonl"
-    questions.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    heads = ["full", f"fr:64:{ranked}"]
+    questions, heads = _tiny_questions_and_heads(tiny_target, tmp_path, monkeypatch)
     r = run_vocab_bench(tiny_target.path, "random", heads=heads, per_task=1,
                         tasks=["qa", "rag"], max_new_tokens=8, tree=tree, runs=1,
                         questions=questions, out=tmp_path / "v.json")
@@ -146,3 +150,42 @@ def test_heads_compared_on_the_tree_json_names(tiny_target, tmp_path, monkeypatc
     [vs] = r["paired"]
     assert (vs["head"], vs["base"]) == (heads[1], "full")
     assert vs["speed"]["ci95"][0] <= vs["speed"]["ratio"] <= vs["speed"]["ci95"][1]
+
+
+def test_heads_compared_sampled_draw_one_seed_a_prompt(tiny_target, tmp_path, monkeypatch):
+    """``temperature`` > 0: vanilla and every head draw with the prompt's seed and decode the
+    whole budget, no equality is counted, the pairs still are; ``--tree default`` is then
+    the drafter's tree for sampling."""
+    import specjax
+    from specjax.bench.partial import partial_path, read_partial
+
+    questions, heads = _tiny_questions_and_heads(tiny_target, tmp_path, monkeypatch)
+    chain, root = TreeSpec("chain", depth=2), TreeSpec("dyspec-threshold", depth=1,
+                                                       total_tokens=3, threshold=0.001)
+    drafter = dataclasses.replace(random_drafter(tiny_target), default_tree=chain,
+                                  default_sampled_tree=root)
+    assert resolve_tree(DRAFTER_DEFAULT, drafter, greedy=False) == root
+    assert resolve_tree(DRAFTER_DEFAULT, drafter) == chain
+    out = tmp_path / "t.json"
+    r = run_vocab_bench(tiny_target.path, "random", heads=heads, per_task=1,
+                        tasks=["qa", "rag"], max_new_tokens=8, tree=root, runs=1,
+                        questions=questions, temperature=1.0, seed=3, out=out)
+    assert r["config"]["temperature"] == 1.0 and "chi-square" in r["sampling"]["note"]
+    for h in heads:
+        assert r["heads"][h]["greedy_matches"] is None and r["heads"][h]["mal"] >= 1.0
+    [pair] = r["paired"]
+    assert pair["speed"]["ci95"][0] <= pair["speed"]["ratio"] <= pair["speed"]["ci95"][1]
+    text = summary(r)
+    assert "sampled at temperature 1 (seeds 3+, no EOS stop)" in text and "| - |" in text
+    # Each prompt's methods drew with its seed (3, then 4), to the budget.
+    recs = read_partial(partial_path(out))
+    for seed, rec, ids in zip((3, 4), recs, ([1, 17, 42, 99, 5],
+                                             [1, 60, 61, 62, 60, 61, 62, 60]), strict=True):
+        direct = specjax.generate(tiny_target, [ids], max_new_tokens=8, temperature=1.0,
+                                  seed=seed, stop_on_eos=False)
+        assert rec["vanilla"]["tokens"] == direct.tokens[0]
+        assert all(rec[m]["new_tokens"] == 8 for m in ("vanilla", *heads))
+        assert all("mismatch_at" not in rec[h] for h in heads)
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        run_vocab_bench(tiny_target.path, "random", heads=heads, temperature=-1.0,
+                        questions=questions, out=tmp_path / "bad.json")
