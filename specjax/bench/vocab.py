@@ -388,8 +388,8 @@ def summary(r: dict[str, Any]) -> str:
                      + f" | {s['mal']:.2f} |")
     lines.append(f"\nvanilla: {r['vanilla']['decode_tokens_per_s']:.1f} tok/s")
     if r.get("sampling"):
-        lines.append(f"sampled at temperature {r['sampling']['temperature']:g} (seeds "
-                     f"{r['sampling']['seed']}+, no EOS stop): {r['sampling']['note']}")
+        lines.append(f"temperature {r['sampling']['temperature']:g}, seeds "
+                     f"{r['sampling']['seed']}+, no EOS stop. {r['sampling']['note']}")
     for o in r["router_overlap"]:
         lines.append(f"router overlap, K={o['k']}: layer {o['layer']:.2f} ms, router "
                      f"{o['router']:.2f} ms, both in one jit {o['both']:.2f} ms "

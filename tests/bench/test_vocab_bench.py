@@ -176,7 +176,7 @@ def test_heads_compared_sampled_draw_one_seed_a_prompt(tiny_target, tmp_path, mo
     [pair] = r["paired"]
     assert pair["speed"]["ci95"][0] <= pair["speed"]["ratio"] <= pair["speed"]["ci95"][1]
     text = summary(r)
-    assert "sampled at temperature 1 (seeds 3+, no EOS stop)" in text and "| - |" in text
+    assert "temperature 1, seeds 3+, no EOS stop. sampled: " in text and "| - |" in text
     # Each prompt's methods drew with its seed (3, then 4), to the budget.
     recs = read_partial(partial_path(out))
     for seed, rec, ids in zip((3, 4), recs, ([1, 17, 42, 99, 5],
