@@ -8,6 +8,7 @@ import argparse
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``bench`` and its subcommands to a parser's subparsers; each sets ``args.run``."""
     from specjax.bench import (
+        batch,
         breakdown,
         decode,
         evospec,
@@ -23,7 +24,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
     b = subparsers.add_parser("bench", help="benchmarks (results as JSON + plot)")
     bench = b.add_subparsers(dest="bench", required=True)
-    for module in (decode, spec, tree_compare, breakdown, vocab, gemm, latency, oracle, evospec,
-                   mips, lane):
+    for module in (decode, spec, batch, tree_compare, breakdown, vocab, gemm, latency, oracle,
+                   evospec, mips, lane):
         module.add_parser(bench)
     return b

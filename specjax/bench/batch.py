@@ -1,0 +1,337 @@
+"""``specjax bench batch``: speculative decoding's speedup against the batch size.
+
+Speculative decoding pays where a decode step is bound by reading the weights: verifying T
+tree nodes then costs little more than decoding one token. A batch of B requests already
+shares that read among B rows, and a tree multiplies the rows again (B x T in one verify
+forward), so the step turns compute-bound sooner and the speedup shrinks as B grows; the
+tree that is fastest at batch 1 (which ``bench spec`` chooses and ``generate`` drafts by
+default) need not be at batch 8. This run measures where.
+
+On the Spec-Bench prompts of ``bench spec`` (the first ``per_task`` questions of each task,
+first turns, chat template, greedy), interleaved by task so that each batch mixes tasks as
+a server's does, and cut into batches of B: for every batch size and every batch, vanilla
+decoding and each tree (default: the drafter's measured greedy tree and a chain of one
+draft), each batch decoding until all its rows stop (EOS or the budget: static batching,
+the same for every method). Reported for each (B, tree): decode tokens/s against vanilla's
+over the same batches, the speedup with a 95% interval that resamples batches (paired),
+MAL, and greedy equality row by row (every row must match vanilla's).
+
+Per-batch results go to ``<out stem>.partial.jsonl``; a rerun skips those done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+import specjax
+from specjax.bench.common import (
+    as_command,
+    dash,
+    first_mismatch,
+    machine_info,
+    paired_speedup,
+    pyplot,
+    save_figure,
+    write_json,
+)
+from specjax.bench.partial import append_record, drafter_stamp, resume_from
+from specjax.bench.phases import load_models
+from specjax.bench.questions import QUESTIONS_ENV, TASKS, spec_bench_prompts
+from specjax.bench.timing import count_compiles, warmup_tokens
+from specjax.bench.trees import tree_label
+from specjax.defaults import resolve_model
+from specjax.loaded import Drafter, Target
+from specjax.loop import bucket
+from specjax.speculative import TreeSpec
+from specjax.vocab.head import VocabHead
+from specjax.vocab.resolve import resolve_head
+
+BATCH_SIZES = (1, 2, 4, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchBenchConfig:
+    """The settings of one ``specjax bench batch`` run.
+
+    Attributes:
+      model_dir: a converted target folder.
+      drafter_dir: a drafter folder; None for the shipped one; "random" for an untrained
+        drafter (pipeline check only).
+      batch_sizes: the B values, each >= 1.
+      trees: the draft trees compared; empty: the drafter's measured greedy tree (its
+        ``default_tree.json``, else :class:`TreeSpec`'s defaults) and a chain of one draft.
+      vocab: the drafter's head spec; None: the drafter's measured head, else full.
+      per_task, tasks, questions: the Spec-Bench prompts, as ``bench spec`` takes them.
+      max_new_tokens: the budget of every row (EOS also stops a row).
+      out: JSON path; the PNG goes beside it.
+      resume: reuse matching records of an interrupted run's partial file.
+    """
+
+    model_dir: str | Path
+    drafter_dir: str | Path | None = None
+    batch_sizes: Sequence[int] = BATCH_SIZES
+    trees: Sequence[TreeSpec] = ()
+    vocab: str | None = None
+    per_task: int = 4
+    tasks: Sequence[str] = TASKS
+    questions: str | Path | None = None
+    max_new_tokens: int = 128
+    out: str | Path = "results/bench_batch.json"
+    resume: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"batch sizes must be >= 1, got {list(self.batch_sizes)}")
+        if self.per_task < 1 or self.max_new_tokens < 1:
+            raise ValueError("need per_task >= 1 and max_new_tokens >= 1")
+
+
+def interleave(prompts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``prompts`` (grouped by task) reordered round-robin over the tasks, so that a batch
+    cut from the front mixes tasks (and prompt lengths) as a server's batch does."""
+    by_task: dict[str, list[dict[str, Any]]] = {}
+    for p in prompts:
+        by_task.setdefault(p["task"], []).append(p)
+    queues = list(by_task.values())
+    out = []
+    for i in range(max(map(len, queues), default=0)):
+        out += [q[i] for q in queues if i < len(q)]
+    return out
+
+
+def batches(prompts: Sequence[dict[str, Any]], b: int) -> list[list[dict[str, Any]]]:
+    """``prompts`` in consecutive batches of ``b`` (the last one smaller where ``b`` does not
+    divide their number)."""
+    return [list(prompts[i:i + b]) for i in range(0, len(prompts), b)]
+
+
+def default_trees(drafter: Drafter) -> list[TreeSpec]:
+    """The drafter's measured greedy tree (what ``generate`` drafts by default, chosen at
+    batch 1) and the smallest tree, a chain of one draft."""
+    out = [drafter.tree_for(greedy=True)]
+    chain = TreeSpec("chain", depth=1)
+    return out + ([chain] if chain not in out else [])
+
+
+class _Runner:
+    """Runs one method on one batch, compiling each (method, B, prompt bucket) untimed first."""
+
+    def __init__(self, target: Target, drafter: Drafter, head: VocabHead, max_new_tokens: int):
+        self.target, self.drafter, self.head = target, drafter, head
+        self.max_new_tokens = max_new_tokens
+        self.warm: set[tuple[str, int, int]] = set()
+
+    def __call__(self, tree: TreeSpec | None, ids: list[list[int]]) -> dict[str, Any]:
+        kw: dict[str, Any] = {} if tree is None else {"drafter": self.drafter, "tree": tree,
+                                                      "vocab": self.head}
+        key = ("vanilla" if tree is None else tree_label(tree), len(ids),
+               bucket(max(map(len, ids))))
+        if key not in self.warm:
+            specjax.generate(self.target, ids, max_new_tokens=warmup_tokens(
+                self.max_new_tokens), **kw)
+            self.warm.add(key)
+        with count_compiles() as n:
+            res = specjax.generate(self.target, ids, max_new_tokens=self.max_new_tokens, **kw)
+        s = res.stats
+        rec = {"tokens": res.tokens, "decode_s": s["decode_s"], "wall_s": s["wall_s"],
+               # Decoded tokens (each row's first comes from the prefill), + 1 so that
+               # paired_speedup's per-record "new_tokens - 1" counts them.
+               "new_tokens": s["new_tokens"] - len(ids) + 1, "compiles_while_timed": n[0]}
+        if tree is not None:
+            rec |= {"target_forwards": s["target_forwards"],
+                    "accepted_tokens": sum(map(sum, s["accept_lengths"]))}
+        return rec
+
+
+def pooled(records: Sequence[dict[str, Any]], label: str) -> dict[str, Any]:
+    """One (B, tree)'s figures over its batches: decode tokens/s, the speedup against
+    vanilla on the same batches with its interval, MAL (bonus token included) and the rows
+    equal to vanilla's."""
+    runs = [r[label] for r in records]
+    tokens = sum(x["new_tokens"] - 1 for x in runs)
+    vanilla = [r["vanilla"] for r in records]
+    v_rate = sum(x["new_tokens"] - 1 for x in vanilla) / sum(x["decode_s"] for x in vanilla)
+    rate = tokens / sum(x["decode_s"] for x in runs)
+    sp = paired_speedup(vanilla, runs)
+    fwd = sum(x["target_forwards"] for x in runs)
+    return {"decode_tokens_per_s": rate, "vanilla_decode_tokens_per_s": v_rate,
+            "speedup": rate / v_rate, "speedup_ci95": None if sp is None else sp["ci95"],
+            "mal": sum(x["accepted_tokens"] for x in runs) / fwd if fwd else None,
+            "rows": sum(len(x["tokens"]) for x in runs),
+            "rows_equal": sum(m is None for x in runs for m in x["mismatches"]),
+            "batches": len(runs)}
+
+
+def run_batch_bench(cfg: BatchBenchConfig, *, prompts: Sequence[dict[str, Any]] | None = None,
+                    drafter: Drafter | None = None) -> dict[str, Any]:
+    """Run the comparison; writes ``cfg.out`` (JSON), a PNG beside it, and returns the result.
+
+    Args:
+      cfg: the run's settings.
+      prompts, drafter: internal (tests): pre-tokenised prompts ``{"question_id", "task",
+        "ids"}`` instead of Spec-Bench's, an already loaded drafter.
+    """
+    out = Path(cfg.out)
+    target, drafter, drafter_name = load_models(cfg.model_dir, None, drafter, cfg.drafter_dir)
+    vocab = cfg.vocab or drafter.default_vocab or "full"
+    head = resolve_head(vocab, target, drafter)
+    trees = list(cfg.trees) or default_trees(drafter)
+    labels = [tree_label(t) for t in trees]
+    evals, qpath = spec_bench_prompts(target, questions=cfg.questions, tasks=cfg.tasks,
+                                      per_task=cfg.per_task, prompts=prompts)
+    order = interleave(evals)
+    config = json.loads(json.dumps({
+        "model": str(cfg.model_dir), "drafter": drafter_name, "vocab": vocab,
+        "batch_sizes": list(cfg.batch_sizes), "trees": [t.to_json() for t in trees],
+        "labels": labels, "per_task": cfg.per_task, "tasks": list(cfg.tasks),
+        "max_new_tokens": cfg.max_new_tokens, "greedy": True, "stop_on_eos": True,
+        "questions": None if qpath is None else str(qpath),
+        "prompts": [p["question_id"] for p in order]}))
+    key = json.dumps(config | {"drafter_mtime": drafter_stamp(drafter)}, sort_keys=True)
+    ppath, old = resume_from(out, cfg.resume)
+    done = {(r["b"], r["batch"]): r for r in old if r.get("key") == key}
+
+    runner = _Runner(target, drafter, head, cfg.max_new_tokens)
+    plan = [(b, k, batch) for b in cfg.batch_sizes for k, batch in enumerate(batches(order, b))]
+    records = []
+    t0 = time.perf_counter()
+    for b, k, batch in tqdm(plan, desc="bench batch", unit="batch"):
+        if (b, k) in done:
+            records.append(done[(b, k)])
+            continue
+        ids = [p["ids"] for p in batch]
+        rec: dict[str, Any] = {"key": key, "b": b, "batch": k,
+                               "question_ids": [p["question_id"] for p in batch],
+                               "vanilla": runner(None, ids)}
+        for label, tree in zip(labels, trees, strict=True):
+            rec[label] = runner(tree, ids)
+            rec[label]["mismatches"] = [first_mismatch(s, v) for s, v in zip(
+                rec[label]["tokens"], rec["vanilla"]["tokens"], strict=True)]
+            for q, m in zip(rec["question_ids"], rec[label]["mismatches"], strict=True):
+                if m is not None:
+                    tqdm.write(f"!!! GREEDY MISMATCH: {label} at batch size {b}, question {q}: "
+                               f"differs from vanilla at new token {m} !!!")
+        append_record(ppath, rec)
+        records.append(rec)
+
+    by_b = {str(b): {label: pooled([r for r in records if r["b"] == b], label)
+                     for label in labels} for b in cfg.batch_sizes}
+    result = {
+        "benchmark": "batch", "config": config, "machine": machine_info(),
+        "by_batch_size": by_b,
+        "all_rows_equal": all(x["rows_equal"] == x["rows"] for row in by_b.values()
+                              for x in row.values()),
+        "timed_compiles": sum(r[m]["compiles_while_timed"] for r in records
+                              for m in ("vanilla", *labels)),
+        "wall_s": time.perf_counter() - t0,
+        "per_batch": [{k: v for k, v in r.items() if k != "key"} for r in records],
+    }
+    write_json(out, result)
+    plot_batch(result, out.with_suffix(".png"))
+    ppath.unlink(missing_ok=True)
+    print(summary(result))
+    return result
+
+
+def summary(r: dict[str, Any]) -> str:
+    """A markdown table: one row per (batch size, tree)."""
+    lines = ["| B | tree | vanilla tok/s | spec tok/s | speedup [95%] | MAL | rows equal |",
+             "|---|---|---|---|---|---|---|"]
+    for b, row in r["by_batch_size"].items():
+        for label, x in row.items():
+            ci = x["speedup_ci95"]
+            sp = f"{x['speedup']:.2f}x" + ("" if ci is None else f" [{ci[0]:.2f}, {ci[1]:.2f}]")
+            lines.append(f"| {b} | {label} | {x['vanilla_decode_tokens_per_s']:.1f} | "
+                         f"{x['decode_tokens_per_s']:.1f} | {sp} | {dash(x['mal'])} | "
+                         f"{x['rows_equal']}/{x['rows']} |")
+    lines.append("MAL = tokens committed per target forward, the bonus token included; rates "
+                 "are decode tokens/s of the whole batch")
+    if r["timed_compiles"]:
+        lines.append(f"warning: {r['timed_compiles']} XLA compiles inside timed calls")
+    if not r["all_rows_equal"]:
+        lines.append("!!! some rows differ from vanilla's greedy output (see per_batch) !!!")
+    return "\n".join(lines)
+
+
+def plot_batch(r: dict[str, Any], path: Path) -> Path:
+    """Speedup against B per tree, with its interval (left); decode tokens/s against B for
+    vanilla and each tree (right)."""
+    plt = pyplot()
+    bs = [int(b) for b in r["by_batch_size"]]
+    labels = r["config"]["labels"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.6))
+    for label in labels:
+        xs = [r["by_batch_size"][str(b)][label] for b in bs]
+        sp = [x["speedup"] for x in xs]
+        lo = [x["speedup"] - (x["speedup_ci95"] or [x["speedup"]] * 2)[0] for x in xs]
+        hi = [(x["speedup_ci95"] or [x["speedup"]] * 2)[1] - x["speedup"] for x in xs]
+        ax.errorbar(bs, sp, yerr=[lo, hi], marker="o", capsize=3, label=label)
+        bx.plot(bs, [x["decode_tokens_per_s"] for x in xs], marker="o", label=label)
+    first = r["by_batch_size"][str(bs[0])][labels[0]]
+    bx.plot(bs, [r["by_batch_size"][str(b)][labels[0]]["vanilla_decode_tokens_per_s"]
+                 for b in bs], marker="s", color="black", label="vanilla")
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    for a, ylabel in ((ax, "speedup over vanilla (95% interval)"),
+                      (bx, "decode tokens/s, whole batch")):
+        a.set_xscale("log", base=2)
+        a.set_xticks(bs, [str(b) for b in bs])
+        a.set_xlabel("batch size")
+        a.set_ylabel(ylabel)
+        a.legend(fontsize=8)
+    ax.set_title(f"greedy, {r['config']['max_new_tokens']} tokens a row; vanilla at B="
+                 f"{bs[0]}: {first['vanilla_decode_tokens_per_s']:.1f} tok/s", fontsize=9)
+    return save_figure(fig, path)
+
+
+def add_batch_args(p: argparse.ArgumentParser) -> None:
+    """Attach ``specjax bench batch``'s flags to a (sub)parser."""
+    p.add_argument("--model", default=None, help="converted target (default: SmolLM2)")
+    p.add_argument("--drafter", default=None, help="drafter folder (default: the shipped one)")
+    p.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)),
+                   help="comma-separated batch sizes (default 1,2,4,8)")
+    p.add_argument("--tree-json", action="append", default=[], metavar="JSON",
+                   help="a tree to compare, as TreeSpec JSON (repeat for more; default: the "
+                        "drafter's measured greedy tree and a chain of one draft)")
+    p.add_argument("--vocab", default=None,
+                   help="drafter vocabulary head (default: the drafter's measured head)")
+    p.add_argument("--per-task", type=int, default=4)
+    p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--questions", default=None,
+                   help=f"Spec-Bench question.jsonl (default: ${QUESTIONS_ENV}, else "
+                        "../shared/data/spec_bench/question.jsonl)")
+    p.add_argument("--no-resume", action="store_true",
+                   help="ignore and remove the partial results of an interrupted run")
+    p.add_argument("--out", default="results/bench_batch.json")
+
+
+def config_from_args(args: argparse.Namespace) -> BatchBenchConfig:
+    """The :class:`BatchBenchConfig` that :func:`add_batch_args`' flags describe."""
+    try:
+        sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    except ValueError:
+        raise ValueError(f"--batch-sizes takes integers separated by commas, got "
+                         f"{args.batch_sizes!r}") from None
+    return BatchBenchConfig(
+        resolve_model(args.model), args.drafter, batch_sizes=sizes,
+        trees=tuple(TreeSpec.from_json_text(t, "--tree-json") for t in args.tree_json),
+        vocab=args.vocab, per_task=args.per_task, tasks=[t for t in args.tasks.split(",") if t],
+        questions=args.questions, max_new_tokens=args.max_new_tokens, out=Path(args.out),
+        resume=not args.no_resume)
+
+
+def add_parser(bench: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``batch`` to ``specjax bench``'s subparsers; ``args.run`` runs it."""
+    p = bench.add_parser(
+        "batch", help="speculative speedup against the batch size (Spec-Bench prompts, greedy)")
+    add_batch_args(p)
+    p.set_defaults(run=as_command(lambda a: run_batch_bench(config_from_args(a))))
+    return p

@@ -1,0 +1,93 @@
+"""bench batch: prompts interleaved by task and cut into batches, every row checked against
+vanilla at every batch size, pooled per (B, tree), resumable; on the tiny model."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+import specjax
+from specjax.bench import batch as batch_bench
+from specjax.bench.batch import (
+    BatchBenchConfig,
+    add_batch_args,
+    batches,
+    config_from_args,
+    default_trees,
+    interleave,
+    run_batch_bench,
+)
+from specjax.bench.partial import partial_path, read_partial
+from specjax.bench.phases import random_drafter
+from specjax.speculative import TreeSpec
+
+PROMPTS = [{"question_id": 1, "task": "qa", "ids": [1, 17, 42, 99, 5]},
+           {"question_id": 2, "task": "qa", "ids": [1, 5, 6, 7]},
+           {"question_id": 3, "task": "rag", "ids": [1, 60, 61, 62, 60, 61, 62, 60, 61]}]
+
+
+def test_batches_mix_tasks_in_the_order_of_the_tasks():
+    order = interleave(PROMPTS)
+    assert [p["question_id"] for p in order] == [1, 3, 2]
+    assert [[p["question_id"] for p in b] for b in batches(order, 2)] == [[1, 3], [2]]
+    assert len(batches(order, 8)) == 1 and len(batches(order, 1)) == 3
+
+
+def test_every_row_matches_vanilla_at_every_batch_size(tiny_target, tmp_path, monkeypatch):
+    drafter = random_drafter(tiny_target)
+    trees = (TreeSpec("chain", depth=2),
+             TreeSpec("static", paths=((0,), (1,), (0, 0)), lookup=3, lookup_min=1))
+    out = tmp_path / "b.json"
+    cfg = BatchBenchConfig(tiny_target.path, batch_sizes=(1, 2), trees=trees, max_new_tokens=8,
+                           out=out)
+    # Interrupted after the first batch of B=2, then resumed: the B=1 batches and that one
+    # are reused.
+    calls = []
+    real = batch_bench._Runner.__call__
+
+    def counting(self, tree, ids):
+        calls.append((tree, len(ids)))
+        if tree is None and len(ids) == 1 and sum(n == 2 for _, n in calls) == 3:
+            raise KeyboardInterrupt  # B=2's second batch (one row), after its first
+        return real(self, tree, ids)
+
+    monkeypatch.setattr(batch_bench._Runner, "__call__", counting)
+    with pytest.raises(KeyboardInterrupt):
+        run_batch_bench(cfg, prompts=PROMPTS, drafter=drafter)
+    assert len(read_partial(partial_path(out))) == 4  # 3 at B=1, 1 at B=2
+    monkeypatch.setattr(batch_bench._Runner, "__call__", real)
+    r = run_batch_bench(cfg, prompts=PROMPTS, drafter=drafter)
+    assert r["all_rows_equal"] and r["timed_compiles"] == 0
+    assert not partial_path(out).exists() and out.with_suffix(".png").stat().st_size > 0
+    labels = r["config"]["labels"]
+    assert labels == ["chain d2", "static 0 1 00 +lookup3"]
+    for b, n_batches in (("1", 3), ("2", 2)):
+        for label in labels:
+            x = r["by_batch_size"][b][label]
+            assert (x["rows"], x["rows_equal"], x["batches"]) == (3, 3, n_batches)
+            assert x["mal"] >= 1.0 and x["speedup"] > 0
+            lo, hi = x["speedup_ci95"]
+            assert lo <= x["speedup"] <= hi
+    # Each batch's rows are the direct call's tokens: vanilla at B=2 equals B=1's.
+    first = r["per_batch"][3]
+    assert first["b"] == 2 and first["question_ids"] == [1, 3]
+    direct = specjax.generate(tiny_target, [PROMPTS[0]["ids"], PROMPTS[2]["ids"]],
+                              max_new_tokens=8)
+    assert first["vanilla"]["tokens"] == direct.tokens
+    assert first["vanilla"]["new_tokens"] == sum(map(len, direct.tokens)) - 2 + 1
+    assert "| 2 | chain d2 |" in batch_bench.summary(r)
+
+
+def test_defaults_and_flags(tiny_target):
+    drafter = random_drafter(tiny_target)
+    assert default_trees(drafter) == [TreeSpec(), TreeSpec("chain", depth=1)]
+    p = argparse.ArgumentParser()
+    add_batch_args(p)
+    cfg = config_from_args(p.parse_args(["--batch-sizes", "1,4", "--tree-json",
+                                         '{"kind": "chain", "depth": 3}']))
+    assert cfg.batch_sizes == [1, 4] and cfg.trees == (TreeSpec("chain", depth=3),)
+    with pytest.raises(ValueError, match="integers separated by commas"):
+        config_from_args(p.parse_args(["--batch-sizes", "1,x"]))
+    with pytest.raises(ValueError, match="batch sizes must be >= 1"):
+        BatchBenchConfig("m", batch_sizes=(0, 2))
