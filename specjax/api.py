@@ -25,7 +25,7 @@ from specjax.runner import Request, SpecRunner, VanillaRunner, all_done
 from specjax.sampling import SamplingConfig
 from specjax.speculative import TreeSpec
 from specjax.tokenizer import load_tokenizer, render_chat
-from specjax.tree.default import read_defaults
+from specjax.tree.default import read_batch_trees, read_defaults
 from specjax.vocab import VocabHead, resolve_head
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -198,7 +198,8 @@ def load_drafter(path: str | Path, target: Target, dtype: str | None = None) -> 
     cfg, params, meta = read(Path(path), target.cfg, dtype)
     tree, vocab, sampled_tree = read_defaults(path)
     return Drafter(cfg=cfg, params=params, path=Path(path), meta=meta, default_tree=tree,
-                   default_vocab=vocab, default_sampled_tree=sampled_tree)
+                   default_vocab=vocab, default_sampled_tree=sampled_tree,
+                   batch_trees=read_batch_trees(path))
 
 
 def check_generate_args(target: Any, *, max_new_tokens: Any, temperature: Any, top_k: Any,
@@ -255,7 +256,8 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
              mode: Literal["compiled", "eager"] = "compiled", drafter: Drafter | None = None,
              tree: TreeSpec | None = None, assume_q_one: bool = False,
              vocab: str | VocabHead | None = None, attention: str = "dense",
-             vocab_state: Any = None, mesh: sh.Mesh | str | None = None) -> GenerationResult:
+             vocab_state: Any = None, mesh: sh.Mesh | str | None = None,
+             disable_by_batch_size: int | None = None) -> GenerationResult:
     """Generate continuations of one or more prompts.
 
     Without a ``drafter`` this is vanilla decoding. With one, it is speculative
@@ -274,8 +276,9 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
       drafter: from :func:`load_drafter`; None for vanilla decoding.
       tree: the draft tree; default the drafter's measured one (``drafter.tree_for``:
         from its folder's ``default_tree.json``, the tree measured for sampling when
-        ``temperature`` > 0 and the file has one), else ``TreeSpec()`` (a small EAGLE-2
-        tree).
+        ``temperature`` > 0 and the file has one, greedy at a batch of several rows the one
+        measured for that batch size where the file has batch defaults), else
+        ``TreeSpec()`` (a small EAGLE-2 tree).
       assume_q_one: EAGLE's verification shortcut for sampled drafts (see
         :class:`specjax.speculative.SpecConfig`); off by default.
       vocab: the drafter's vocabulary head: "full", "fr:N", "pafr:N", "dynaspec",
@@ -299,6 +302,14 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
         heads, MLP columns, the vocabulary and the KV cache over ``model``. Greedy tokens
         equal the single-device run's. The target, drafter and head are placed on the
         mesh on every call unless already there: load with ``load(path, mesh=...)``.
+      disable_by_batch_size: decode without the drafter from this many rows on (rows per
+        ``data`` shard with a mesh): a verify forward over rows x tree nodes turns
+        compute-bound as the batch grows, and past some size speculation is slower than
+        vanilla decoding (vLLM's option of the same name). The output is the same either
+        way (greedy tokens; sampled, the target's distribution). None (default): where the
+        drafter's folder measured batches (``specjax bench batch --save-default-tree``) and
+        ``tree`` is left to the drafter, from the smallest measured size at which no tree
+        beat vanilla decoding; 0: never. ``stats["speculation_off"]`` says why when off.
     Returns:
       :class:`GenerationResult` with texts, new token ids and ``stats``
       (new_tokens, prefill_s, decode_s, wall_s, tokens_per_s, decode_tokens_per_s;
@@ -321,12 +332,19 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
     mesh = sh.as_mesh(mesh)
     ids = encode_prompts(target, prompts, chat, system)
     n = len(ids)
+    # Rows a device decodes: the batch, or its share of the mesh's data axis.
+    rows = -(-n // (1 if mesh is None else sh.axis_size(mesh, "data")))
+    off = _speculation_off(drafter, tree, rows, disable_by_batch_size)
+    if off is not None:
+        drafter, tree, vocab, attention = None, None, None, "dense"
+    elif drafter is not None and tree is None and temperature == 0:
+        tree = drafter.tree_for(greedy=True, batch=rows)
     target, drafter = _on_mesh(target, drafter, mesh)
     runner, req = _plan(target, _pad_rows(ids, mesh), max_new_tokens=max_new_tokens,
                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, key=key,
                         stop_on_eos=stop_on_eos, drafter=drafter, tree=tree,
                         assume_q_one=assume_q_one, vocab=vocab, attention=attention)
-    if vocab_state is not None:
+    if vocab_state is not None and off is None:
         _check_vocab_state(runner, vocab_state, n)
         runner.vocab_state = _pad_state(runner.head, vocab_state, req.prompt.shape[0])
     runner, req = _runner_on_mesh(runner, req, n, mesh)
@@ -364,8 +382,31 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
     }
     if mesh is not None:
         stats["mesh"] = dict(mesh.shape)
+    if off is not None:
+        stats["speculation_off"] = off
     return GenerationResult(texts=texts, tokens=tokens, stats=stats,
-                            vocab_state=getattr(state, "vocab", None))
+                            vocab_state=vocab_state if off is not None
+                            else getattr(state, "vocab", None))
+
+
+def _speculation_off(drafter: Drafter | None, tree: TreeSpec | None, rows: int,
+                     disable_by_batch_size: int | None) -> str | None:
+    """Why :func:`generate` decodes ``rows`` rows a device without ``drafter`` (see its
+    ``disable_by_batch_size``), or None where it speculates."""
+    if drafter is None:
+        return None
+    if disable_by_batch_size is not None:
+        check_int("disable_by_batch_size", disable_by_batch_size, minimum=0,
+                  hint="0 = never; N = decode without the drafter from N rows on")
+        if disable_by_batch_size and rows >= disable_by_batch_size:
+            return (f"{rows} rows >= disable_by_batch_size={disable_by_batch_size}: decoded "
+                    "without the drafter")
+        return None
+    if tree is None and not drafter.speculates_at(rows):
+        return (f"{rows} rows: the drafter's folder measured vanilla decoding faster at this "
+                "batch size (default_tree.json, `specjax bench batch`); decoded without the "
+                "drafter (pass disable_by_batch_size=0 to speculate anyway)")
+    return None
 
 
 def _on_mesh(target: Target, drafter: Drafter | None,

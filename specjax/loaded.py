@@ -49,10 +49,30 @@ class Drafter:
     default_tree: TreeSpec | None = None
     default_vocab: str | None = None
     default_sampled_tree: TreeSpec | None = None
+    # The folder's batch defaults (specjax bench batch): (batch size >= 2, the greedy tree
+    # fastest there, or None where speculation lost to vanilla decoding), by size.
+    batch_trees: tuple[tuple[int, TreeSpec | None], ...] = ()
 
-    def tree_for(self, greedy: bool) -> TreeSpec:
-        """The tree generate drafts when given none: the measured one for sampling when not
-        ``greedy`` and the folder has one, else the measured greedy one, else
-        :class:`TreeSpec`'s defaults (a small EAGLE-2 tree)."""
+    def _batch_entry(self, batch: int) -> tuple[bool, TreeSpec | None]:
+        """(whether a measured size <= ``batch`` exists, its entry): the largest such."""
+        found = [t for size, t in self.batch_trees if size <= batch]
+        return (True, found[-1]) if found else (False, None)
+
+    def speculates_at(self, batch: int) -> bool:
+        """Whether the folder measured speculation worth running at ``batch`` rows: False
+        where the entry for the largest measured size <= ``batch`` is vanilla decoding."""
+        measured, tree = self._batch_entry(batch)
+        return not measured or tree is not None
+
+    def tree_for(self, greedy: bool, batch: int = 1) -> TreeSpec:
+        """The tree generate drafts when given none: greedy at ``batch`` >= 2 rows, the
+        measured batch default for it (:meth:`speculates_at` says where there is none to
+        draft); the measured one for sampling when not ``greedy`` and the folder has one;
+        else the measured greedy one, else :class:`TreeSpec`'s defaults (a small EAGLE-2
+        tree)."""
+        if greedy:
+            _, tree = self._batch_entry(batch)
+            if tree is not None:
+                return tree
         return ((None if greedy else self.default_sampled_tree) or self.default_tree
                 or TreeSpec())

@@ -16,6 +16,12 @@ the same for every method). Reported for each (B, tree): decode tokens/s against
 over the same batches, the speedup with a 95% interval that resamples batches (paired),
 MAL, and greedy equality row by row (every row must match vanilla's).
 
+``--save-default-tree`` stores what the run found as the drafter's batch defaults
+(:func:`specjax.tree.default.write_batch_trees`): for each measured B >= 2 the fastest tree
+among those resolved faster than vanilla decoding there, or vanilla decoding where none
+was; ``generate`` then drafts that tree for a batch of that size, or decodes without the
+drafter (``disable_by_batch_size``).
+
 Per-batch results go to ``<out stem>.partial.jsonl``; a rerun skips those done.
 """
 
@@ -241,6 +247,64 @@ def run_batch_bench(cfg: BatchBenchConfig, *, prompts: Sequence[dict[str, Any]] 
     return result
 
 
+def batch_choice(r: dict[str, Any]) -> dict[int, int | None]:
+    """For each measured batch size B >= 2, the index (into ``r["config"]["trees"]``) of the
+    fastest tree among those whose speedup interval lies above 1, or None where no tree was
+    resolved faster than vanilla decoding (a tie decodes without the drafter: no slower,
+    and nothing to draft)."""
+    labels = r["config"]["labels"]
+    out: dict[int, int | None] = {}
+    for b, row in r["by_batch_size"].items():
+        if int(b) < 2:
+            continue
+        faster = [i for i, label in enumerate(labels) if row[label]["speedup_ci95"] is not None
+                  and row[label]["speedup_ci95"][0] > 1.0]
+        out[int(b)] = max(faster, key=lambda i: row[labels[i]]["speedup"], default=None)
+    return out
+
+
+def save_batch_defaults(r: dict[str, Any], drafter_dir: str | Path,
+                        results_path: str | Path | None = None) -> Path:
+    """Store :func:`batch_choice` of a run as the drafter's batch defaults, with what was
+    measured (every tree's speedup and interval at every batch size, the machine).
+
+    Raises:
+      ValueError: a row differed from vanilla's output, the run measured no batch size of
+        2 or more, or it drafted with another head than the folder's trees share.
+    """
+    from specjax.tree.default import read_default_vocab, write_batch_trees
+
+    if not r["all_rows_equal"]:
+        raise ValueError("a row differed from vanilla's greedy output in this run; not "
+                         "saving batch defaults from it")
+    choice = batch_choice(r)
+    if not choice:
+        raise ValueError("the run measured no batch size of 2 or more; add one to "
+                         "--batch-sizes")
+    stored = read_default_vocab(drafter_dir)
+    if stored is not None and stored != r["config"]["vocab"]:
+        raise ValueError(f"this run drafted with the head {r['config']['vocab']!r}, but the "
+                         f"drafter's trees share {stored!r}; run again with --vocab {stored}")
+    trees = [TreeSpec.from_json(t) for t in r["config"]["trees"]]
+    measured = {
+        "how": ("bench batch: Spec-Bench prompts in batches mixing tasks; per batch size the "
+                "fastest tree resolved faster than vanilla decoding (95% interval over "
+                "batches, paired), else vanilla decoding"),
+        "chosen": {str(b): label for b, label in batch_choice_labels(r).items()},
+        "speedups": {b: {label: {"speedup": round(x["speedup"], 4),
+                                 "ci95": None if x["speedup_ci95"] is None
+                                 else [round(c, 4) for c in x["speedup_ci95"]]}
+                         for label, x in row.items()}
+                     for b, row in r["by_batch_size"].items()},
+        "machine": {k: r["machine"].get(k) for k in ("cpu_model", "nproc", "jax_backend",
+                                                     "versions")},
+        "results": None if results_path is None else str(results_path),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
+    return write_batch_trees(drafter_dir, {b: None if i is None else trees[i]
+                                           for b, i in choice.items()}, measured)
+
+
 def summary(r: dict[str, Any]) -> str:
     """A markdown table: one row per (batch size, tree)."""
     lines = ["| B | tree | vanilla tok/s | spec tok/s | speedup [95%] | MAL | rows equal |",
@@ -310,7 +374,30 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
                         "../shared/data/spec_bench/question.jsonl)")
     p.add_argument("--no-resume", action="store_true",
                    help="ignore and remove the partial results of an interrupted run")
+    p.add_argument("--save-default-tree", action="store_true",
+                   help="store, for each batch size >= 2, the fastest tree resolved faster "
+                        "than vanilla decoding there (or vanilla decoding where none was) in "
+                        "the drafter's default_tree.json: generate then follows it")
     p.add_argument("--out", default="results/bench_batch.json")
+
+
+def run_batch_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Run :func:`run_batch_bench` from :func:`add_batch_args`' flags (and save)."""
+    if args.save_default_tree and args.drafter == "random":
+        raise ValueError("--save-default-tree needs a trained drafter, not 'random'")
+    r = run_batch_bench(config_from_args(args))
+    if args.save_default_tree:
+        where = save_batch_defaults(r, r["config"]["drafter"], args.out)
+        chosen = ", ".join(f"B={b}: {t or 'vanilla decoding'}"
+                           for b, t in batch_choice_labels(r).items())
+        print(f"batch defaults ({chosen}) saved to {where}")
+    return r
+
+
+def batch_choice_labels(r: dict[str, Any]) -> dict[int, str | None]:
+    """:func:`batch_choice` with the trees' labels."""
+    labels = r["config"]["labels"]
+    return {b: None if i is None else labels[i] for b, i in batch_choice(r).items()}
 
 
 def config_from_args(args: argparse.Namespace) -> BatchBenchConfig:
@@ -333,5 +420,5 @@ def add_parser(bench: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = bench.add_parser(
         "batch", help="speculative speedup against the batch size (Spec-Bench prompts, greedy)")
     add_batch_args(p)
-    p.set_defaults(run=as_command(lambda a: run_batch_bench(config_from_args(a))))
+    p.set_defaults(run=as_command(run_batch_from_args))
     return p

@@ -123,6 +123,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "(default: the drafter's measured head from its default_tree.json, "
                         "else full; the drafter folder's frequency counts, router and "
                         "co-occurrence graph are the default artifacts)")
+    g.add_argument("--disable-by-batch-size", type=int, default=None, metavar="N",
+                   help="decode without the drafter from N prompts on (0: never; default: "
+                        "where the drafter measured batches, `specjax bench batch`, from the "
+                        "batch size at which vanilla decoding was faster; the text is the "
+                        "same either way)")
     g.add_argument("--json", action="store_true",
                    help='print one JSON object {"text", "tokens", "stats"}')
     g.add_argument("--vs-vanilla", action="store_true",
@@ -250,6 +255,8 @@ def stats_line(stats: dict) -> str:
     if "mean_accepted_length" in stats:
         line += (f", {stats['mean_accepted_length']:.2f} tokens per target forward "
                  f"({stats['target_forwards']} forwards)")
+    if off := stats.get("speculation_off"):
+        line += f"; speculation off: {off}"
     if v := stats.get("vanilla"):
         same = {True: ", same text", False: ", TEXT DIFFERS", None: ""}[v["same_tokens"]]
         line += (f"; vanilla {v['decode_tokens_per_s']:.1f} tok/s: {v['speedup']:.2f}x"
@@ -282,12 +289,13 @@ def run_generate(args: argparse.Namespace) -> int:
                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=not args.no_chat,
                   system=args.system, drafter=drafter,
                   tree=None if drafter is None else _tree(args, drafter), vocab=args.vocab)
-    if args.stream:
+    if args.stream:  # one prompt: never disabled by the batch size
         for chunk in specjax.stream(target, prompts, **kwargs):
             print(chunk.text, end="", flush=True)
         print()
         return 0
-    res = specjax.generate(target, prompts, mode=args.mode, mesh=mesh, **kwargs)
+    res = specjax.generate(target, prompts, mode=args.mode, mesh=mesh,
+                           disable_by_batch_size=args.disable_by_batch_size, **kwargs)
     if args.vs_vanilla and drafter is not None:
         base = specjax.generate(target, prompts, mode=args.mode, mesh=mesh,
                                 **{**kwargs, "drafter": None, "tree": None, "vocab": "full"})

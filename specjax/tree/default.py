@@ -15,6 +15,14 @@ than when it is the target's argmax, so the fastest tree differs (Sequoia calibr
 temperature). Sampling uses it where there is one, else the greedy tree; the head is the
 file's for both.
 
+It may hold batch defaults too (``"batch"``, written by ``specjax bench batch
+--save-default-tree``): a verify forward over B rows x T nodes turns compute-bound sooner
+than one over T, so the tree fastest at batch 1 can lose to vanilla decoding at batch 2.
+For each measured batch size B >= 2 the entry is the greedy tree fastest there, or null
+where no tree was resolved faster than vanilla decoding (then generate decodes without the
+drafter: the output is the same). A batch of n rows takes the entry of the largest
+measured size <= n; batch 1 (and fewer rows than any measured size) the greedy tree.
+
 A stored head names only artifacts inside the drafter's folder (``fr:8192``, never
 ``fr:8192:/some/path``), so the folder can be copied or shipped whole.
 """
@@ -62,6 +70,8 @@ def _read(folder: str | Path) -> dict[str, Any] | None:
             if not isinstance(d["sampled"], dict):
                 raise ValueError("sampled must be an object with a tree")
             d["sampled"] = {**d["sampled"], "tree": TreeSpec.from_json(d["sampled"]["tree"])}
+        if "batch" in d:
+            d["batch"] = {**d["batch"], "trees": _batch_trees(d["batch"])}
         vocab = d.get("vocab", "full")
         if not isinstance(vocab, str):
             raise ValueError(f"vocab must be a head spec string, got {vocab!r}")
@@ -71,6 +81,26 @@ def _read(folder: str | Path) -> dict[str, Any] | None:
         raise ValueError(f"{path} is not a valid default tree ({e}); delete it to use "
                          "TreeSpec's defaults and the full head, or measure one again with "
                          "`specjax bench spec --save-default-tree`") from None
+
+
+def _batch_trees(batch: Any) -> tuple[tuple[int, TreeSpec | None], ...]:
+    """The ``"batch"`` entry's trees as (size, tree or None) pairs, by size."""
+    if not isinstance(batch, dict) or not isinstance(batch.get("trees"), dict):
+        raise ValueError("batch must be an object with trees by batch size")
+    out = []
+    for size, tree in batch["trees"].items():
+        if not str(size).isdigit() or int(size) < 2:
+            raise ValueError(f"batch sizes are integers >= 2, got {size!r}")
+        out.append((int(size), None if tree is None else TreeSpec.from_json(tree)))
+    return tuple(sorted(out, key=lambda x: x[0]))
+
+
+def read_batch_trees(folder: str | Path) -> tuple[tuple[int, TreeSpec | None], ...]:
+    """``folder``'s batch defaults: (batch size, greedy tree, or None where speculation lost
+    to vanilla decoding) pairs by size; () where none were measured (see
+    :func:`read_defaults`, which raises the same errors)."""
+    d = _read(folder)
+    return () if d is None or "batch" not in d else d["batch"]["trees"]
 
 
 def read_defaults(folder: str | Path) -> tuple[TreeSpec | None, str | None, TreeSpec | None]:
@@ -110,7 +140,8 @@ def write_default_tree(folder: str | Path, tree: TreeSpec, measured: dict[str, A
         old = _read(folder)
     except ValueError:  # an invalid file is replaced whole
         old = None
-    return _write(folder, tree, vocab, measured, None if old is None else old.get("sampled"))
+    return _write(folder, tree, vocab, measured, None if old is None else old.get("sampled"),
+                  None if old is None else old.get("batch"))
 
 
 def write_sampled_default_tree(folder: str | Path, tree: TreeSpec,
@@ -127,15 +158,40 @@ def write_sampled_default_tree(folder: str | Path, tree: TreeSpec,
                          "first (`specjax bench spec --save-default-tree`), which also "
                          "stores the head both trees use")
     return _write(folder, old["tree"], old["vocab"], old.get("measured", {}),
-                  {"tree": tree, "measured": measured})
+                  {"tree": tree, "measured": measured}, old.get("batch"))
+
+
+def write_batch_trees(folder: str | Path, trees: dict[int, TreeSpec | None],
+                      measured: dict[str, Any]) -> Path:
+    """Store ``trees`` (batch size >= 2 -> the greedy tree fastest there, or None where no
+    tree beat vanilla decoding) as ``folder``'s batch defaults, with ``measured``, beside
+    the trees and head already there (the head is shared, so it must have been measured).
+
+    Raises:
+      ValueError: the folder has no default tree yet, or an invalid one; a size below 2.
+    """
+    old = _read(folder)
+    if old is None:
+        raise ValueError(f"{Path(folder) / FILE} does not exist; measure the greedy default "
+                         "first (`specjax bench spec --save-default-tree`), which also "
+                         "stores the head every tree uses")
+    batch = {"trees": _batch_trees({"trees": {str(b): None if t is None else t.to_json()
+                                              for b, t in trees.items()}}),
+             "measured": measured}
+    return _write(folder, old["tree"], old["vocab"], old.get("measured", {}),
+                  old.get("sampled"), batch)
 
 
 def _write(folder: str | Path, tree: TreeSpec, vocab: str, measured: dict[str, Any],
-           sampled: dict[str, Any] | None) -> Path:
-    """The file, atomically; ``sampled``: None, or its entry as :func:`_read` returns it."""
+           sampled: dict[str, Any] | None, batch: dict[str, Any] | None = None) -> Path:
+    """The file, atomically; ``sampled`` and ``batch``: None, or their entries as
+    :func:`_read` returns them."""
     data = {"format": FORMAT, "tree": tree.to_json(), "vocab": vocab, "measured": measured}
     if sampled is not None:
         data["sampled"] = {**sampled, "tree": sampled["tree"].to_json()}
+    if batch is not None:
+        data["batch"] = {**batch, "trees": {str(b): None if t is None else t.to_json()
+                                            for b, t in batch["trees"]}}
     path = Path(folder) / FILE
     write_json_atomic(path, data)
     return path

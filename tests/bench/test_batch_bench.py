@@ -91,3 +91,44 @@ def test_defaults_and_flags(tiny_target):
         config_from_args(p.parse_args(["--batch-sizes", "1,x"]))
     with pytest.raises(ValueError, match="batch sizes must be >= 1"):
         BatchBenchConfig("m", batch_sizes=(0, 2))
+
+
+def _result(rows: dict[str, dict[str, tuple[float, list[float] | None]]]) -> dict:
+    labels = list(next(iter(rows.values())))
+    trees = [TreeSpec("chain", depth=1).to_json(), TreeSpec("chain", depth=2).to_json()]
+    return {"config": {"labels": labels, "trees": trees[:len(labels)], "vocab": "full"},
+            "by_batch_size": {b: {label: {"speedup": sp, "speedup_ci95": ci}
+                                  for label, (sp, ci) in row.items()}
+                              for b, row in rows.items()},
+            "all_rows_equal": True, "machine": {}}
+
+
+def test_batch_defaults_are_the_fastest_tree_resolved_faster_else_vanilla(tiny_target,
+                                                                           tmp_path):
+    from flax import nnx
+
+    from specjax.drafter import DrafterConfig, EagleDrafter, save_drafter
+    from specjax.tree.default import read_batch_trees, write_default_tree
+
+    r = _result({"1": {"a": (1.7, [1.5, 1.9]), "b": (1.2, [1.1, 1.3])},
+                 "2": {"a": (0.8, [0.7, 0.9]), "b": (1.2, [1.1, 1.3])},
+                 "4": {"a": (0.4, [0.3, 0.5]), "b": (1.1, [0.99, 1.2])},  # a tie: vanilla
+                 "8": {"a": (0.2, [0.2, 0.3]), "b": (0.9, None)}})
+    assert batch_bench.batch_choice(r) == {2: 1, 4: None, 8: None}
+    both = _result({"2": {"a": (1.3, [1.1, 1.5]), "b": (1.2, [1.1, 1.3])}})
+    assert batch_bench.batch_choice(both) == {2: 0}  # the faster of two resolved ones
+
+    cfg = DrafterConfig(tiny_target.cfg)
+    folder = save_drafter(tmp_path / "d", cfg, EagleDrafter(cfg, rngs=nnx.Rngs(0)).params())
+    with pytest.raises(ValueError, match="measure the greedy default first"):
+        batch_bench.save_batch_defaults(r, folder)
+    write_default_tree(folder, TreeSpec("chain", depth=3), {}, vocab="fr:8192")
+    with pytest.raises(ValueError, match="drafted with the head 'full'.*--vocab fr:8192"):
+        batch_bench.save_batch_defaults(r, folder)
+    write_default_tree(folder, TreeSpec("chain", depth=3), {})
+    batch_bench.save_batch_defaults(r, folder, "results/b.json")
+    assert read_batch_trees(folder) == ((2, TreeSpec("chain", depth=2)), (4, None), (8, None))
+    with pytest.raises(ValueError, match="differed from vanilla"):
+        batch_bench.save_batch_defaults({**r, "all_rows_equal": False}, folder)
+    with pytest.raises(ValueError, match="no batch size of 2 or more"):
+        batch_bench.save_batch_defaults(_result({"1": {"a": (1.7, [1.5, 1.9])}}), folder)

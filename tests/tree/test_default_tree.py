@@ -18,8 +18,10 @@ from specjax.drafter import DrafterConfig, EagleDrafter, save_drafter
 from specjax.speculative import TreeSpec
 from specjax.tree.default import (
     FILE,
+    read_batch_trees,
     read_default_tree,
     read_default_vocab,
+    write_batch_trees,
     write_default_tree,
     write_sampled_default_tree,
 )
@@ -230,3 +232,61 @@ def test_save_default_tree_only_from_a_lossless_automatic_run(tmp_path):
                         ({"greedy_equality": {"all_match": False}}, "differed")]:
         with pytest.raises(ValueError, match=msg):
             save_default_tree({**result, **change}, tmp_path)
+
+
+def test_batch_defaults_sit_beside_the_trees_and_survive_their_remeasurement(tmp_path):
+    chain, wide = TreeSpec("chain", depth=1), TreeSpec("dyspec-threshold", depth=1,
+                                                       total_tokens=2, threshold=0.001)
+    with pytest.raises(ValueError, match="does not exist; measure the greedy default first"):
+        write_batch_trees(tmp_path, {2: chain}, {})
+    assert read_batch_trees(tmp_path) == ()
+    write_default_tree(tmp_path, TreeSpec("chain", depth=2), {}, vocab="fr:8192")
+    write_batch_trees(tmp_path, {4: None, 2: chain}, {"how": "bench batch"})
+    assert read_batch_trees(tmp_path) == ((2, chain), (4, None))
+    # Re-measuring the greedy tree or the tree for sampling keeps them, and they keep those.
+    write_sampled_default_tree(tmp_path, wide, {})
+    write_default_tree(tmp_path, TreeSpec("chain", depth=3), {}, vocab="fr:8192")
+    assert read_batch_trees(tmp_path) == ((2, chain), (4, None))
+    assert read_default_tree(tmp_path, sampled=True) == wide
+    assert json.loads((tmp_path / FILE).read_text())["batch"]["measured"] == {
+        "how": "bench batch"}
+    with pytest.raises(ValueError, match="batch sizes are integers >= 2"):
+        write_batch_trees(tmp_path, {1: chain}, {})
+    text = json.loads((tmp_path / FILE).read_text())
+    (tmp_path / FILE).write_text(json.dumps({**text, "batch": {"trees": {"x": None}}}))
+    with pytest.raises(ValueError, match="not a valid default tree.*integers >= 2"):
+        read_batch_trees(tmp_path)
+
+
+def test_generate_follows_the_batch_defaults(tiny_target, tmp_path):
+    """A batch of n rows drafts the tree measured for the largest size <= n, or decodes
+    without the drafter where vanilla decoding was measured faster (the same tokens); an
+    explicit threshold overrides the measured one, and a given tree is the caller's."""
+    drafter = EagleDrafter(DrafterConfig(tiny_target.cfg), rngs=nnx.Rngs(0))
+    folder = save_drafter(tmp_path / "d", drafter.cfg, drafter.params())
+    write_default_tree(folder, TreeSpec("chain", depth=2), {})
+    write_batch_trees(folder, {2: TreeSpec("chain", depth=1), 4: None}, {})
+    d = specjax.load_drafter(folder, tiny_target)
+    assert [d.speculates_at(b) for b in (1, 2, 3, 4, 9)] == [True, True, True, False, False]
+    assert d.tree_for(True, batch=3) == TreeSpec("chain", depth=1)
+    assert d.tree_for(True, batch=1) == d.tree_for(True, batch=4) == TreeSpec("chain", depth=2)
+    prompts = [[1, 17, 42, 99], [1, 5, 6], [1, 60, 61, 62, 63], [1, 9]]
+
+    def run(n, **kw):
+        return specjax.generate(tiny_target, prompts[:n], max_new_tokens=6, **kw)
+
+    assert run(1, drafter=d).stats["tree"]["depth"] == 2
+    two = run(3, drafter=d).stats
+    assert two["tree"] == run(3, drafter=d, tree=TreeSpec("chain", depth=1)).stats["tree"]
+    assert "speculation_off" not in two
+    vanilla = run(4)
+    off = run(4, drafter=d, vocab="full")
+    assert off.tokens == vanilla.tokens and "mean_accepted_length" not in off.stats
+    assert "measured vanilla decoding faster" in off.stats["speculation_off"]
+    assert "mean_accepted_length" in run(4, drafter=d, disable_by_batch_size=0).stats
+    assert "mean_accepted_length" in run(4, drafter=d, tree=TreeSpec("chain", depth=1)).stats
+    explicit = run(2, drafter=d, disable_by_batch_size=2)
+    assert explicit.tokens == run(2).tokens
+    assert "disable_by_batch_size=2" in explicit.stats["speculation_off"]
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        run(2, drafter=d, disable_by_batch_size=-1)
