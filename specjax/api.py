@@ -308,8 +308,9 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
         vanilla decoding (vLLM's option of the same name). The output is the same either
         way (greedy tokens; sampled, the target's distribution). None (default): where the
         drafter's folder measured batches (``specjax bench batch --save-default-tree``) and
-        ``tree`` is left to the drafter, from the smallest measured size at which no tree
-        beat vanilla decoding; 0: never. ``stats["speculation_off"]`` says why when off.
+        ``tree`` is left to the drafter, where the entry of the largest measured size <= the
+        rows is vanilla decoding (no tree was faster there); 0: never.
+        ``stats["speculation_off"]`` says why when off.
     Returns:
       :class:`GenerationResult` with texts, new token ids and ``stats``
       (new_tokens, prefill_s, decode_s, wall_s, tokens_per_s, decode_tokens_per_s;

@@ -19,8 +19,8 @@ One command, one run, one JSON + one PNG:
 2. **Evaluation** on a deterministic Spec-Bench subset (the first ``per_task`` questions of
    each task, first turn, chat template, greedy, batch 1; ``--turns all`` also asks MT-bench's
    second turns after vanilla's first answer, Spec-Bench's own protocol): vanilla decoding,
-   speculative
-   compiled and, for the first ``eager_per_task`` prompts of each task, speculative eager.
+   speculative compiled and, for the first ``eager_per_task`` prompts of each task,
+   speculative eager.
    Every shape bucket is compiled by an untimed warm-up call first. Speculative tokens are
    compared with vanilla tokens for every prompt (greedy decoding is lossless, so they
    must agree; a mismatch is reported loudly, with its first differing position, and does
@@ -120,9 +120,6 @@ LATENCY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32)
 # verify costs several decode steps, so bigger trees cannot pay off.
 # A chain of 1 is where a weak drafter on a cheap-to-widen target (Gemma 3: T=2 costs
 # 1.14x T=1) pays; deeper chains and trees where acceptance is higher.
-TURNS_NOTE = {"first": "first turn only",
-              "all": "every turn (Spec-Bench's protocol), each later one after vanilla "
-                     "decoding's answers to the turns before"}
 DEFAULT_GRID = (
     TreeSpec("chain", depth=1), TreeSpec("chain", depth=2), TreeSpec("chain", depth=3),
     TreeSpec("chain", depth=4), TreeSpec("chain", depth=5),
@@ -132,6 +129,10 @@ DEFAULT_GRID = (
     TreeSpec("eagle2", depth=5, top_k=4, total_tokens=16),
     TreeSpec("eagle2", depth=6, top_k=6, total_tokens=24),
 )
+# How a run's config names the turns it asks (``--turns``).
+TURNS_NOTE = {"first": "first turn only",
+              "all": "every turn (Spec-Bench's protocol), each later one after vanilla "
+                     "decoding's answers to the turns before"}
 
 
 # --------------------------------------------------------------------------------------
