@@ -727,9 +727,16 @@ def test_follow_up_turns_render_the_conversation_through_the_chat_template(tiny_
         spec_bench_prompts(base, questions=None, tasks=["qa"], per_task=1, all_turns=True)
 
 
-def test_spec_bench_questions_keep_every_turn():
-    """MT-bench's questions in Spec-Bench's file have two turns, the other tasks' one."""
-    qs = load_questions(resolve_questions())
-    mt = [q for q in qs if q.task == "mt_bench"]
-    assert len(mt) == 80 and all(len(q.turns) == 2 and q.turns[0] == q.text for q in mt)
-    assert all(len(q.turns) == 1 for q in qs if q.task != "mt_bench")
+def test_spec_bench_questions_keep_every_turn(tmp_path):
+    """MT-bench's questions (two turns in Spec-Bench's file) keep both, the first as
+    ``text``; a turn that is not text is refused with the line that holds it."""
+    lines = [{"question_id": 1, "category": "writing", "turns": ["Write.", "Rewrite it."]},
+             {"question_id": 2, "category": "qa", "turns": ["Why?"]}]
+    f = tmp_path / "question.jsonl"
+    f.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    mt, qa = load_questions(f)
+    assert (mt.task, mt.text, mt.turns) == ("mt_bench", "Write.", ("Write.", "Rewrite it."))
+    assert qa.turns == ("Why?",)
+    f.write_text(json.dumps({"question_id": 3, "category": "qa", "turns": [["x"]]}) + "\n")
+    with pytest.raises(ValueError, match=r"question.jsonl:1: not a Spec-Bench question"):
+        load_questions(f)
