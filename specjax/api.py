@@ -25,7 +25,7 @@ from specjax.runner import Request, SpecRunner, VanillaRunner, all_done
 from specjax.sampling import SamplingConfig
 from specjax.speculative import TreeSpec
 from specjax.tokenizer import load_tokenizer, render_chat
-from specjax.tree.default import read_batch_trees, read_defaults
+from specjax.tree.default import read_defaults
 from specjax.vocab import VocabHead, resolve_head
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -196,10 +196,10 @@ def load_drafter(path: str | Path, target: Target, dtype: str | None = None) -> 
             "drafter with `specjax convert EAGLE_FOLDER OUT` or train one with "
             "`specjax train drafter`")
     cfg, params, meta = read(Path(path), target.cfg, dtype)
-    tree, vocab, sampled_tree = read_defaults(path)
+    tree, vocab, sampled_tree, batch_trees = read_defaults(path)
     return Drafter(cfg=cfg, params=params, path=Path(path), meta=meta, default_tree=tree,
                    default_vocab=vocab, default_sampled_tree=sampled_tree,
-                   batch_trees=read_batch_trees(path))
+                   batch_trees=batch_trees)
 
 
 def check_generate_args(target: Any, *, max_new_tokens: Any, temperature: Any, top_k: Any,

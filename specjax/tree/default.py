@@ -99,14 +99,15 @@ def read_batch_trees(folder: str | Path) -> tuple[tuple[int, TreeSpec | None], .
     """``folder``'s batch defaults: (batch size, greedy tree, or None where speculation lost
     to vanilla decoding) pairs by size; () where none were measured (see
     :func:`read_defaults`, which raises the same errors)."""
-    d = _read(folder)
-    return () if d is None or "batch" not in d else d["batch"]["trees"]
+    return read_defaults(folder)[3]
 
 
-def read_defaults(folder: str | Path) -> tuple[TreeSpec | None, str | None, TreeSpec | None]:
-    """(greedy tree, head spec, tree for sampling) from one read of ``folder``'s file: all
-    None when there is no file; the head "full" when the file names none; the tree for
-    sampling None when the file holds only the greedy one.
+def read_defaults(folder: str | Path) -> tuple[TreeSpec | None, str | None, TreeSpec | None,
+                                               tuple[tuple[int, TreeSpec | None], ...]]:
+    """(greedy tree, head spec, tree for sampling, batch defaults) from one read of
+    ``folder``'s file: None (and no batch defaults) when there is no file; the head "full"
+    when the file names none; the tree for sampling None when the file holds only the
+    greedy one; the batch defaults () where none were measured.
 
     Raises:
       ValueError: the file exists but is not a valid default (names the file and how to
@@ -114,14 +115,15 @@ def read_defaults(folder: str | Path) -> tuple[TreeSpec | None, str | None, Tree
     """
     d = _read(folder)
     if d is None:
-        return None, None, None
-    return d["tree"], d["vocab"], d["sampled"]["tree"] if "sampled" in d else None
+        return None, None, None, ()
+    return (d["tree"], d["vocab"], d["sampled"]["tree"] if "sampled" in d else None,
+            d["batch"]["trees"] if "batch" in d else ())
 
 
 def read_default_tree(folder: str | Path, *, sampled: bool = False) -> TreeSpec | None:
     """The greedy tree stored in ``folder``, or with ``sampled`` the tree for sampling (see
     :func:`read_defaults`, which raises the same errors)."""
-    tree, _, sampled_tree = read_defaults(folder)
+    tree, _, sampled_tree, _ = read_defaults(folder)
     return sampled_tree if sampled else tree
 
 
@@ -175,9 +177,9 @@ def write_batch_trees(folder: str | Path, trees: dict[int, TreeSpec | None],
         raise ValueError(f"{Path(folder) / FILE} does not exist; measure the greedy default "
                          "first (`specjax bench spec --save-default-tree`), which also "
                          "stores the head every tree uses")
-    batch = {"trees": _batch_trees({"trees": {str(b): None if t is None else t.to_json()
-                                              for b, t in trees.items()}}),
-             "measured": measured}
+    if any(b < 2 for b in trees):
+        raise ValueError(f"batch sizes are integers >= 2, got {sorted(trees)}")
+    batch = {"trees": tuple(sorted(trees.items())), "measured": measured}
     return _write(folder, old["tree"], old["vocab"], old.get("measured", {}),
                   old.get("sampled"), batch)
 
