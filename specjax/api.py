@@ -205,7 +205,8 @@ def load_drafter(path: str | Path, target: Target, dtype: str | None = None) -> 
 def check_generate_args(target: Any, *, max_new_tokens: Any, temperature: Any, top_k: Any,
                         top_p: Any, seed: Any, key: Any, chat: Any, system: Any,
                         stop_on_eos: Any, mode: Any, drafter: Any, tree: Any,
-                        assume_q_one: Any, vocab: Any) -> tuple[int, int]:
+                        assume_q_one: Any, vocab: Any,
+                        disable_by_batch_size: Any = None) -> tuple[int, int]:
     """Refuse :func:`generate` arguments of the wrong type or range, naming the argument.
 
     Everything is checked before any work (no tokenizer call, no compile), so a bad value
@@ -246,6 +247,9 @@ def check_generate_args(target: Any, *, max_new_tokens: Any, temperature: Any, t
             or (callable(vocab) and hasattr(vocab, "capacity"))):
         raise TypeError("vocab must be a spec string ('full', 'fr:N', 'dynaspec', ...) or a "
                         f"VocabHead, got {type(vocab).__name__}")
+    if disable_by_batch_size is not None:
+        check_int("disable_by_batch_size", disable_by_batch_size, minimum=0,
+                  hint="0 = never; N = decode without the drafter from N rows on")
     return max_new_tokens, seed
 
 
@@ -329,7 +333,8 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
     max_new_tokens, seed = check_generate_args(
         target, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
         top_p=top_p, seed=seed, key=key, chat=chat, system=system, stop_on_eos=stop_on_eos,
-        mode=mode, drafter=drafter, tree=tree, assume_q_one=assume_q_one, vocab=vocab)
+        mode=mode, drafter=drafter, tree=tree, assume_q_one=assume_q_one, vocab=vocab,
+        disable_by_batch_size=disable_by_batch_size)
     mesh = sh.as_mesh(mesh)
     ids = encode_prompts(target, prompts, chat, system)
     n = len(ids)
@@ -338,13 +343,12 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
     off = _speculation_off(drafter, tree, rows, disable_by_batch_size)
     if off is not None:
         drafter, tree, vocab, attention = None, None, None, "dense"
-    elif drafter is not None and tree is None and temperature == 0:
-        tree = drafter.tree_for(greedy=True, batch=rows)
     target, drafter = _on_mesh(target, drafter, mesh)
     runner, req = _plan(target, _pad_rows(ids, mesh), max_new_tokens=max_new_tokens,
                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, key=key,
                         stop_on_eos=stop_on_eos, drafter=drafter, tree=tree,
-                        assume_q_one=assume_q_one, vocab=vocab, attention=attention)
+                        assume_q_one=assume_q_one, vocab=vocab, attention=attention,
+                        rows=rows)
     if vocab_state is not None and off is None:
         _check_vocab_state(runner, vocab_state, n)
         runner.vocab_state = _pad_state(runner.head, vocab_state, req.prompt.shape[0])
@@ -397,8 +401,6 @@ def _speculation_off(drafter: Drafter | None, tree: TreeSpec | None, rows: int,
     if drafter is None:
         return None
     if disable_by_batch_size is not None:
-        check_int("disable_by_batch_size", disable_by_batch_size, minimum=0,
-                  hint="0 = never; N = decode without the drafter from N rows on")
         if disable_by_batch_size and rows >= disable_by_batch_size:
             return (f"{rows} rows >= disable_by_batch_size={disable_by_batch_size}: decoded "
                     "without the drafter")
@@ -487,9 +489,10 @@ def _check_vocab_state(runner: Any, vocab_state: Any, batch: int) -> None:
 def _plan(target: Target, ids: list[list[int]], *, max_new_tokens: int, temperature: float,
           top_k: int, top_p: float, seed: int, key: jax.Array | None, stop_on_eos: bool,
           drafter: Drafter | None, tree: TreeSpec | None, assume_q_one: bool,
-          vocab: str | VocabHead | None,
-          attention: str = "dense") -> tuple[VanillaRunner | SpecRunner, Request]:
-    """The runner and the laid-out request for checked arguments and encoded prompts."""
+          vocab: str | VocabHead | None, attention: str = "dense",
+          rows: int = 1) -> tuple[VanillaRunner | SpecRunner, Request]:
+    """The runner and the laid-out request for checked arguments and encoded prompts;
+    ``rows``: the rows a device decodes, which picks the drafter's default tree."""
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
@@ -500,7 +503,7 @@ def _plan(target: Target, ids: list[list[int]], *, max_new_tokens: int, temperat
     runner: VanillaRunner | SpecRunner = VanillaRunner(target, sampling)
     if drafter is not None:
         drafter.cfg.check_target(target.cfg)
-        tree = tree or drafter.tree_for(sampling.greedy)
+        tree = tree or drafter.tree_for(sampling.greedy, batch=rows)
         vocab = vocab or drafter.default_vocab or "full"
         runner = SpecRunner.of(target, drafter, resolve_head(vocab, target, drafter), tree,
                                sampling, assume_q_one, attention)
