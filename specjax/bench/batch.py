@@ -270,7 +270,9 @@ def save_batch_defaults(r: dict[str, Any], drafter_dir: str | Path,
 
     Raises:
       ValueError: a row differed from vanilla's output, the run measured no batch size of
-        2 or more, or it drafted with another head than the folder's trees share.
+        2 or more, it drafted with another head than the folder's trees share, or an
+        unmeasured size would draft a tree measured at another size
+        (:func:`specjax.tree.default.unmeasured_drafting_sizes`).
     """
     from specjax.tree.default import read_default_vocab, write_batch_trees
 
@@ -385,7 +387,16 @@ def run_batch_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Run :func:`run_batch_bench` from :func:`add_batch_args`' flags (and save)."""
     if args.save_default_tree and args.drafter == "random":
         raise ValueError("--save-default-tree needs a trained drafter, not 'random'")
-    r = run_batch_bench(config_from_args(args))
+    cfg = config_from_args(args)
+    if args.save_default_tree:
+        from specjax.tree.default import unmeasured_drafting_sizes
+
+        # Before the run, as if every size drafted: a gap is refused at saving only where
+        # the size below it turns out to draft, which the run has yet to tell.
+        if gaps := unmeasured_drafting_sizes({b: True for b in cfg.batch_sizes if b >= 2}):
+            print(f"note: batch sizes {gaps} are not measured; saving is refused if a size "
+                  "below one of them drafts a tree (add them to --batch-sizes)")
+    r = run_batch_bench(cfg)
     if args.save_default_tree:
         where = save_batch_defaults(r, r["config"]["drafter"], args.out)
         chosen = ", ".join(f"B={b}: {t or 'vanilla decoding'}"

@@ -30,6 +30,7 @@ A stored head names only artifacts inside the drafter's folder (``fr:8192``, nev
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -169,8 +170,15 @@ def write_batch_trees(folder: str | Path, trees: dict[int, TreeSpec | None],
     tree beat vanilla decoding) as ``folder``'s batch defaults, with ``measured``, beside
     the trees and head already there (the head is shared, so it must have been measured).
 
+    A batch of n rows drafts the entry of the largest stored size <= n (the batch-1 tree
+    below the smallest), so an unmeasured size between 2 and the largest stored one would
+    draft a tree measured at another size: the sizes must run 2, 3, ... without a gap up to
+    any entry after which a tree is still drafted (a gap after a vanilla entry decodes
+    without the drafter, measured or not).
+
     Raises:
-      ValueError: the folder has no default tree yet, or an invalid one; a size below 2.
+      ValueError: the folder has no default tree yet, or an invalid one; a size below 2; an
+        unmeasured size that would draft a tree measured elsewhere.
     """
     old = _read(folder)
     if old is None:
@@ -179,9 +187,28 @@ def write_batch_trees(folder: str | Path, trees: dict[int, TreeSpec | None],
                          "stores the head every tree uses")
     if any(b < 2 for b in trees):
         raise ValueError(f"batch sizes are integers >= 2, got {sorted(trees)}")
+    if gaps := unmeasured_drafting_sizes(trees):
+        raise ValueError(
+            f"batch sizes {gaps} were not measured but would draft the tree of a smaller "
+            f"size (measured: {sorted(trees)}); measure every size from 2 up to the first "
+            "where vanilla decoding wins (`specjax bench batch --batch-sizes "
+            f"{','.join(map(str, sorted(set(trees) | set(gaps))))} --save-default-tree`)")
     batch = {"trees": tuple(sorted(trees.items())), "measured": measured}
     return _write(folder, old["tree"], old["vocab"], old.get("measured", {}),
                   old.get("sampled"), batch)
+
+
+def unmeasured_drafting_sizes(trees: Mapping[int, object]) -> list[int]:
+    """The sizes in [2, max(trees)] missing from ``trees`` whose inherited entry (the largest
+    measured size below them, the batch-1 tree below the smallest) drafts a tree; an entry
+    of None is vanilla decoding, any other value a tree."""
+    gaps, inherited = [], True  # below the smallest size: the batch-1 tree, which drafts
+    for n in range(2, max(trees, default=1) + 1):
+        if n in trees:
+            inherited = trees[n] is not None
+        elif inherited:
+            gaps.append(n)
+    return gaps
 
 
 def _write(folder: str | Path, tree: TreeSpec, vocab: str, measured: dict[str, Any],

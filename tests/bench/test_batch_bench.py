@@ -112,9 +112,10 @@ def test_batch_defaults_are_the_fastest_tree_resolved_faster_else_vanilla(tiny_t
 
     r = _result({"1": {"a": (1.7, [1.5, 1.9]), "b": (1.2, [1.1, 1.3])},
                  "2": {"a": (0.8, [0.7, 0.9]), "b": (1.2, [1.1, 1.3])},
+                 "3": {"a": (0.6, [0.5, 0.7]), "b": (1.15, [1.05, 1.25])},
                  "4": {"a": (0.4, [0.3, 0.5]), "b": (1.1, [0.99, 1.2])},  # a tie: vanilla
                  "8": {"a": (0.2, [0.2, 0.3]), "b": (0.9, None)}})
-    assert batch_bench.batch_choice(r) == {2: 1, 4: None, 8: None}
+    assert batch_bench.batch_choice(r) == {2: 1, 3: 1, 4: None, 8: None}
     both = _result({"2": {"a": (1.3, [1.1, 1.5]), "b": (1.2, [1.1, 1.3])}})
     assert batch_bench.batch_choice(both) == {2: 0}  # the faster of two resolved ones
 
@@ -127,7 +128,8 @@ def test_batch_defaults_are_the_fastest_tree_resolved_faster_else_vanilla(tiny_t
         batch_bench.save_batch_defaults(r, folder)
     write_default_tree(folder, TreeSpec("chain", depth=3), {})
     batch_bench.save_batch_defaults(r, folder, "results/b.json")
-    assert read_batch_trees(folder) == ((2, TreeSpec("chain", depth=2)), (4, None), (8, None))
+    assert read_batch_trees(folder) == ((2, TreeSpec("chain", depth=2)),
+                                        (3, TreeSpec("chain", depth=2)), (4, None), (8, None))
     with pytest.raises(ValueError, match="differed from vanilla"):
         batch_bench.save_batch_defaults({**r, "all_rows_equal": False}, folder)
     with pytest.raises(ValueError, match="no batch size of 2 or more"):

@@ -21,6 +21,7 @@ from specjax.tree.default import (
     read_batch_trees,
     read_default_tree,
     read_default_vocab,
+    unmeasured_drafting_sizes,
     write_batch_trees,
     write_default_tree,
     write_sampled_default_tree,
@@ -234,6 +235,18 @@ def test_save_default_tree_only_from_a_lossless_automatic_run(tmp_path):
             save_default_tree({**result, **change}, tmp_path)
 
 
+@pytest.mark.parametrize("trees,gaps", [
+    ({2: "t", 3: "t", 4: None}, []),
+    ({2: "t", 4: None}, [3]),        # 3 would draft the tree measured at 2
+    ({3: "t"}, [2]),                 # 2 would draft the batch-1 tree
+    ({2: None, 5: None}, []),        # 3 and 4 decode without the drafter, as 2 does
+    ({2: None, 4: "t", 7: None}, [5, 6]),
+    ({}, []),
+])
+def test_unmeasured_sizes_that_would_draft(trees, gaps):
+    assert unmeasured_drafting_sizes(trees) == gaps
+
+
 def test_batch_defaults_sit_beside_the_trees_and_survive_their_remeasurement(tmp_path):
     chain, wide = TreeSpec("chain", depth=1), TreeSpec("dyspec-threshold", depth=1,
                                                        total_tokens=2, threshold=0.001)
@@ -241,17 +254,20 @@ def test_batch_defaults_sit_beside_the_trees_and_survive_their_remeasurement(tmp
         write_batch_trees(tmp_path, {2: chain}, {})
     assert read_batch_trees(tmp_path) == ()
     write_default_tree(tmp_path, TreeSpec("chain", depth=2), {}, vocab="fr:8192")
-    write_batch_trees(tmp_path, {4: None, 2: chain}, {"how": "bench batch"})
-    assert read_batch_trees(tmp_path) == ((2, chain), (4, None))
+    write_batch_trees(tmp_path, {4: None, 2: chain, 3: chain}, {"how": "bench batch"})
+    assert read_batch_trees(tmp_path) == ((2, chain), (3, chain), (4, None))
     # Re-measuring the greedy tree or the tree for sampling keeps them, and they keep those.
     write_sampled_default_tree(tmp_path, wide, {})
     write_default_tree(tmp_path, TreeSpec("chain", depth=3), {}, vocab="fr:8192")
-    assert read_batch_trees(tmp_path) == ((2, chain), (4, None))
+    assert read_batch_trees(tmp_path) == ((2, chain), (3, chain), (4, None))
     assert read_default_tree(tmp_path, sampled=True) == wide
     assert json.loads((tmp_path / FILE).read_text())["batch"]["measured"] == {
         "how": "bench batch"}
     with pytest.raises(ValueError, match="batch sizes are integers >= 2"):
         write_batch_trees(tmp_path, {1: chain}, {})
+    with pytest.raises(ValueError, match=r"sizes \[3\] were not measured.*--batch-sizes 2,3,4"):
+        write_batch_trees(tmp_path, {2: chain, 4: None}, {})
+    assert read_batch_trees(tmp_path) == ((2, chain), (3, chain), (4, None))  # kept
     text = json.loads((tmp_path / FILE).read_text())
     (tmp_path / FILE).write_text(json.dumps({**text, "batch": {"trees": {"x": None}}}))
     with pytest.raises(ValueError, match="not a valid default tree.*integers >= 2"):
@@ -265,7 +281,8 @@ def test_generate_follows_the_batch_defaults(tiny_target, tmp_path):
     drafter = EagleDrafter(DrafterConfig(tiny_target.cfg), rngs=nnx.Rngs(0))
     folder = save_drafter(tmp_path / "d", drafter.cfg, drafter.params())
     write_default_tree(folder, TreeSpec("chain", depth=2), {})
-    write_batch_trees(folder, {2: TreeSpec("chain", depth=1), 4: None}, {})
+    write_batch_trees(folder, {2: TreeSpec("chain", depth=1), 3: TreeSpec("chain", depth=1),
+                               4: None}, {})
     d = specjax.load_drafter(folder, tiny_target)
     assert [d.speculates_at(b) for b in (1, 2, 3, 4, 9)] == [True, True, True, False, False]
     assert d.tree_for(True, batch=3) == TreeSpec("chain", depth=1)
