@@ -249,6 +249,10 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --ckpt-dir")
+    p.add_argument("--compare-with", action="append", default=[], metavar="ROUTER",
+                   help="a saved router for the same drafter to evaluate on the same "
+                        "held-out records (e.g. the shipped one, trained on less data); "
+                        "repeatable; results under 'compared' in metrics.json")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -684,7 +688,8 @@ def run_train_router(args: argparse.Namespace) -> int:
                            ckpt_dir=Path(args.ckpt_dir) if args.ckpt_dir
                            else _router_ckpt_dir(Path(args.data), out),
                            resume=args.resume, overwrite=args.overwrite,
-                           extra_meta=extra, progress=progress)
+                           extra_meta=extra, progress=progress,
+                           compare_with=tuple(Path(r) for r in args.compare_with))
     final = metrics["final"] or {}
     ks = [k for k in eval_ks if f"recall@{k}" in final]
     print(json.dumps({"out": metrics["out"], "steps": metrics["steps"],
@@ -693,6 +698,9 @@ def run_train_router(args: argparse.Namespace) -> int:
                       "initial_heldout_bce": (metrics["initial"] or {}).get("bce"),
                       **{f"recall@{k}": final[f"recall@{k}"] for k in ks},
                       **{f"shortlist@{k}": final[f"shortlist@{k}"] for k in ks},
+                      "compared": [{"router": c["router"],
+                                    **{f"recall@{k}": c["final"][f"recall@{k}"] for k in ks}}
+                                   for c in metrics.get("compared", [])],
                       "wall_s": round(time.time() - t_start, 1)}, indent=1))
     return 0 if metrics["complete"] else 1
 

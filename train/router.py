@@ -58,6 +58,8 @@ from specjax.vocab.router import (
     Router,
     RouterConfig,
     RouterMismatchError,
+    load_router,
+    router_logits,
     save_router,
 )
 
@@ -274,9 +276,22 @@ def router_loss(model: Router, x: Array, topl: Array, assign: Array,
       (mean loss, logits [B, M]).
     """
     logits = model(x)
+    return _bce(logits, topl, assign, weight), logits
+
+
+def _bce(logits: Array, topl: Array, assign: Array, weight: Array) -> Array:
+    """The mean over weighted rows of the BCE summed over clusters ([B, M] logits)."""
     y = cluster_labels(topl, assign, logits.shape[-1])
     bce = jnp.sum(optax.sigmoid_binary_cross_entropy(logits, y), -1)  # [B]
-    return jnp.sum(bce * weight) / jnp.maximum(jnp.sum(weight), 1.0), logits
+    return jnp.sum(bce * weight) / jnp.maximum(jnp.sum(weight), 1.0)
+
+
+def _eval_batch(logits: Array, topl: Array, step: Array, assign: Array, sizes: Array,
+                weight: Array, ks: tuple[int, ...]) -> dict[str, Array]:
+    """One batch's sums for :func:`evaluate`, the loss included."""
+    loss = _bce(logits, topl, assign, weight)
+    return _eval_sums(logits, topl, step, assign, sizes, weight, ks) | {
+        "bce": loss * jnp.sum(weight), "rows": jnp.sum(weight)}
 
 
 def _eval_sums(logits: Array, topl: Array, step: Array, assign: Array, sizes: Array,
@@ -321,11 +336,17 @@ def compiled_steps(graphdef: nnx.GraphDef, tc: RouterTrainConfig, total_steps: i
 
     @jax.jit
     def eval_step(params, x, topl, step, assign, sizes, weight):
-        loss, logits = loss_fn(params, x, topl, assign, weight)
-        return _eval_sums(logits, topl, step, assign, sizes, weight, ks) | {
-            "bce": loss * jnp.sum(weight), "rows": jnp.sum(weight)}
+        return _eval_batch(nnx.merge(graphdef, params)(x), topl, step, assign, sizes, weight,
+                           ks)
 
     return tx, train_step, eval_step
+
+
+@lru_cache(maxsize=8)
+def saved_eval_step(ks: tuple[int, ...]):
+    """:func:`evaluate`'s step for a saved router's :class:`RouterParams`."""
+    return jax.jit(lambda params, x, topl, step, assign, sizes, weight: _eval_batch(
+        router_logits(params, x), topl, step, assign, sizes, weight, ks))
 
 
 def _finish_eval(tot: dict[str, np.ndarray], ks: tuple[int, ...], vocab_size: int) -> dict:
@@ -422,7 +443,8 @@ def train_router(data_dir: Path, clusters: Clusters, cfg: RouterTrainConfig, out
                  drafter_fingerprint: str, target_fields: dict[str, Any],
                  ckpt_dir: Path | None = None, resume: bool = False,
                  stop_after: int | None = None, overwrite: bool = False,
-                 extra_meta: dict | None = None, progress: bool = True) -> dict:
+                 extra_meta: dict | None = None, compare_with: tuple[Path, ...] = (),
+                 progress: bool = True) -> dict:
     """Train a router on a data directory and write it with :func:`save_router`.
 
     Args:
@@ -437,9 +459,13 @@ def train_router(data_dir: Path, clusters: Clusters, cfg: RouterTrainConfig, out
       resume: continue from the latest checkpoint in ``ckpt_dir``; without it an
         existing checkpoint is refused rather than silently overwritten.
       stop_after: stop (after checkpointing) at this step, as an interrupt would.
+      compare_with: saved routers for the same drafter (and target) to evaluate on the same
+        held-out records, each with its own clusters: a router trained on other data or
+        settings, compared on one footing. Loaded first, so a mismatch costs no training.
     Returns:
       metrics: held-out ``initial`` (before training) and ``final`` evaluations,
-      the ``static_baseline``, cluster sizes, steps and ``complete``.
+      the ``static_baseline``, cluster sizes, steps and ``complete``; ``compared``: for
+      each of ``compare_with``, its path and held-out evaluation.
     """
     from tqdm.auto import tqdm
 
@@ -450,6 +476,8 @@ def train_router(data_dir: Path, clusters: Clusters, cfg: RouterTrainConfig, out
                               "--overwrite")
     check_router_data(read_router_meta(data_dir), drafter_fingerprint=drafter_fingerprint,
                       target_fields=target_fields, clusters=clusters)  # before the slow read
+    others = [(Path(p), load_router(Path(p), drafter_fingerprint=drafter_fingerprint,
+                                    target_fields=target_fields)) for p in compare_with]
     data = read_router_data(data_dir)
     top_l = cfg.top_l or data.meta["top_l"]
     if not 1 <= top_l <= data.meta["top_l"]:
@@ -582,6 +610,11 @@ def train_router(data_dir: Path, clusters: Clusters, cfg: RouterTrainConfig, out
                if len(heldout) else None,
                "clusters": cluster_size_stats(clusters), "router": rcfg.to_json(),
                "train_config": cfg.to_json(), "out": None}
+    if metrics["complete"] and len(heldout):
+        metrics["compared"] = [
+            {"router": str(path), "final": evaluate(saved_eval_step(ks), p, heldout, c,
+                                                    cfg.batch, ks, top_l)}
+            for path, (_, p, c, _) in others]
     if metrics["complete"]:
         final = nnx.merge(graphdef, params)
         meta = {k: v for k, v in metrics.items() if k != "out"} | (extra_meta or {})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -152,6 +153,32 @@ def test_resume_continues_rather_than_restarting(data, tmp_path):
                      tmp_path / "c", ckpt_dir=tmp_path / "b.checkpoints", resume=True, **kw)
 
 
+def test_compare_with_evaluates_saved_routers_on_the_same_heldout(data, tmp_path):
+    dir_, clusters = data
+    kw = dict(drafter_fingerprint=FP, target_fields=TARGET, progress=False)
+    short = train_router(dir_, clusters, _tc(steps=3), tmp_path / "short", **kw)
+    again = train_router(dir_, clusters, _tc(steps=3), tmp_path / "again",
+                         compare_with=(tmp_path / "short",), **kw)
+    [c] = again["compared"]
+    assert c["router"] == str(tmp_path / "short")
+    # The saved router, evaluated through its stored params, scores what training saw.
+    for k in ("bce", "recall@1", "recall@3", "top1_recall@2", "shortlist@2"):
+        assert c["final"][k] == pytest.approx(short["final"][k], abs=1e-5), k
+    longer = train_router(dir_, clusters, _tc(steps=40), tmp_path / "longer",
+                          compare_with=(tmp_path / "short",), **kw)
+    assert longer["final"]["bce"] < longer["compared"][0]["final"]["bce"]
+    saved = json.loads((tmp_path / "longer" / "metrics.json").read_text())
+    assert saved["compared"][0]["final"]["recall@1"] == c["final"]["recall@1"]
+    other = tmp_path / "other"
+    shutil.copytree(tmp_path / "short", other)
+    manifest = json.loads((other / "specjax.json").read_text())
+    (other / "specjax.json").write_text(json.dumps({**manifest,
+                                                    "drafter_fingerprint": "0" * 64}))
+    with pytest.raises(RouterMismatchError, match="another drafter"):
+        train_router(dir_, clusters, _tc(steps=3), tmp_path / "x", compare_with=(other,), **kw)
+    assert not (tmp_path / "x").exists()
+
+
 def test_refuses_mismatched_inputs(data, tmp_path):
     dir_, clusters = data
     kw = dict(progress=False)
@@ -210,9 +237,13 @@ def test_cli_end_to_end(tiny, tmp_path, capsys):
     assert "--overwrite" in capsys.readouterr().err
     reuse = args[:args.index("--clusters")] + ["--clusters-file", str(tmp_path / "c.npz"),
                                                "--out", str(tmp_path / "r2")]
-    reuse += args[args.index("--kmeans-iters"):args.index("--save-clusters")] + ["--no-progress"]
+    reuse += args[args.index("--kmeans-iters"):args.index("--save-clusters")] + [
+        "--no-progress", "--compare-with", str(tmp_path / "r")]
     assert train_main(reuse) == 0
-    capsys.readouterr()
+    [compared] = json.loads(capsys.readouterr().out)["compared"]
+    # The same clusters, settings and seed: the earlier router scores what this one does.
+    assert compared["router"] == str(tmp_path / "r")
+    assert compared["recall@2"] == pytest.approx(out["recall@2"], abs=1e-6)
     _, _, again, _ = load_router(tmp_path / "r2", drafter_fingerprint=fp,
                                  target_fields=target_fields_of(target.cfg))
     np.testing.assert_array_equal(again.assign, saved.assign)
