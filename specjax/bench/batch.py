@@ -22,6 +22,12 @@ among those resolved faster than vanilla decoding there, or vanilla decoding whe
 was; ``generate`` then drafts that tree for a batch of that size, or decodes without the
 drafter (``disable_by_batch_size``).
 
+``--temperature T`` (> 0) measures sampled batches instead (default trees: the drafter's
+tree for sampling and a chain of one draft): vanilla and every tree draw with one seed a
+batch (``--seed`` + its index), no EOS stop (every row runs the budget, so the methods
+decode the same number of tokens), and no equality is counted; such a run cannot be saved
+as batch defaults, which are measured greedy.
+
 Per-batch results go to ``<out stem>.partial.jsonl``; a rerun skips those done.
 """
 
@@ -76,7 +82,9 @@ class BatchBenchConfig:
         ``default_tree.json``, else :class:`TreeSpec`'s defaults) and a chain of one draft.
       vocab: the drafter's head spec; None: the drafter's measured head, else full.
       per_task, tasks, questions: the Spec-Bench prompts, as ``bench spec`` takes them.
-      max_new_tokens: the budget of every row (EOS also stops a row).
+      max_new_tokens: the budget of every row (EOS also stops a row, greedy).
+      temperature, seed: 0 greedy; > 0 sampled, the batch of index k drawn with seed + k by
+        vanilla and every tree alike, without the EOS stop.
       out: JSON path; the PNG goes beside it.
       resume: reuse matching records of an interrupted run's partial file.
     """
@@ -90,12 +98,16 @@ class BatchBenchConfig:
     tasks: Sequence[str] = TASKS
     questions: str | Path | None = None
     max_new_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 0
     out: str | Path = "results/bench_batch.json"
     resume: bool = True
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"batch sizes must be >= 1, got {list(self.batch_sizes)}")
+        if not self.temperature >= 0:  # also refuses NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.per_task < 1 or self.max_new_tokens < 1:
             raise ValueError("need per_task >= 1 and max_new_tokens >= 1")
 
@@ -119,10 +131,10 @@ def batches(prompts: Sequence[dict[str, Any]], b: int) -> list[list[dict[str, An
     return [list(prompts[i:i + b]) for i in range(0, len(prompts), b)]
 
 
-def default_trees(drafter: Drafter) -> list[TreeSpec]:
-    """The drafter's measured greedy tree (what ``generate`` drafts by default, chosen at
-    batch 1) and the smallest tree, a chain of one draft."""
-    out = [drafter.tree_for(greedy=True)]
+def default_trees(drafter: Drafter, greedy: bool = True) -> list[TreeSpec]:
+    """The drafter's measured tree (greedy, or for sampling: what ``generate`` drafts by
+    default at batch 1) and the smallest tree, a chain of one draft."""
+    out = [drafter.tree_for(greedy=greedy)]
     chain = TreeSpec("chain", depth=1)
     return out + ([chain] if chain not in out else [])
 
@@ -130,14 +142,18 @@ def default_trees(drafter: Drafter) -> list[TreeSpec]:
 class _Runner:
     """Runs one method on one batch, compiling each (method, B, prompt bucket) untimed first."""
 
-    def __init__(self, target: Target, drafter: Drafter, head: VocabHead, max_new_tokens: int):
+    def __init__(self, target: Target, drafter: Drafter, head: VocabHead, max_new_tokens: int,
+                 temperature: float = 0.0):
         self.target, self.drafter, self.head = target, drafter, head
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.warm: set[tuple[str, int, int]] = set()
 
-    def __call__(self, tree: TreeSpec | None, ids: list[list[int]]) -> dict[str, Any]:
-        kw: dict[str, Any] = {} if tree is None else {"drafter": self.drafter, "tree": tree,
-                                                      "vocab": self.head}
+    def __call__(self, tree: TreeSpec | None, ids: list[list[int]],
+                 seed: int = 0) -> dict[str, Any]:
+        kw: dict[str, Any] = {"temperature": self.temperature, "seed": seed,
+                              "stop_on_eos": self.temperature == 0}
+        if tree is not None:
+            kw |= {"drafter": self.drafter, "tree": tree, "vocab": self.head}
         key = ("vanilla" if tree is None else tree_label(tree), len(ids),
                bucket(max(map(len, ids))))
         if key not in self.warm:
@@ -172,7 +188,9 @@ def pooled(records: Sequence[dict[str, Any]], label: str) -> dict[str, Any]:
             "speedup": rate / v_rate, "speedup_ci95": None if sp is None else sp["ci95"],
             "mal": sum(x["accepted_tokens"] for x in runs) / fwd if fwd else None,
             "rows": sum(len(x["tokens"]) for x in runs),
-            "rows_equal": sum(m is None for x in runs for m in x["mismatches"]),
+            # Sampled runs count no equality (None): their draws differ from vanilla's.
+            "rows_equal": None if "mismatches" not in runs[0]
+            else sum(m is None for x in runs for m in x["mismatches"]),
             "batches": len(runs)}
 
 
@@ -189,7 +207,8 @@ def run_batch_bench(cfg: BatchBenchConfig, *, prompts: Sequence[dict[str, Any]] 
     target, drafter, drafter_name = load_models(cfg.model_dir, None, drafter, cfg.drafter_dir)
     vocab = cfg.vocab or drafter.default_vocab or "full"
     head = resolve_head(vocab, target, drafter)
-    trees = list(cfg.trees) or default_trees(drafter)
+    greedy = cfg.temperature == 0
+    trees = list(cfg.trees) or default_trees(drafter, greedy)
     labels = [tree_label(t) for t in trees]
     evals, qpath = spec_bench_prompts(target, questions=cfg.questions, tasks=cfg.tasks,
                                       per_task=cfg.per_task, prompts=prompts)
@@ -198,14 +217,15 @@ def run_batch_bench(cfg: BatchBenchConfig, *, prompts: Sequence[dict[str, Any]] 
         "model": str(cfg.model_dir), "drafter": drafter_name, "vocab": vocab,
         "batch_sizes": list(cfg.batch_sizes), "trees": [t.to_json() for t in trees],
         "labels": labels, "per_task": cfg.per_task, "tasks": list(cfg.tasks),
-        "max_new_tokens": cfg.max_new_tokens, "greedy": True, "stop_on_eos": True,
+        "max_new_tokens": cfg.max_new_tokens, "greedy": greedy, "stop_on_eos": greedy,
+        **({} if greedy else {"temperature": cfg.temperature, "seed": cfg.seed}),
         "questions": None if qpath is None else str(qpath),
         "prompts": [p["question_id"] for p in order]}))
     key = json.dumps(config | {"drafter_mtime": drafter_stamp(drafter)}, sort_keys=True)
     ppath, old = resume_from(out, cfg.resume)
     done = {(r["b"], r["batch"]): r for r in old if r.get("key") == key}
 
-    runner = _Runner(target, drafter, head, cfg.max_new_tokens)
+    runner = _Runner(target, drafter, head, cfg.max_new_tokens, cfg.temperature)
     plan = [(b, k, batch) for b in cfg.batch_sizes for k, batch in enumerate(batches(order, b))]
     records = []
     t0 = time.perf_counter()
@@ -216,9 +236,11 @@ def run_batch_bench(cfg: BatchBenchConfig, *, prompts: Sequence[dict[str, Any]] 
         ids = [p["ids"] for p in batch]
         rec: dict[str, Any] = {"key": key, "b": b, "batch": k,
                                "question_ids": [p["question_id"] for p in batch],
-                               "vanilla": runner(None, ids)}
+                               "vanilla": runner(None, ids, cfg.seed + k)}
         for label, tree in zip(labels, trees, strict=True):
-            rec[label] = runner(tree, ids)
+            rec[label] = runner(tree, ids, cfg.seed + k)
+            if not greedy:
+                continue
             rec[label]["mismatches"] = [first_mismatch(s, v) for s, v in zip(
                 rec[label]["tokens"], rec["vanilla"]["tokens"], strict=True)]
             for q, m in zip(rec["question_ids"], rec[label]["mismatches"], strict=True):
@@ -233,8 +255,9 @@ def run_batch_bench(cfg: BatchBenchConfig, *, prompts: Sequence[dict[str, Any]] 
     result = {
         "benchmark": "batch", "config": config, "machine": machine_info(),
         "by_batch_size": by_b,
-        "all_rows_equal": all(x["rows_equal"] == x["rows"] for row in by_b.values()
-                              for x in row.values()),
+        # None sampled: nothing to compare token for token.
+        "all_rows_equal": None if not greedy else all(
+            x["rows_equal"] == x["rows"] for row in by_b.values() for x in row.values()),
         "timed_compiles": sum(r[m]["compiles_while_timed"] for r in records
                               for m in ("vanilla", *labels)),
         "wall_s": time.perf_counter() - t0,
@@ -276,6 +299,9 @@ def save_batch_defaults(r: dict[str, Any], drafter_dir: str | Path,
     """
     from specjax.tree.default import read_default_vocab, write_batch_trees
 
+    if not r["config"]["greedy"]:
+        raise ValueError("batch defaults are measured greedy (generate's threshold serves "
+                         "both); run again without --temperature to save them")
     if not r["all_rows_equal"]:
         raise ValueError("a row differed from vanilla's greedy output in this run; not "
                          "saving batch defaults from it")
@@ -317,12 +343,16 @@ def summary(r: dict[str, Any]) -> str:
             sp = f"{x['speedup']:.2f}x" + ("" if ci is None else f" [{ci[0]:.2f}, {ci[1]:.2f}]")
             lines.append(f"| {b} | {label} | {x['vanilla_decode_tokens_per_s']:.1f} | "
                          f"{x['decode_tokens_per_s']:.1f} | {sp} | {dash(x['mal'])} | "
-                         f"{x['rows_equal']}/{x['rows']} |")
+                         f"{dash(x['rows_equal'])}/{x['rows']} |")
     lines.append("MAL = tokens committed per target forward, the bonus token included; rates "
                  "are decode tokens/s of the whole batch")
     if r["timed_compiles"]:
         lines.append(f"warning: {r['timed_compiles']} XLA compiles inside timed calls")
-    if not r["all_rows_equal"]:
+    if not r["config"]["greedy"]:
+        lines.append(f"sampled at temperature {r['config']['temperature']:g} (batch k: seed "
+                     f"{r['config']['seed']} + k, shared by every method), no EOS stop: no "
+                     "row is compared with vanilla's")
+    elif not r["all_rows_equal"]:
         lines.append("!!! some rows differ from vanilla's greedy output (see per_batch) !!!")
     return "\n".join(lines)
 
@@ -352,7 +382,9 @@ def plot_batch(r: dict[str, Any], path: Path) -> Path:
         a.set_xlabel("batch size")
         a.set_ylabel(ylabel)
         a.legend(fontsize=8)
-    ax.set_title(f"greedy, {r['config']['max_new_tokens']} tokens a row; vanilla at B="
+    how = ("greedy" if r["config"]["greedy"]
+           else f"temperature {r['config']['temperature']:g}")
+    ax.set_title(f"{how}, {r['config']['max_new_tokens']} tokens a row; vanilla at B="
                  f"{bs[0]}: {first['vanilla_decode_tokens_per_s']:.1f} tok/s", fontsize=9)
     return save_figure(fig, path)
 
@@ -374,6 +406,12 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--questions", default=None,
                    help=f"Spec-Bench question.jsonl (default: ${QUESTIONS_ENV}, else "
                         "../shared/data/spec_bench/question.jsonl)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="0 (default): greedy, every row checked against vanilla's; > 0: "
+                        "sampled, one seed a batch shared by vanilla and every tree, no EOS "
+                        "stop (default trees: the drafter's tree for sampling and a chain)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="with --temperature > 0: the first batch's seed (default 0)")
     p.add_argument("--no-resume", action="store_true",
                    help="ignore and remove the partial results of an interrupted run")
     p.add_argument("--save-default-tree", action="store_true",
@@ -387,6 +425,9 @@ def run_batch_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Run :func:`run_batch_bench` from :func:`add_batch_args`' flags (and save)."""
     if args.save_default_tree and args.drafter == "random":
         raise ValueError("--save-default-tree needs a trained drafter, not 'random'")
+    if args.save_default_tree and args.temperature:
+        raise ValueError("--save-default-tree stores greedy measurements (generate's batch "
+                         "threshold serves sampling too); drop --temperature")
     cfg = config_from_args(args)
     if args.save_default_tree:
         from specjax.tree.default import unmeasured_drafting_sizes
@@ -422,7 +463,8 @@ def config_from_args(args: argparse.Namespace) -> BatchBenchConfig:
         resolve_model(args.model), args.drafter, batch_sizes=sizes,
         trees=tuple(TreeSpec.from_json_text(t, "--tree-json") for t in args.tree_json),
         vocab=args.vocab, per_task=args.per_task, tasks=[t for t in args.tasks.split(",") if t],
-        questions=args.questions, max_new_tokens=args.max_new_tokens, out=Path(args.out),
+        questions=args.questions, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, seed=args.seed, out=Path(args.out),
         resume=not args.no_resume)
 
 

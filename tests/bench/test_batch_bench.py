@@ -46,11 +46,11 @@ def test_every_row_matches_vanilla_at_every_batch_size(tiny_target, tmp_path, mo
     calls = []
     real = batch_bench._Runner.__call__
 
-    def counting(self, tree, ids):
+    def counting(self, tree, ids, *seed):
         calls.append((tree, len(ids)))
         if tree is None and len(ids) == 1 and sum(n == 2 for _, n in calls) == 3:
             raise KeyboardInterrupt  # B=2's second batch (one row), after its first
-        return real(self, tree, ids)
+        return real(self, tree, ids, *seed)
 
     monkeypatch.setattr(batch_bench._Runner, "__call__", counting)
     with pytest.raises(KeyboardInterrupt):
@@ -79,6 +79,32 @@ def test_every_row_matches_vanilla_at_every_batch_size(tiny_target, tmp_path, mo
     assert "| 2 | chain d2 |" in batch_bench.summary(r)
 
 
+def test_sampled_batches_share_a_seed_a_batch_and_save_nothing(tiny_target, tmp_path):
+    drafter = random_drafter(tiny_target)
+    cfg = BatchBenchConfig(tiny_target.path, batch_sizes=(2,), trees=(TreeSpec("chain", depth=2),),
+                           max_new_tokens=6, temperature=1.0, seed=5, out=tmp_path / "t.json")
+    r = run_batch_bench(cfg, prompts=PROMPTS, drafter=drafter)
+    assert r["config"]["greedy"] is False and r["config"]["seed"] == 5
+    assert r["all_rows_equal"] is None
+    x = r["by_batch_size"]["2"]["chain d2"]
+    assert x["rows_equal"] is None and x["rows"] == 3 and x["mal"] >= 1.0
+    # Batch k is vanilla's draw with seed 5 + k, without the EOS stop: every row runs the
+    # budget, so both methods decode the same number of tokens.
+    for k, rec in enumerate(r["per_batch"]):
+        ids = [PROMPTS[0]["ids"], PROMPTS[2]["ids"]] if k == 0 else [PROMPTS[1]["ids"]]
+        direct = specjax.generate(tiny_target, ids, max_new_tokens=6, temperature=1.0,
+                                  seed=5 + k, stop_on_eos=False)
+        assert rec["vanilla"]["tokens"] == direct.tokens
+        assert all(len(t) == 6 for t in rec["chain d2"]["tokens"])
+        assert "mismatches" not in rec["chain d2"]
+    assert "sampled at temperature 1" in batch_bench.summary(r)
+    with pytest.raises(ValueError, match="measured greedy"):
+        batch_bench.save_batch_defaults(r, tmp_path)
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        BatchBenchConfig("m", temperature=float("nan"))
+    assert default_trees(drafter, greedy=False)[1] == TreeSpec("chain", depth=1)
+
+
 def test_defaults_and_flags(tiny_target):
     drafter = random_drafter(tiny_target)
     assert default_trees(drafter) == [TreeSpec(), TreeSpec("chain", depth=1)]
@@ -91,12 +117,17 @@ def test_defaults_and_flags(tiny_target):
         config_from_args(p.parse_args(["--batch-sizes", "1,x"]))
     with pytest.raises(ValueError, match="batch sizes must be >= 1"):
         BatchBenchConfig("m", batch_sizes=(0, 2))
+    sampled = p.parse_args(["--temperature", "0.7", "--seed", "3", "--save-default-tree"])
+    assert (config_from_args(sampled).temperature, config_from_args(sampled).seed) == (0.7, 3)
+    with pytest.raises(ValueError, match="drop --temperature"):  # before any work
+        batch_bench.run_batch_from_args(sampled)
 
 
 def _result(rows: dict[str, dict[str, tuple[float, list[float] | None]]]) -> dict:
     labels = list(next(iter(rows.values())))
     trees = [TreeSpec("chain", depth=1).to_json(), TreeSpec("chain", depth=2).to_json()]
-    return {"config": {"labels": labels, "trees": trees[:len(labels)], "vocab": "full"},
+    return {"config": {"labels": labels, "trees": trees[:len(labels)], "vocab": "full",
+                       "greedy": True},
             "by_batch_size": {b: {label: {"speedup": sp, "speedup_ci95": ci}
                                   for label, (sp, ci) in row.items()}
                               for b, row in rows.items()},
