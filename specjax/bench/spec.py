@@ -93,6 +93,7 @@ from specjax.bench.spec_report import MAL_NOTE, SAMPLING_NOTE, plot_spec, summar
 from specjax.bench.spec_select import (
     AB_LONG_SHARE,
     AB_MAX_PROMPT_TOKENS,
+    ab_prompts,
     paired_ab,
     select_tree,
     tie_break,
@@ -109,7 +110,6 @@ from specjax.defaults import resolve_model
 from specjax.loaded import Drafter, Target
 from specjax.loop import bucket
 from specjax.speculative import TreeSpec, spare_rows
-from specjax.train.prompts import with_long_share
 from specjax.vocab.head import VocabHead
 from specjax.vocab.resolve import resolve_head
 
@@ -483,9 +483,7 @@ def _ab_prompts(cfg: SpecBenchConfig, target: Target,
                 given: Sequence[Sequence[int]] | None) -> tuple[list[list[int]], dict[str, Any]]:
     """The paired A/B's calibration prompts: ``cfg.ab_prompts`` of Spec-Bench's mix of
     lengths (never Spec-Bench's own); ``given`` in tests."""
-    return calibration_prompts(target, num=cfg.ab_prompts, questions=cfg.questions,
-                               given=given, weights=with_long_share(AB_LONG_SHARE),
-                               max_prompt_tokens=AB_MAX_PROMPT_TOKENS)
+    return ab_prompts(target, cfg.ab_prompts, questions=cfg.questions, given=given)
 
 
 def _sampled_tree_source(drafter: Drafter) -> str:

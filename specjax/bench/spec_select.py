@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -90,6 +91,20 @@ def select_tree(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
 # 500-1,600-token text), as the A/Bs that chose the shipped trees drew them.
 AB_LONG_SHARE = 1 / 3
 AB_MAX_PROMPT_TOKENS = 1024
+
+
+def ab_prompts(target: Target, num: int, *, questions: str | Path | None = None,
+               given: Sequence[Sequence[int]] | None = None
+               ) -> tuple[list[list[int]], dict[str, Any]]:
+    """``num`` calibration prompts of Spec-Bench's mix of lengths, never Spec-Bench's own
+    (the paired runs' prompts: :func:`specjax.bench.questions.calibration_prompts` with a
+    third of long given texts); ``given`` in tests. Returns (ids, where they came from)."""
+    from specjax.bench.questions import calibration_prompts
+    from specjax.train.prompts import with_long_share
+
+    return calibration_prompts(target, num=num, questions=questions, given=given,
+                               weights=with_long_share(AB_LONG_SHARE),
+                               max_prompt_tokens=AB_MAX_PROMPT_TOKENS)
 
 
 def tie_candidates(rows: Sequence[dict[str, Any]], k: int, within: float,

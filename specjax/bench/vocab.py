@@ -25,6 +25,11 @@ and decode the whole budget (no EOS stop), so a prompt's times cover as many tok
 its methods are paired; ``--tree default`` is then the drafter's tree for sampling. No
 equality is counted (the output's distribution is the target's: the chi-square tests).
 
+``--calibration N`` runs the same comparison on N calibration prompts instead (ShareGPT,
+Spec-Bench's mix of lengths, never its questions: the prompts ``bench spec``'s paired
+A/Bs use), so that a head or a router can be chosen without reading the evaluation; the
+per-task columns are then the prompt kinds (chat, summarize, passage QA, translate).
+
 EvoSpec's head (``evospec:8192+256``) is stateful: each prompt starts from an empty
 buffer, which then evolves within the request.
 
@@ -72,6 +77,7 @@ from specjax.bench.questions import (
     uses_chat,
 )
 from specjax.bench.spec_report import SAMPLING_NOTE
+from specjax.bench.spec_select import ab_prompts
 from specjax.bench.timing import count_compiles, warmup_tokens
 from specjax.bench.trees import add_tree_args, resolve_tree, tree_dict, tree_from_args
 from specjax.defaults import resolve_model
@@ -166,8 +172,10 @@ def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
                     tasks: Sequence[str] = TASKS, max_new_tokens: int = 128,
                     tree: TreeSpec | str | None = None, runs: int = 5,
                     questions: str | Path | None = None, versus: Sequence[str] | None = None,
-                    temperature: float = 0.0, seed: int = 0,
-                    out: str | Path = "results/bench_vocab.json") -> dict[str, Any]:
+                    temperature: float = 0.0, seed: int = 0, calibration: int = 0,
+                    out: str | Path = "results/bench_vocab.json",
+                    calibration_given: Sequence[Sequence[int]] | None = None
+                    ) -> dict[str, Any]:
     """Run the comparison; writes ``out`` (JSON), a PNG beside it, and returns the result.
 
     ``tree``: every head's draft tree (default: :class:`TreeSpec`'s EAGLE-2 tree;
@@ -176,6 +184,9 @@ def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
     see :func:`pairs`; default: the first head). ``temperature`` > 0: sampled, one seed a
     prompt (``seed`` + its index) shared by vanilla and every head, no EOS stop, no
     equality counted; ``"default"`` is then the drafter's tree for sampling.
+    ``calibration`` > 0: that many calibration prompts instead of Spec-Bench's (``tasks``
+    and ``per_task`` unused; the prompts' kinds are the tasks); ``calibration_given``: their
+    ids, in tests.
     """
     if not temperature >= 0:  # also refuses NaN
         raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -186,39 +197,43 @@ def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
     drafter, drafter_label = resolve_drafter(drafter_dir, target)
     tree = resolve_tree(tree, drafter, greedy=greedy)
     built = {spec: resolve_head(spec, target, drafter) for spec in heads}
-    qs = select_questions(load_questions(resolve_questions(questions)), tasks, per_task)
+    prompts, calib = _prompts(target, questions, tasks, per_task, calibration,
+                              calibration_given)
+    if calib is not None:
+        tasks = list(dict.fromkeys(task for _, task, _ in prompts))
     config = {"heads": list(heads), "tasks": list(tasks), "per_task": per_task,
               "max_new_tokens": max_new_tokens, "tree": tree_dict(tree),
               "drafter": drafter_label, "chat_template": uses_chat(target)}
+    if calib is not None:  # Spec-Bench runs keep their partial files' key
+        config |= {"calibration": {k: v for k, v in calib.items() if k != "stats"}}
     if not greedy:  # greedy runs keep their partial files' key
         config |= {"temperature": temperature, "seed": seed}
     config = json.loads(json.dumps(config))  # as the partial file holds it (tuples -> lists)
     part = partial_path(out)
     done = {r["question_id"]: r for r in read_partial(part) if r.get("config") == config}
     warm: set[tuple[str, int]] = set()
-    bar = tqdm(total=len(qs) * (len(heads) + 1), desc="bench vocab")
+    bar = tqdm(total=len(prompts) * (len(heads) + 1), desc="bench vocab")
     records = []
-    for i, q in enumerate(qs):
-        if q.question_id in done:
-            records.append(done[q.question_id])
+    for i, (qid, task, ids) in enumerate(prompts):
+        if qid in done:
+            records.append(done[qid])
             bar.update(len(heads) + 1)
             continue
-        ids = question_ids(target, q.text)
-        rec: dict[str, Any] = {"config": config, "question_id": q.question_id, "task": q.task}
+        rec: dict[str, Any] = {"config": config, "question_id": qid, "task": task}
         for spec in ("vanilla", *heads):
             dr, head = (None, None) if spec == "vanilla" else (drafter, built[spec])
             if (spec, bucket(len(ids))) not in warm:  # compile outside the timed call
                 _generate(target, dr, head, tree, ids, warmup_tokens(max_new_tokens),
                           temperature)
                 warm.add((spec, bucket(len(ids))))
-            bar.set_description(f"q{q.question_id} {spec}")
+            bar.set_description(f"q{qid} {spec}")
             rec[spec] = _generate(target, dr, head, tree, ids, max_new_tokens, temperature,
                                   seed + i)
             if spec != "vanilla" and greedy:
                 rec[spec]["mismatch_at"] = first_mismatch(rec[spec]["tokens"],
                                                           rec["vanilla"]["tokens"])
                 if rec[spec]["mismatch_at"] is not None:
-                    tqdm.write(f"!! {spec} differs from vanilla on question {q.question_id} at "
+                    tqdm.write(f"!! {spec} differs from vanilla on question {qid} at "
                                f"token {rec[spec]['mismatch_at']}")
             bar.update()
         append_record(part, rec)
@@ -255,6 +270,24 @@ def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
     plot_vocab(result, out.with_suffix(".png"))
     print(summary(result))
     return result
+
+
+def _prompts(target: Target, questions: str | Path | None, tasks: Sequence[str],
+             per_task: int, calibration: int, given: Sequence[Sequence[int]] | None
+             ) -> tuple[list[tuple[Any, str, list[int]]], dict[str, Any] | None]:
+    """(question id, task, token ids) of every prompt, and where calibration prompts came
+    from (None for Spec-Bench's): ``calibration`` > 0 takes the paired A/Bs' calibration
+    prompts (:func:`specjax.bench.spec_select.ab_prompts`), ids "c0", "c1", ... and their
+    kinds as tasks."""
+    if calibration < 0:
+        raise ValueError(f"calibration takes a number of prompts >= 0, got {calibration}")
+    if calibration:
+        ids, info = ab_prompts(target, calibration, questions=questions, given=given)
+        kinds = info.get("kinds") or ["given"] * len(ids)
+        return [(f"c{i}", kind, p) for i, (p, kind) in enumerate(zip(ids, kinds,
+                                                                      strict=True))], info
+    qs = select_questions(load_questions(resolve_questions(questions)), tasks, per_task)
+    return [(q.question_id, q.task, question_ids(target, q.text)) for q in qs], None
 
 
 def pairs(heads: Sequence[str], versus: Sequence[str] | None) -> list[tuple[str, str]]:
@@ -387,6 +420,9 @@ def summary(r: dict[str, Any]) -> str:
         lines.append(f"| {h} | " + " | ".join(f"{s['mal_per_task'][t]:.2f}" for t in tasks)
                      + f" | {s['mal']:.2f} |")
     lines.append(f"\nvanilla: {r['vanilla']['decode_tokens_per_s']:.1f} tok/s")
+    if calib := r["config"].get("calibration"):
+        lines.append(f"prompts: {r['prompts']} calibration prompts (ShareGPT from record "
+                     f"{calib.get('skip')}, not Spec-Bench); columns are their kinds")
     if r.get("sampling"):
         lines.append(f"temperature {r['sampling']['temperature']:g}, seeds "
                      f"{r['sampling']['seed']}+, no EOS stop. {r['sampling']['note']}")
@@ -414,6 +450,10 @@ def add_vocab_args(p: argparse.ArgumentParser) -> None:
                    help="with --temperature > 0: the first prompt's seed (default 0)")
     p.add_argument("--per-task", type=int, default=4)
     p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--calibration", type=int, default=0, metavar="N",
+                   help="compare on N calibration prompts (ShareGPT, Spec-Bench's mix of "
+                        "lengths, never its questions: choose a head or router here) instead "
+                        "of the Spec-Bench prompts; --tasks/--per-task then unused")
     p.add_argument("--max-new-tokens", type=int, default=128)
     add_tree_args(p, auto=False, drafter_default=True)
     p.add_argument("--runs", type=int, default=5, help="timed calls per latency (best kept)")
@@ -430,7 +470,8 @@ def run_vocab_from_args(args: argparse.Namespace) -> dict[str, Any]:
         tree=tree_from_args(args),
         runs=args.runs, questions=args.questions,
         versus=None if args.versus is None else args.versus.split(","),
-        temperature=args.temperature, seed=args.seed, out=args.out)
+        temperature=args.temperature, seed=args.seed, calibration=args.calibration,
+        out=args.out)
     print(f"bench vocab: {time.perf_counter() - t0:.0f} s")
     return r
 

@@ -189,3 +189,26 @@ def test_heads_compared_sampled_draw_one_seed_a_prompt(tiny_target, tmp_path, mo
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         run_vocab_bench(tiny_target.path, "random", heads=heads, temperature=-1.0,
                         questions=questions, out=tmp_path / "bad.json")
+
+
+def test_heads_compared_on_calibration_prompts_instead_of_spec_bench(tiny_target, tmp_path,
+                                                                       monkeypatch):
+    """``--calibration N``: the paired A/Bs' calibration prompts replace Spec-Bench's (ids
+    c0, c1, ...; their kinds are the tasks), so a head or router is chosen off the
+    evaluation; every head is still checked against vanilla."""
+    questions, heads = _tiny_questions_and_heads(tiny_target, tmp_path, monkeypatch)
+    given = [[1, 17, 42, 99, 5], [1, 60, 61, 62, 60, 61, 62, 60], [1, 5, 6, 7]]
+    r = run_vocab_bench(tiny_target.path, "random", heads=heads, max_new_tokens=6,
+                        tree=TreeSpec("chain", depth=2), runs=1, questions=questions,
+                        calibration=3, calibration_given=given, out=tmp_path / "c.json")
+    assert r["prompts"] == 3 and r["config"]["calibration"] == {"source": "given"}
+    assert r["config"]["tasks"] == ["given"]
+    for h in heads:
+        assert r["heads"][h]["greedy_matches"] == 3 and r["heads"][h]["mal_per_task"]["given"]
+    assert "3 calibration prompts" in summary(r)
+    p = argparse.ArgumentParser()
+    add_vocab_args(p)
+    assert p.parse_args(["--calibration", "24"]).calibration == 24
+    with pytest.raises(ValueError, match="calibration takes a number of prompts >= 0"):
+        run_vocab_bench(tiny_target.path, "random", heads=heads, calibration=-1,
+                        questions=questions, out=tmp_path / "bad.json")
