@@ -89,7 +89,8 @@ from specjax.vocab import VocabHead, resolve_head
 from specjax.vocab.dynaspec import RoutedHead
 from specjax.vocab.router import router_logits
 
-# fr:2730 is FR-Spec at the shipped router's mean DynaSpec-PA shortlist (the same budget).
+# fr:2730 is FR-Spec at the stage-1 router's mean DynaSpec-PA shortlist on EAGLE-2 (the
+# same budget).
 DEFAULT_HEADS = ("full", "fr:2730", "fr:8192", "fr:16384", "fr:32768", "pafr:32768",
                  "dynaspec-f", "dynaspec", "dynaspec-shared", "evospec:8192+256")
 
