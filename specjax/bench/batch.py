@@ -16,6 +16,9 @@ the same for every method). Reported for each (B, tree): decode tokens/s against
 over the same batches, the speedup with a 95% interval that resamples batches (paired),
 MAL, and greedy equality row by row (every row must match vanilla's).
 
+``--calibration N`` runs on N calibration prompts instead (ShareGPT, Spec-Bench's mix of
+lengths, never its questions: the prompts of ``bench spec``'s paired A/Bs, interleaved by
+kind), and only such a run can be saved: a default is chosen off the evaluation.
 ``--save-default-tree`` stores what the run found as the drafter's batch defaults
 (:func:`specjax.tree.default.write_batch_trees`): for each measured B >= 2 the fastest tree
 among those resolved faster than vanilla decoding there, or vanilla decoding where none
@@ -57,6 +60,7 @@ from specjax.bench.common import (
 from specjax.bench.partial import append_record, drafter_stamp, resume_from
 from specjax.bench.phases import load_models
 from specjax.bench.questions import QUESTIONS_ENV, TASKS, spec_bench_prompts
+from specjax.bench.spec_select import ab_prompts
 from specjax.bench.timing import count_compiles, warmup_tokens
 from specjax.bench.trees import tree_label
 from specjax.defaults import resolve_model
@@ -82,6 +86,7 @@ class BatchBenchConfig:
         ``default_tree.json``, else :class:`TreeSpec`'s defaults) and a chain of one draft.
       vocab: the drafter's head spec; None: the drafter's measured head, else full.
       per_task, tasks, questions: the Spec-Bench prompts, as ``bench spec`` takes them.
+      calibration: > 0: that many calibration prompts instead (their kinds as tasks).
       max_new_tokens: the budget of every row (EOS also stops a row, greedy).
       temperature, seed: 0 greedy; > 0 sampled, the batch of index k drawn with seed + k by
         vanilla and every tree alike, without the EOS stop.
@@ -97,6 +102,7 @@ class BatchBenchConfig:
     per_task: int = 4
     tasks: Sequence[str] = TASKS
     questions: str | Path | None = None
+    calibration: int = 0
     max_new_tokens: int = 128
     temperature: float = 0.0
     seed: int = 0
@@ -106,6 +112,9 @@ class BatchBenchConfig:
     def __post_init__(self) -> None:
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"batch sizes must be >= 1, got {list(self.batch_sizes)}")
+        if self.calibration < 0:
+            raise ValueError(f"calibration takes a number of prompts >= 0, got "
+                             f"{self.calibration}")
         if not self.temperature >= 0:  # also refuses NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.per_task < 1 or self.max_new_tokens < 1:
@@ -210,8 +219,17 @@ def run_batch_bench(cfg: BatchBenchConfig, *, prompts: Sequence[dict[str, Any]] 
     greedy = cfg.temperature == 0
     trees = list(cfg.trees) or default_trees(drafter, greedy)
     labels = [tree_label(t) for t in trees]
-    evals, qpath = spec_bench_prompts(target, questions=cfg.questions, tasks=cfg.tasks,
-                                      per_task=cfg.per_task, prompts=prompts)
+    calib = None
+    if cfg.calibration:
+        ids, calib = ab_prompts(target, cfg.calibration, questions=cfg.questions,
+                                given=None if prompts is None else [p["ids"] for p in prompts])
+        kinds = calib.get("kinds") or [p["task"] for p in prompts or []]
+        evals, qpath = [{"question_id": f"c{i}", "task": kind, "ids": x}
+                        for i, (x, kind) in enumerate(zip(ids, kinds, strict=True))], None
+        calib = {k: v for k, v in calib.items() if k != "stats"}
+    else:
+        evals, qpath = spec_bench_prompts(target, questions=cfg.questions, tasks=cfg.tasks,
+                                          per_task=cfg.per_task, prompts=prompts)
     order = interleave(evals)
     config = json.loads(json.dumps({
         "model": str(cfg.model_dir), "drafter": drafter_name, "vocab": vocab,
@@ -220,6 +238,7 @@ def run_batch_bench(cfg: BatchBenchConfig, *, prompts: Sequence[dict[str, Any]] 
         "max_new_tokens": cfg.max_new_tokens, "greedy": greedy, "stop_on_eos": greedy,
         **({} if greedy else {"temperature": cfg.temperature, "seed": cfg.seed}),
         "questions": None if qpath is None else str(qpath),
+        **({} if calib is None else {"calibration": calib}),
         "prompts": [p["question_id"] for p in order]}))
     key = json.dumps(config | {"drafter_mtime": drafter_stamp(drafter)}, sort_keys=True)
     ppath, old = resume_from(out, cfg.resume)
@@ -302,6 +321,9 @@ def save_batch_defaults(r: dict[str, Any], drafter_dir: str | Path,
     if not r["config"]["greedy"]:
         raise ValueError("batch defaults are measured greedy (generate's threshold serves "
                          "both); run again without --temperature to save them")
+    if not r["config"].get("calibration"):
+        raise ValueError("batch defaults are chosen on calibration prompts, never on "
+                         "Spec-Bench's (the evaluation): run again with --calibration 24")
     if not r["all_rows_equal"]:
         raise ValueError("a row differed from vanilla's greedy output in this run; not "
                          "saving batch defaults from it")
@@ -402,6 +424,10 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
                    help="drafter vocabulary head (default: the drafter's measured head)")
     p.add_argument("--per-task", type=int, default=4)
     p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--calibration", type=int, default=0, metavar="N",
+                   help="run on N calibration prompts (ShareGPT, Spec-Bench's mix of lengths, "
+                        "never its questions) instead of Spec-Bench's; --save-default-tree "
+                        "needs it")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--questions", default=None,
                    help=f"Spec-Bench question.jsonl (default: ${QUESTIONS_ENV}, else "
@@ -428,6 +454,9 @@ def run_batch_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.save_default_tree and args.temperature:
         raise ValueError("--save-default-tree stores greedy measurements (generate's batch "
                          "threshold serves sampling too); drop --temperature")
+    if args.save_default_tree and not args.calibration:
+        raise ValueError("--save-default-tree chooses on calibration prompts, never on "
+                         "Spec-Bench's (the evaluation): add --calibration 24")
     cfg = config_from_args(args)
     if args.save_default_tree:
         from specjax.tree.default import unmeasured_drafting_sizes
@@ -463,7 +492,8 @@ def config_from_args(args: argparse.Namespace) -> BatchBenchConfig:
         resolve_model(args.model), args.drafter, batch_sizes=sizes,
         trees=tuple(TreeSpec.from_json_text(t, "--tree-json") for t in args.tree_json),
         vocab=args.vocab, per_task=args.per_task, tasks=[t for t in args.tasks.split(",") if t],
-        questions=args.questions, max_new_tokens=args.max_new_tokens,
+        questions=args.questions, calibration=args.calibration,
+        max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, seed=args.seed, out=Path(args.out),
         resume=not args.no_resume)
 

@@ -121,13 +121,18 @@ def test_defaults_and_flags(tiny_target):
     assert (config_from_args(sampled).temperature, config_from_args(sampled).seed) == (0.7, 3)
     with pytest.raises(ValueError, match="drop --temperature"):  # before any work
         batch_bench.run_batch_from_args(sampled)
+    with pytest.raises(ValueError, match="add --calibration 24"):
+        batch_bench.run_batch_from_args(p.parse_args(["--save-default-tree"]))
+    assert config_from_args(p.parse_args(["--calibration", "24"])).calibration == 24
+    with pytest.raises(ValueError, match="calibration takes a number of prompts >= 0"):
+        BatchBenchConfig("m", calibration=-2)
 
 
 def _result(rows: dict[str, dict[str, tuple[float, list[float] | None]]]) -> dict:
     labels = list(next(iter(rows.values())))
     trees = [TreeSpec("chain", depth=1).to_json(), TreeSpec("chain", depth=2).to_json()]
     return {"config": {"labels": labels, "trees": trees[:len(labels)], "vocab": "full",
-                       "greedy": True},
+                       "greedy": True, "calibration": {"source": "sharegpt"}},
             "by_batch_size": {b: {label: {"speedup": sp, "speedup_ci95": ci}
                                   for label, (sp, ci) in row.items()}
                               for b, row in rows.items()},
@@ -163,5 +168,19 @@ def test_batch_defaults_are_the_fastest_tree_resolved_faster_else_vanilla(tiny_t
                                         (3, TreeSpec("chain", depth=2)), (4, None), (8, None))
     with pytest.raises(ValueError, match="differed from vanilla"):
         batch_bench.save_batch_defaults({**r, "all_rows_equal": False}, folder)
+    spec_bench = {**r, "config": {k: v for k, v in r["config"].items() if k != "calibration"}}
+    with pytest.raises(ValueError, match="never on Spec-Bench's.*--calibration 24"):
+        batch_bench.save_batch_defaults(spec_bench, folder)
     with pytest.raises(ValueError, match="no batch size of 2 or more"):
         batch_bench.save_batch_defaults(_result({"1": {"a": (1.7, [1.5, 1.9])}}), folder)
+
+
+def test_calibration_prompts_replace_spec_bench(tiny_target, tmp_path):
+    """``calibration``: the paired A/Bs' calibration prompts (here given), ids c0, c1, ...
+    interleaved by kind; the run says so, and only such a run can be saved."""
+    cfg = BatchBenchConfig(tiny_target.path, batch_sizes=(2,), trees=(TreeSpec("chain", depth=1),),
+                           max_new_tokens=4, calibration=3, out=tmp_path / "c.json")
+    r = run_batch_bench(cfg, prompts=PROMPTS, drafter=random_drafter(tiny_target))
+    assert r["config"]["calibration"] == {"source": "given"}
+    assert r["config"]["prompts"] == ["c0", "c2", "c1"]  # qa, rag, qa: interleaved
+    assert r["all_rows_equal"] and r["by_batch_size"]["2"]["chain d1"]["rows"] == 3
