@@ -60,8 +60,8 @@ from specjax.bench.common import (
 from specjax.bench.partial import append_record, drafter_stamp, resume_from
 from specjax.bench.phases import load_models
 from specjax.bench.questions import QUESTIONS_ENV, TASKS, spec_bench_prompts
-from specjax.bench.spec_select import ab_prompts
-from specjax.bench.timing import count_compiles, warmup_tokens
+from specjax.bench.spec_select import ab_prompt_records
+from specjax.bench.timing import count_compiles, ensure_warm, warmup_tokens
 from specjax.bench.trees import tree_label
 from specjax.defaults import resolve_model
 from specjax.loaded import Drafter, Target
@@ -165,10 +165,8 @@ class _Runner:
             kw |= {"drafter": self.drafter, "tree": tree, "vocab": self.head}
         key = ("vanilla" if tree is None else tree_label(tree), len(ids),
                bucket(max(map(len, ids))))
-        if key not in self.warm:
-            specjax.generate(self.target, ids, max_new_tokens=warmup_tokens(
-                self.max_new_tokens), **kw)
-            self.warm.add(key)
+        ensure_warm(self.warm, key, lambda: specjax.generate(
+            self.target, ids, max_new_tokens=warmup_tokens(self.max_new_tokens), **kw))
         with count_compiles() as n:
             res = specjax.generate(self.target, ids, max_new_tokens=self.max_new_tokens, **kw)
         s = res.stats
@@ -221,12 +219,9 @@ def run_batch_bench(cfg: BatchBenchConfig, *, prompts: Sequence[dict[str, Any]] 
     labels = [tree_label(t) for t in trees]
     calib = None
     if cfg.calibration:
-        ids, calib = ab_prompts(target, cfg.calibration, questions=cfg.questions,
-                                given=None if prompts is None else [p["ids"] for p in prompts])
-        kinds = calib.get("kinds") or [p["task"] for p in prompts or []]
-        evals, qpath = [{"question_id": f"c{i}", "task": kind, "ids": x}
-                        for i, (x, kind) in enumerate(zip(ids, kinds, strict=True))], None
-        calib = {k: v for k, v in calib.items() if k != "stats"}
+        evals, calib = ab_prompt_records(target, cfg.calibration, questions=cfg.questions,
+                                         given=prompts)
+        qpath = None
     else:
         evals, qpath = spec_bench_prompts(target, questions=cfg.questions, tasks=cfg.tasks,
                                           per_task=cfg.per_task, prompts=prompts)

@@ -102,6 +102,7 @@ from specjax.bench.spec_select import (
 from specjax.bench.timing import (
     cache_geometry,
     count_compiles,
+    ensure_warm,
     latency_curve,
     warmup_tokens,
 )
@@ -157,12 +158,10 @@ class _Runner:
         if method != "vanilla":
             kw |= {"drafter": self.drafter, "tree": self.tree, "vocab": self.head,
                    "mode": "eager" if method == "eager" else "compiled"}
-        if (method, bucket(len(ids))) not in self.warm:
-            t0 = time.perf_counter()
-            specjax.generate(self.target, [ids], max_new_tokens=warmup_tokens(
-                self.max_new_tokens), **kw)
-            self.warmup_s += time.perf_counter() - t0
-            self.warm.add((method, bucket(len(ids))))
+        t0 = time.perf_counter()
+        ensure_warm(self.warm, (method, bucket(len(ids))), lambda: specjax.generate(
+            self.target, [ids], max_new_tokens=warmup_tokens(self.max_new_tokens), **kw))
+        self.warmup_s += time.perf_counter() - t0
         with count_compiles() as n:
             res = specjax.generate(self.target, [ids], max_new_tokens=self.max_new_tokens, **kw)
         return generation_record(res, n[0])

@@ -107,6 +107,20 @@ def ab_prompts(target: Target, num: int, *, questions: str | Path | None = None,
                                max_prompt_tokens=AB_MAX_PROMPT_TOKENS)
 
 
+def ab_prompt_records(target: Target, num: int, *, questions: str | Path | None = None,
+                      given: Sequence[dict[str, Any]] | None = None
+                      ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """:func:`ab_prompts` as the benchmarks' prompt records ``{"question_id": "c0", "task":
+    its kind, "ids"}``, and where they came from (ShareGPT stats left out); ``given``: such
+    records, in tests (their tasks kept)."""
+    ids, info = ab_prompts(target, num, questions=questions,
+                           given=None if given is None else [p["ids"] for p in given])
+    kinds = info.get("kinds") or [p["task"] for p in given or []]
+    return ([{"question_id": f"c{i}", "task": kind, "ids": x}
+             for i, (x, kind) in enumerate(zip(ids, kinds, strict=True))],
+            {k: v for k, v in info.items() if k != "stats"})
+
+
 def tie_candidates(rows: Sequence[dict[str, Any]], k: int, within: float,
                    keep: Sequence[int] = ()) -> list[int]:
     """Indices of the ``k`` best estimated trees of a :func:`select_tree` grid whose estimate

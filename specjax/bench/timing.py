@@ -52,6 +52,29 @@ def warmup_tokens(max_new_tokens: int) -> int:
     return min(max_new_tokens, 2) if b == bucket(1) else b // 2 + 1
 
 
+def ensure_warm(warm: set, key: Any, warmup: Callable[[], Any]) -> None:
+    """Run ``warmup`` (an untimed call that compiles ``key``'s programs) unless ``key`` is in
+    ``warm``, then add it.
+
+    ``specjax.generate`` drops every compiled program when the process nears Linux's memory
+    map limit (:func:`specjax.compile_cache.release_programs_near_map_limit`), and a warm
+    key's next timed call would then compile inside the timing. So the check runs here
+    first, where a drop makes every key cold again, and again after a warm-up, whose own
+    programs a drop then took too (it runs once more).
+    """
+    from specjax.compile_cache import release_programs_near_map_limit
+
+    if release_programs_near_map_limit():
+        warm.clear()
+    if key in warm:
+        return
+    warmup()
+    if release_programs_near_map_limit():
+        warm.clear()
+        warmup()
+    warm.add(key)
+
+
 def time_calls(fn: Callable[[], Any], runs: int) -> dict[str, float]:
     """``fn`` once untimed (compile), then ``runs`` timed calls: best and median, in ms.
 

@@ -47,6 +47,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +78,8 @@ from specjax.bench.questions import (
     uses_chat,
 )
 from specjax.bench.spec_report import SAMPLING_NOTE
-from specjax.bench.spec_select import ab_prompts
-from specjax.bench.timing import count_compiles, warmup_tokens
+from specjax.bench.spec_select import ab_prompt_records
+from specjax.bench.timing import count_compiles, ensure_warm, warmup_tokens
 from specjax.bench.trees import add_tree_args, resolve_tree, tree_dict, tree_from_args
 from specjax.defaults import resolve_model
 from specjax.drafter import drafter_hidden, in_target_layout, init_drafter_cache
@@ -206,7 +207,7 @@ def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
               "max_new_tokens": max_new_tokens, "tree": tree_dict(tree),
               "drafter": drafter_label, "chat_template": uses_chat(target)}
     if calib is not None:  # Spec-Bench runs keep their partial files' key
-        config |= {"calibration": {k: v for k, v in calib.items() if k != "stats"}}
+        config |= {"calibration": calib}
     if not greedy:  # greedy runs keep their partial files' key
         config |= {"temperature": temperature, "seed": seed}
     config = json.loads(json.dumps(config))  # as the partial file holds it (tuples -> lists)
@@ -223,10 +224,9 @@ def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
         rec: dict[str, Any] = {"config": config, "question_id": qid, "task": task}
         for spec in ("vanilla", *heads):
             dr, head = (None, None) if spec == "vanilla" else (drafter, built[spec])
-            if (spec, bucket(len(ids))) not in warm:  # compile outside the timed call
-                _generate(target, dr, head, tree, ids, warmup_tokens(max_new_tokens),
-                          temperature)
-                warm.add((spec, bucket(len(ids))))
+            ensure_warm(warm, (spec, bucket(len(ids))), partial(  # an untimed compile
+                _generate, target, dr, head, tree, ids, warmup_tokens(max_new_tokens),
+                temperature))
             bar.set_description(f"q{qid} {spec}")
             rec[spec] = _generate(target, dr, head, tree, ids, max_new_tokens, temperature,
                                   seed + i)
@@ -283,10 +283,10 @@ def _prompts(target: Target, questions: str | Path | None, tasks: Sequence[str],
     if calibration < 0:
         raise ValueError(f"calibration takes a number of prompts >= 0, got {calibration}")
     if calibration:
-        ids, info = ab_prompts(target, calibration, questions=questions, given=given)
-        kinds = info.get("kinds") or ["given"] * len(ids)
-        return [(f"c{i}", kind, p) for i, (p, kind) in enumerate(zip(ids, kinds,
-                                                                      strict=True))], info
+        recs, info = ab_prompt_records(target, calibration, questions=questions, given=None
+                                       if given is None else [{"task": "given", "ids": p}
+                                                              for p in given])
+        return [(r["question_id"], r["task"], r["ids"]) for r in recs], info
     qs = select_questions(load_questions(resolve_questions(questions)), tasks, per_task)
     return [(q.question_id, q.task, question_ids(target, q.text)) for q in qs], None
 

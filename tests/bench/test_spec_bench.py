@@ -62,6 +62,25 @@ def _finite_positive(x) -> bool:
     return isinstance(x, int | float) and math.isfinite(x) and x > 0
 
 
+
+def test_warm_keys_go_cold_when_generate_drops_the_compiled_programs(monkeypatch):
+    """A drop of every compiled program (near Linux's memory-map limit) makes every warmed
+    key cold: its next call warms up again, untimed, instead of compiling inside a timed
+    call; a drop right after a warm-up took that warm-up's programs too, so it runs again."""
+    from specjax import compile_cache
+    from specjax.bench.timing import ensure_warm
+
+    drops = iter([False, False,   # "a": warmed once
+                  False,          # "a" again: warm, nothing runs
+                  True, False,    # a drop: "a" warms again
+                  False, True])   # "b": its warm-up crosses the limit, so it runs twice
+    monkeypatch.setattr(compile_cache, "release_programs_near_map_limit", lambda: next(drops))
+    calls, warm = [], set()
+    for key in ("a", "a", "a", "b"):
+        ensure_warm(warm, key, lambda k=key: calls.append(k))
+    assert calls == ["a", "a", "b", "b"] and warm == {"b"}
+
+
 def test_helpers(tmp_path, monkeypatch):
     assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
     assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
