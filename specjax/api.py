@@ -313,7 +313,8 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
         way (greedy tokens; sampled, the target's distribution). None (default): where the
         drafter's folder measured batches (``specjax bench batch --save-default-tree``) and
         ``tree`` is left to the drafter, where the entry of the largest measured size <= the
-        rows is vanilla decoding (no tree was faster there); 0: never.
+        rows is vanilla decoding (no tree was faster there), and above the largest measured
+        size (no tree was measured there); 0: never.
         ``stats["speculation_off"]`` says why when off.
     Returns:
       :class:`GenerationResult` with texts, new token ids and ``stats``
@@ -406,9 +407,13 @@ def _speculation_off(drafter: Drafter | None, tree: TreeSpec | None, rows: int,
                     "without the drafter")
         return None
     if tree is None and not drafter.speculates_at(rows):
-        return (f"{rows} rows: the drafter's folder measured vanilla decoding faster at this "
-                "batch size (default_tree.json, `specjax bench batch`); decoded without the "
-                "drafter (pass disable_by_batch_size=0 to speculate anyway)")
+        largest = drafter.batch_trees[-1][0]
+        why = ("measured vanilla decoding faster at this batch size" if rows <= largest
+               or drafter.batch_trees[-1][1] is None else
+               f"measured trees up to {largest} rows only, none at this batch size")
+        return (f"{rows} rows: the drafter's folder {why} (default_tree.json, `specjax bench "
+                "batch`); decoded without the drafter (pass disable_by_batch_size=0 to "
+                "speculate anyway)")
     return None
 
 

@@ -54,13 +54,20 @@ class Drafter:
     batch_trees: tuple[tuple[int, TreeSpec | None], ...] = ()
 
     def _batch_entry(self, batch: int) -> tuple[bool, TreeSpec | None]:
-        """(whether a measured size <= ``batch`` exists, its entry): the largest such."""
-        found = [t for size, t in self.batch_trees if size <= batch]
-        return (True, found[-1]) if found else (False, None)
+        """(whether a measured size <= ``batch`` exists, its entry): the largest such, except
+        above the largest measured size, where a tree was never measured: vanilla decoding
+        (None) there. Sizes between measured ones inherit only vanilla decoding (a gap
+        below a drafting size is refused when the defaults are written)."""
+        found = [(size, t) for size, t in self.batch_trees if size <= batch]
+        if not found:
+            return False, None
+        size, tree = found[-1]
+        return True, tree if size == batch or size < self.batch_trees[-1][0] else None
 
     def speculates_at(self, batch: int) -> bool:
         """Whether the folder measured speculation worth running at ``batch`` rows: False
-        where the entry for the largest measured size <= ``batch`` is vanilla decoding."""
+        where the entry for the largest measured size <= ``batch`` is vanilla decoding,
+        and above the largest measured size (nothing measured drafts there)."""
         measured, tree = self._batch_entry(batch)
         return not measured or tree is not None
 

@@ -332,9 +332,10 @@ def save_batch_defaults(r: dict[str, Any], drafter_dir: str | Path,
                          f"drafter's trees share {stored!r}; run again with --vocab {stored}")
     trees = [TreeSpec.from_json(t) for t in r["config"]["trees"]]
     measured = {
-        "how": ("bench batch: Spec-Bench prompts in batches mixing tasks; per batch size the "
-                "fastest tree resolved faster than vanilla decoding (95% interval over "
-                "batches, paired), else vanilla decoding"),
+        "how": ("bench batch --calibration: calibration prompts (ShareGPT, never Spec-Bench) "
+                "in batches mixing kinds; per batch size the fastest tree resolved faster "
+                "than vanilla decoding (95% interval over batches, paired), else vanilla "
+                "decoding; above the largest size measured, vanilla decoding"),
         "chosen": {str(b): label for b, label in batch_choice_labels(r).items()},
         "speedups": {b: {label: {"speedup": round(x["speedup"], 4),
                                  "ci95": None if x["speedup_ci95"] is None
@@ -360,7 +361,7 @@ def summary(r: dict[str, Any]) -> str:
             sp = f"{x['speedup']:.2f}x" + ("" if ci is None else f" [{ci[0]:.2f}, {ci[1]:.2f}]")
             lines.append(f"| {b} | {label} | {x['vanilla_decode_tokens_per_s']:.1f} | "
                          f"{x['decode_tokens_per_s']:.1f} | {sp} | {dash(x['mal'])} | "
-                         f"{dash(x['rows_equal'])}/{x['rows']} |")
+                         f"{'-' if x['rows_equal'] is None else x['rows_equal']}/{x['rows']} |")
     lines.append("MAL = tokens committed per target forward, the bonus token included; rates "
                  "are decode tokens/s of the whole batch")
     if r["timed_compiles"]:

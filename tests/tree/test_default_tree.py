@@ -307,3 +307,13 @@ def test_generate_follows_the_batch_defaults(tiny_target, tmp_path):
     assert "disable_by_batch_size=2" in explicit.stats["speculation_off"]
     with pytest.raises(ValueError, match="disable_by_batch_size"):
         run(2, drafter=d, disable_by_batch_size=-1)
+    # Measured up to 3 rows, drafting there: no tree was measured at 4, so none is drafted.
+    write_batch_trees(folder, {2: TreeSpec("chain", depth=1), 3: TreeSpec("chain", depth=1)},
+                      {})
+    upto3 = specjax.load_drafter(folder, tiny_target)
+    assert [upto3.speculates_at(b) for b in (1, 2, 3, 4, 9)] == [True, True, True, False,
+                                                                  False]
+    assert upto3.tree_for(True, batch=3) == TreeSpec("chain", depth=1)
+    beyond = run(4, drafter=upto3, vocab="full")
+    assert beyond.tokens == vanilla.tokens
+    assert "measured trees up to 3 rows only" in beyond.stats["speculation_off"]
