@@ -369,7 +369,8 @@ def plot_vocab(r: dict[str, Any], path: Path) -> Path:
                   rotation=20)
     ax.set_ylabel("mean accepted length")
     top = max(max(s["mal_per_task"].values()) for s in r["heads"].values())
-    ax.set_ylim(1.0, 1.0 + 1.25 * (top - 1.0))  # MAL >= 1: start there so heads differ
+    # MAL >= 1: start there so heads differ (and keep a span where every head accepted 1).
+    ax.set_ylim(1.0, 1.0 + 1.25 * max(top - 1.0, 0.1))
     ax.legend(fontsize=7, ncol=5, loc="upper center")
     for h in heads:
         x, y = r["heads"][h]["mean_shortlist_size"], r["heads"][h]["draft_ms"]
