@@ -171,7 +171,9 @@ def write_batch_trees(folder: str | Path, trees: dict[int, TreeSpec | None],
     the trees and head already there (the head is shared, so it must have been measured).
 
     A batch of n rows drafts the entry of the largest stored size <= n (the batch-1 tree
-    below the smallest), so an unmeasured size between 2 and the largest stored one would
+    below the smallest; nothing above the largest, where no tree was measured: see
+    :meth:`specjax.loaded.Drafter.speculates_at`), so an unmeasured size between 2 and the
+    largest stored one would
     draft a tree measured at another size: the sizes must run 2, 3, ... without a gap up to
     any entry after which a tree is still drafted (a gap after a vanilla entry decodes
     without the drafter, measured or not).
