@@ -279,9 +279,10 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
         timing).
       drafter: from :func:`load_drafter`; None for vanilla decoding.
       tree: the draft tree; default the drafter's measured one (``drafter.tree_for``:
-        from its folder's ``default_tree.json``, the tree measured for sampling when
-        ``temperature`` > 0 and the file has one, greedy at a batch of several rows the one
-        measured for that batch size where the file has batch defaults), else
+        from its folder's ``default_tree.json``: at a batch of several rows the one
+        measured for that batch size where the file has batch defaults, greedy or sampled;
+        else the tree measured for sampling when ``temperature`` > 0 and the file has one),
+        else
         ``TreeSpec()`` (a small EAGLE-2 tree).
       assume_q_one: EAGLE's verification shortcut for sampled drafts (see
         :class:`specjax.speculative.SpecConfig`); off by default.

@@ -293,6 +293,16 @@ def test_generate_follows_the_batch_defaults(tiny_target, tmp_path):
         return specjax.generate(tiny_target, prompts[:n], max_new_tokens=6, **kw)
 
     assert run(1, drafter=d).stats["tree"]["depth"] == 2
+    # Sampled, a batch drafts the batch tree too: the tree for sampling was measured at one
+    # row, and its width times the rows is what a batch cannot afford.
+    wide = TreeSpec("dyspec-threshold", depth=1, total_tokens=3, threshold=0.001)
+    write_sampled_default_tree(folder, wide, {})
+    ds = specjax.load_drafter(folder, tiny_target)
+    assert ds.tree_for(False, batch=1) == wide
+    assert ds.tree_for(False, batch=2) == ds.tree_for(False, batch=3) == TreeSpec("chain",
+                                                                                 depth=1)
+    assert run(1, drafter=ds, temperature=1.0).stats["tree"]["kind"] == "dyspec-threshold"
+    assert run(2, drafter=ds, temperature=1.0).stats["tree"]["kind"] == "chain"
     two = run(3, drafter=d).stats
     assert two["tree"] == run(3, drafter=d, tree=TreeSpec("chain", depth=1)).stats["tree"]
     assert "speculation_off" not in two
