@@ -16,12 +16,14 @@ from tqdm import tqdm
 import specjax
 from specjax.bench.paired import choose, paired_runs, relative_speed
 from specjax.bench.phases import draft_latency
+from specjax.bench.questions import calibration_prompts
 from specjax.bench.spec_report import MAL_NOTE
 from specjax.bench.timing import interp_latency
 from specjax.bench.trees import tree_dict, tree_label
 from specjax.loaded import Drafter, Target
 from specjax.loop import bucket
 from specjax.speculative import TreeSpec, cache_capacity
+from specjax.train.prompts import with_long_share
 from specjax.vocab.head import VocabHead, full_head
 
 
@@ -99,9 +101,6 @@ def ab_prompts(target: Target, num: int, *, questions: str | Path | None = None,
     """``num`` calibration prompts of Spec-Bench's mix of lengths, never Spec-Bench's own
     (the paired runs' prompts: :func:`specjax.bench.questions.calibration_prompts` with a
     third of long given texts); ``given`` in tests. Returns (ids, where they came from)."""
-    from specjax.bench.questions import calibration_prompts
-    from specjax.train.prompts import with_long_share
-
     return calibration_prompts(target, num=num, questions=questions, given=given,
                                weights=with_long_share(AB_LONG_SHARE),
                                max_prompt_tokens=AB_MAX_PROMPT_TOKENS)

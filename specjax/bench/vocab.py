@@ -192,6 +192,8 @@ def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
     """
     if not temperature >= 0:  # also refuses NaN
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if calibration < 0:  # before the models load
+        raise ValueError(f"calibration takes a number of prompts >= 0, got {calibration}")
     greedy = temperature == 0
     out = Path(out)
     compared = pairs(heads, versus)  # before the run: a bad name costs no decoding
@@ -280,8 +282,6 @@ def _prompts(target: Target, questions: str | Path | None, tasks: Sequence[str],
     from (None for Spec-Bench's): ``calibration`` > 0 takes the paired A/Bs' calibration
     prompts (:func:`specjax.bench.spec_select.ab_prompts`), ids "c0", "c1", ... and their
     kinds as tasks."""
-    if calibration < 0:
-        raise ValueError(f"calibration takes a number of prompts >= 0, got {calibration}")
     if calibration:
         recs, info = ab_prompt_records(target, calibration, questions=questions, given=None
                                        if given is None else [{"task": "given", "ids": p}
