@@ -31,13 +31,16 @@ batch (``--seed`` + its index), no EOS stop (every row runs the budget, so the m
 decode the same number of tokens), and no equality is counted; such a run cannot be saved
 as batch defaults, which are measured greedy.
 
-Per-batch results go to ``<out stem>.partial.jsonl``; a rerun skips those done.
+Per-batch results go to ``<out stem>.partial.jsonl``; a rerun skips those done, and those of
+a finished run at ``--out`` with the same settings (batch sizes aside): adding a size to a
+finished run measures only that size.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import time
 from collections.abc import Sequence
@@ -91,7 +94,8 @@ class BatchBenchConfig:
       temperature, seed: 0 greedy; > 0 sampled, the batch of index k drawn with seed + k by
         vanilla and every tree alike, without the EOS stop.
       out: JSON path; the PNG goes beside it.
-      resume: reuse matching records of an interrupted run's partial file.
+      resume: reuse matching records of an interrupted run's partial file, or of a finished
+        run at ``out`` with the same settings but other batch sizes.
     """
 
     model_dir: str | Path
@@ -235,8 +239,14 @@ def run_batch_bench(cfg: BatchBenchConfig, *, prompts: Sequence[dict[str, Any]] 
         "questions": None if qpath is None else str(qpath),
         **({} if calib is None else {"calibration": calib}),
         "prompts": [p["question_id"] for p in order]}))
-    key = json.dumps(config | {"drafter_mtime": drafter_stamp(drafter)}, sort_keys=True)
+    # A batch's record depends on its size and index, not on which other sizes the run
+    # measures: the key leaves the sizes out, so a run with more sizes reuses the others'.
+    key = json.dumps({k: v for k, v in config.items() if k != "batch_sizes"}
+                     | {"drafter_mtime": drafter_stamp(drafter)}, sort_keys=True)
+    resume_key = hashlib.sha256(key.encode()).hexdigest()[:16]
     ppath, old = resume_from(out, cfg.resume)
+    if cfg.resume:
+        old = finished_records(out, resume_key, key) + old
     done = {(r["b"], r["batch"]): r for r in old if r.get("key") == key}
 
     runner = _Runner(target, drafter, head, cfg.max_new_tokens, cfg.temperature)
@@ -267,7 +277,8 @@ def run_batch_bench(cfg: BatchBenchConfig, *, prompts: Sequence[dict[str, Any]] 
     by_b = {str(b): {label: pooled([r for r in records if r["b"] == b], label)
                      for label in labels} for b in cfg.batch_sizes}
     result = {
-        "benchmark": "batch", "config": config, "machine": machine_info(),
+        "benchmark": "batch", "config": config, "resume_key": resume_key,
+        "machine": machine_info(),
         "by_batch_size": by_b,
         # None sampled: nothing to compare token for token.
         "all_rows_equal": None if not greedy else all(
@@ -282,6 +293,20 @@ def run_batch_bench(cfg: BatchBenchConfig, *, prompts: Sequence[dict[str, Any]] 
     ppath.unlink(missing_ok=True)
     print(summary(result))
     return result
+
+
+def finished_records(out: Path, resume_key: str, key: str) -> list[dict[str, Any]]:
+    """The per-batch records of a finished run at ``out`` whose settings and drafter are this
+    run's (its ``resume_key``), keyed as partial records are; [] otherwise. A finished run
+    removes its partial file, and this lets a rerun with more batch sizes measure only them.
+    """
+    try:
+        r = json.loads(out.read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(r, dict) or r.get("resume_key") != resume_key:
+        return []
+    return [rec | {"key": key} for rec in r.get("per_batch", [])]
 
 
 def batch_choice(r: dict[str, Any]) -> dict[int, int | None]:
@@ -435,7 +460,8 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="with --temperature > 0: the first batch's seed (default 0)")
     p.add_argument("--no-resume", action="store_true",
-                   help="ignore and remove the partial results of an interrupted run")
+                   help="measure every batch again: ignore (and remove) an interrupted "
+                        "run's partial results and a finished run's at --out")
     p.add_argument("--save-default-tree", action="store_true",
                    help="store, for each batch size >= 2, the fastest tree resolved faster "
                         "than vanilla decoding there (or vanilla decoding where none was) in "

@@ -4,6 +4,7 @@ vanilla at every batch size, pooled per (B, tree), resumable; on the tiny model.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -77,6 +78,23 @@ def test_every_row_matches_vanilla_at_every_batch_size(tiny_target, tmp_path, mo
     assert first["vanilla"]["tokens"] == direct.tokens
     assert first["vanilla"]["new_tokens"] == sum(map(len, direct.tokens)) - 2 + 1
     assert "| 2 | chain d2 |" in batch_bench.summary(r)
+
+    # Extending the finished run with a size measures only that size; the others' records
+    # come from the finished file (its partial one is gone), unless told not to resume.
+    calls.clear()
+    monkeypatch.setattr(batch_bench._Runner, "__call__", counting)
+    wider = dataclasses.replace(cfg, batch_sizes=(1, 2, 3))
+    r3 = run_batch_bench(wider, prompts=PROMPTS, drafter=drafter)
+    assert [n for _, n in calls] == [3, 3, 3]  # vanilla and two trees, one batch of 3
+    assert r3["per_batch"][:5] == r["per_batch"] and r3["config"]["batch_sizes"] == [1, 2, 3]
+    assert r3["by_batch_size"]["3"]["chain d2"]["rows_equal"] == 3
+    calls.clear()
+    run_batch_bench(dataclasses.replace(cfg, trees=trees[:1]), prompts=PROMPTS, drafter=drafter)
+    assert len(calls) == 10  # other trees: other records, every batch again
+    calls.clear()
+    run_batch_bench(dataclasses.replace(cfg, trees=trees[:1], resume=False), prompts=PROMPTS,
+                    drafter=drafter)
+    assert len(calls) == 10
 
 
 def test_sampled_batches_share_a_seed_a_batch_and_save_nothing(tiny_target, tmp_path):
