@@ -22,8 +22,8 @@ kind), and only such a run can be saved: a default is chosen off the evaluation.
 ``--save-default-tree`` stores what the run found as the drafter's batch defaults
 (:func:`specjax.tree.default.write_batch_trees`): for each measured B >= 2 the fastest tree
 among those resolved faster than vanilla decoding there, or vanilla decoding where none
-was; ``generate`` then drafts that tree for a batch of that size, or decodes without the
-drafter (``disable_by_batch_size``).
+was and at every larger size; ``generate`` then drafts that tree for a batch of that
+size, or decodes without the drafter (``disable_by_batch_size``).
 
 ``--temperature T`` (> 0) measures sampled batches instead (default trees: the drafter's
 tree for sampling and a chain of one draft): vanilla and every tree draw with one seed a
@@ -313,15 +313,24 @@ def batch_choice(r: dict[str, Any]) -> dict[int, int | None]:
     """For each measured batch size B >= 2, the index (into ``r["config"]["trees"]``) of the
     fastest tree among those whose speedup interval lies above 1, or None where no tree was
     resolved faster than vanilla decoding (a tie decodes without the drafter: no slower,
-    and nothing to draft)."""
+    and nothing to draft), and None at every size above such a one.
+
+    Why the last rule: a verify of rows x nodes only grows more compute-bound with the rows,
+    so speculation's gain falls with the batch size; a win measured above a size where it
+    lost is read as noise (a large size has few batches: 23 prompts make 3 of 8 rows), and
+    ``generate`` then switches the drafter off once, not on and off again.
+    """
     labels = r["config"]["labels"]
     out: dict[int, int | None] = {}
-    for b, row in r["by_batch_size"].items():
+    lost = False
+    for b, row in sorted(r["by_batch_size"].items(), key=lambda kv: int(kv[0])):
         if int(b) < 2:
             continue
         faster = [i for i, label in enumerate(labels) if row[label]["speedup_ci95"] is not None
                   and row[label]["speedup_ci95"][0] > 1.0]
-        out[int(b)] = max(faster, key=lambda i: row[labels[i]]["speedup"], default=None)
+        best = max(faster, key=lambda i: row[labels[i]]["speedup"], default=None)
+        out[int(b)] = None if lost else best
+        lost = lost or best is None
     return out
 
 
@@ -360,7 +369,8 @@ def save_batch_defaults(r: dict[str, Any], drafter_dir: str | Path,
         "how": ("bench batch --calibration: calibration prompts (ShareGPT, never Spec-Bench) "
                 "in batches mixing kinds; per batch size the fastest tree resolved faster "
                 "than vanilla decoding (95% interval over batches, paired), else vanilla "
-                "decoding; above the largest size measured, vanilla decoding"),
+                "decoding, and vanilla decoding at every size above one where it won and "
+                "above the largest size measured"),
         "chosen": {str(b): label for b, label in batch_choice_labels(r).items()},
         "speedups": {b: {label: {"speedup": round(x["speedup"], 4),
                                  "ci95": None if x["speedup_ci95"] is None
@@ -464,8 +474,9 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
                         "run's partial results and a finished run's at --out")
     p.add_argument("--save-default-tree", action="store_true",
                    help="store, for each batch size >= 2, the fastest tree resolved faster "
-                        "than vanilla decoding there (or vanilla decoding where none was) in "
-                        "the drafter's default_tree.json: generate then follows it")
+                        "than vanilla decoding there (or vanilla decoding where none was, and "
+                        "at every larger size) in the drafter's default_tree.json: generate "
+                        "then follows it")
     p.add_argument("--out", default="results/bench_batch.json")
 
 

@@ -172,6 +172,10 @@ def test_batch_defaults_are_the_fastest_tree_resolved_faster_else_vanilla(tiny_t
     assert batch_bench.batch_choice(r) == {2: 1, 3: 1, 4: None, 8: None}
     both = _result({"2": {"a": (1.3, [1.1, 1.5]), "b": (1.2, [1.1, 1.3])}})
     assert batch_bench.batch_choice(both) == {2: 0}  # the faster of two resolved ones
+    # A win above a size where vanilla decoding won is noise: the drafter stays off.
+    relapse = _result({"3": {"a": (1.2, [1.1, 1.3])}, "2": {"a": (1.3, [1.1, 1.5])},
+                       "10": {"a": (1.2, [1.05, 1.3])}, "4": {"a": (1.0, [0.9, 1.1])}})
+    assert batch_bench.batch_choice(relapse) == {2: 0, 3: 0, 4: None, 10: None}
 
     cfg = DrafterConfig(tiny_target.cfg)
     folder = save_drafter(tmp_path / "d", cfg, EagleDrafter(cfg, rngs=nnx.Rngs(0)).params())
