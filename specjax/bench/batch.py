@@ -369,8 +369,8 @@ def save_batch_defaults(r: dict[str, Any], drafter_dir: str | Path,
         "how": ("bench batch --calibration: calibration prompts (ShareGPT, never Spec-Bench) "
                 "in batches mixing kinds; per batch size the fastest tree resolved faster "
                 "than vanilla decoding (95% interval over batches, paired), else vanilla "
-                "decoding, and vanilla decoding at every size above one where it won and "
-                "above the largest size measured"),
+                "decoding there and at every larger size; above the largest size "
+                "measured, vanilla decoding"),
         "chosen": {str(b): label for b, label in batch_choice_labels(r).items()},
         "speedups": {b: {label: {"speedup": round(x["speedup"], 4),
                                  "ci95": None if x["speedup_ci95"] is None
