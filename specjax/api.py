@@ -409,7 +409,8 @@ def _speculation_off(drafter: Drafter | None, tree: TreeSpec | None, rows: int,
         return None
     if tree is None and not drafter.speculates_at(rows):
         largest = drafter.batch_trees[-1][0]
-        why = ("measured vanilla decoding faster at this batch size" if rows <= largest
+        why = ("stores vanilla decoding for this batch size (no tree was measured faster "
+               "here, or at a smaller size)" if rows <= largest
                or drafter.batch_trees[-1][1] is None else
                f"measured trees up to {largest} rows only, none at this batch size")
         return (f"{rows} rows: the drafter's folder {why} (default_tree.json, `specjax bench "
