@@ -58,11 +58,10 @@ class Drafter:
         above the largest measured size, where a tree was never measured: vanilla decoding
         (None) there. Sizes between measured ones inherit only vanilla decoding (a gap
         below a drafting size is refused when the defaults are written)."""
-        found = [(size, t) for size, t in self.batch_trees if size <= batch]
+        found = [t for size, t in self.batch_trees if size <= batch]
         if not found:
             return False, None
-        size, tree = found[-1]
-        return True, tree if size == batch or size < self.batch_trees[-1][0] else None
+        return True, found[-1] if batch <= self.batch_trees[-1][0] else None
 
     def speculates_at(self, batch: int) -> bool:
         """Whether the folder measured speculation worth running at ``batch`` rows: False
