@@ -257,6 +257,7 @@ def run_batch_bench(cfg: BatchBenchConfig, *, prompts: Sequence[dict[str, Any]] 
         if (b, k) in done:
             records.append(done[(b, k)])
             continue
+        t_batch = time.perf_counter()
         ids = [p["ids"] for p in batch]
         rec: dict[str, Any] = {"key": key, "b": b, "batch": k,
                                "question_ids": [p["question_id"] for p in batch],
@@ -271,6 +272,9 @@ def run_batch_bench(cfg: BatchBenchConfig, *, prompts: Sequence[dict[str, Any]] 
                 if m is not None:
                     tqdm.write(f"!!! GREEDY MISMATCH: {label} at batch size {b}, question {q}: "
                                f"differs from vanilla at new token {m} !!!")
+        # The batch's whole cost (its untimed compiles too), so that a run assembled from
+        # earlier invocations still adds up to what it took.
+        rec["measure_s"] = time.perf_counter() - t_batch
         append_record(ppath, rec)
         records.append(rec)
 
@@ -285,7 +289,11 @@ def run_batch_bench(cfg: BatchBenchConfig, *, prompts: Sequence[dict[str, Any]] 
             x["rows_equal"] == x["rows"] for row in by_b.values() for x in row.values()),
         "timed_compiles": sum(r[m]["compiles_while_timed"] for r in records
                               for m in ("vanilla", *labels)),
+        # The time measuring every batch took, reused ones included (older result files'
+        # records carry none), and then this invocation's alone.
+        "measure_s": sum(r.get("measure_s", 0.0) for r in records),
         "wall_s": time.perf_counter() - t0,
+        "batches_reused": sum((b, k) in done for b, k, _ in plan),
         "per_batch": [{k: v for k, v in r.items() if k != "key"} for r in records],
     }
     write_json(out, result)

@@ -88,6 +88,10 @@ def test_every_row_matches_vanilla_at_every_batch_size(tiny_target, tmp_path, mo
     assert [n for _, n in calls] == [3, 3, 3]  # vanilla and two trees, one batch of 3
     assert r3["per_batch"][:5] == r["per_batch"] and r3["config"]["batch_sizes"] == [1, 2, 3]
     assert r3["by_batch_size"]["3"]["chain d2"]["rows_equal"] == 3
+    # Its time counts the reused batches' measuring too, not only this invocation's.
+    assert (r3["batches_reused"], r["batches_reused"]) == (5, 4)
+    assert r3["measure_s"] == pytest.approx(r["measure_s"] + r3["per_batch"][5]["measure_s"])
+    assert r3["measure_s"] > r3["wall_s"] > 0
     calls.clear()
     run_batch_bench(dataclasses.replace(cfg, trees=trees[:1]), prompts=PROMPTS, drafter=drafter)
     assert len(calls) == 10  # other trees: other records, every batch again
