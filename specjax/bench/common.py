@@ -22,6 +22,8 @@ import numpy as np
 from specjax.model import Params
 
 MB = 2**20
+MAL_NOTE = ("MAL = tokens committed per target forward, the target's bonus token included "
+            "(Spec-Bench / EAGLE convention; 1.0 means no draft token was ever accepted)")
 
 
 def best_time(fn: Callable[[], Any], runs: int) -> float:

@@ -71,6 +71,7 @@ from tqdm import tqdm
 
 import specjax
 from specjax.bench.common import (
+    MAL_NOTE,
     as_command,
     first_mismatch,
     generation_record,
@@ -89,7 +90,7 @@ from specjax.bench.questions import (
     follow_up_ids,
     spec_bench_prompts,
 )
-from specjax.bench.spec_report import MAL_NOTE, SAMPLING_NOTE, plot_spec, summary
+from specjax.bench.spec_report import SAMPLING_NOTE, plot_spec, summary
 from specjax.bench.spec_select import (
     AB_LONG_SHARE,
     AB_MAX_PROMPT_TOKENS,

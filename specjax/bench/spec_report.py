@@ -8,13 +8,11 @@ from typing import Any
 
 import numpy as np
 
-from specjax.bench.common import dash, pyplot, save_figure
+from specjax.bench.common import MAL_NOTE, dash, pyplot, save_figure
 
 SAMPLING_NOTE = ("sampled: outputs differ from vanilla's by design, so none is compared token "
                  "for token; that their distribution is the target's is checked by the "
                  "chi-square tests (tests/speculative/test_sampling.py)")
-MAL_NOTE = ("MAL = tokens committed per target forward, the target's bonus token included "
-            "(Spec-Bench / EAGLE convention; 1.0 means no draft token was ever accepted)")
 
 
 def plot_spec(r: dict[str, Any], path: Path) -> Path:

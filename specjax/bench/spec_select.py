@@ -14,10 +14,10 @@ import numpy as np
 from tqdm import tqdm
 
 import specjax
+from specjax.bench.common import MAL_NOTE
 from specjax.bench.paired import choose, paired_runs, relative_speed
 from specjax.bench.phases import draft_latency
 from specjax.bench.questions import calibration_prompts
-from specjax.bench.spec_report import MAL_NOTE
 from specjax.bench.timing import interp_latency
 from specjax.bench.trees import tree_dict, tree_label
 from specjax.loaded import Drafter, Target
