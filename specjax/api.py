@@ -196,10 +196,10 @@ def load_drafter(path: str | Path, target: Target, dtype: str | None = None) -> 
             "drafter with `specjax convert EAGLE_FOLDER OUT` or train one with "
             "`specjax train drafter`")
     cfg, params, meta = read(Path(path), target.cfg, dtype)
-    tree, vocab, sampled_tree, batch_trees = read_defaults(path)
-    return Drafter(cfg=cfg, params=params, path=Path(path), meta=meta, default_tree=tree,
-                   default_vocab=vocab, default_sampled_tree=sampled_tree,
-                   batch_trees=batch_trees)
+    d = read_defaults(path)
+    return Drafter(cfg=cfg, params=params, path=Path(path), meta=meta, default_tree=d.tree,
+                   default_vocab=d.vocab, default_sampled_tree=d.sampled_tree,
+                   batch_trees=d.batch_trees, sampled_batch_trees=d.sampled_batch_trees)
 
 
 def check_generate_args(target: Any, *, max_new_tokens: Any, temperature: Any, top_k: Any,
@@ -280,10 +280,10 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
       drafter: from :func:`load_drafter`; None for vanilla decoding.
       tree: the draft tree; default the drafter's measured one (``drafter.tree_for``:
         from its folder's ``default_tree.json``: at a batch of several rows the one
-        measured for that batch size where the file has batch defaults, greedy or sampled;
-        else the tree measured for sampling when ``temperature`` > 0 and the file has one),
-        else
-        ``TreeSpec()`` (a small EAGLE-2 tree).
+        measured for that batch size where the file has batch defaults (at ``temperature``
+        > 0 its sampled batch defaults, where it has them); else the tree measured for
+        sampling when ``temperature`` > 0 and the file has one), else ``TreeSpec()`` (a
+        small EAGLE-2 tree).
       assume_q_one: EAGLE's verification shortcut for sampled drafts (see
         :class:`specjax.speculative.SpecConfig`); off by default.
       vocab: the drafter's vocabulary head: "full", "fr:N", "pafr:N", "dynaspec",
@@ -312,10 +312,11 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
         compute-bound as the batch grows, and past some size speculation is slower than
         vanilla decoding (vLLM's option of the same name). The output is the same either
         way (greedy tokens; sampled, the target's distribution). None (default): where the
-        drafter's folder measured batches (``specjax bench batch --save-default-tree``) and
-        ``tree`` is left to the drafter, where the entry of the largest measured size <= the
-        rows is vanilla decoding (no tree was faster there), and above the largest measured
-        size (no tree was measured there); 0: never.
+        drafter's folder measured batches (``specjax bench batch --save-default-tree``;
+        at ``temperature`` > 0 the sampled batches where it measured them) and ``tree`` is
+        left to the drafter, where the entry of the largest measured size <= the rows is
+        vanilla decoding (no tree was faster there), and above the largest measured size
+        (no tree was measured there); 0: never.
         ``stats["speculation_off"]`` says why when off.
     Returns:
       :class:`GenerationResult` with texts, new token ids and ``stats``
@@ -342,7 +343,7 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
     n = len(ids)
     # Rows a device decodes: the batch, or its share of the mesh's data axis.
     rows = -(-n // (1 if mesh is None else sh.axis_size(mesh, "data")))
-    off = _speculation_off(drafter, tree, rows, disable_by_batch_size)
+    off = _speculation_off(drafter, tree, rows, disable_by_batch_size, temperature == 0)
     if off is not None:
         drafter, tree, vocab, attention = None, None, None, "dense"
     target, drafter = _on_mesh(target, drafter, mesh)
@@ -397,7 +398,7 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
 
 
 def _speculation_off(drafter: Drafter | None, tree: TreeSpec | None, rows: int,
-                     disable_by_batch_size: int | None) -> str | None:
+                     disable_by_batch_size: int | None, greedy: bool) -> str | None:
     """Why :func:`generate` decodes ``rows`` rows a device without ``drafter`` (see its
     ``disable_by_batch_size``), or None where it speculates."""
     if drafter is None:
@@ -407,11 +408,11 @@ def _speculation_off(drafter: Drafter | None, tree: TreeSpec | None, rows: int,
             return (f"{rows} rows >= disable_by_batch_size={disable_by_batch_size}: decoded "
                     "without the drafter")
         return None
-    if tree is None and not drafter.speculates_at(rows):
-        largest = drafter.batch_trees[-1][0]
+    if tree is None and not drafter.speculates_at(rows, greedy):
+        table = drafter.batch_table(greedy)
+        largest = table[-1][0]
         why = ("stores vanilla decoding for this batch size (no tree was measured faster "
-               "here, or at a smaller size)" if rows <= largest
-               or drafter.batch_trees[-1][1] is None else
+               "here, or at a smaller size)" if rows <= largest or table[-1][1] is None else
                f"measured trees up to {largest} rows only, none at this batch size")
         return (f"{rows} rows: the drafter's folder {why} (default_tree.json, `specjax bench "
                 "batch`); decoded without the drafter (pass disable_by_batch_size=0 to "

@@ -49,40 +49,51 @@ class Drafter:
     default_tree: TreeSpec | None = None
     default_vocab: str | None = None
     default_sampled_tree: TreeSpec | None = None
-    # The folder's batch defaults (specjax bench batch): (batch size >= 2, the greedy tree
-    # fastest there, or None where speculation lost to vanilla decoding), by size.
+    # The folder's batch defaults (specjax bench batch): (batch size >= 2, the tree fastest
+    # there, or None where speculation lost to vanilla decoding), by size; greedy, and
+    # where measured apart, at temperature > 0.
     batch_trees: tuple[tuple[int, TreeSpec | None], ...] = ()
+    sampled_batch_trees: tuple[tuple[int, TreeSpec | None], ...] = ()
 
-    def _batch_entry(self, batch: int) -> tuple[bool, TreeSpec | None]:
+    def batch_table(self, greedy: bool) -> tuple[tuple[int, TreeSpec | None], ...]:
+        """The batch defaults that serve ``greedy`` (or sampled) decoding: the sampled ones
+        where the folder measured them, else the greedy ones."""
+        return (self.sampled_batch_trees if not greedy and self.sampled_batch_trees
+                else self.batch_trees)
+
+    def _batch_entry(self, batch: int, greedy: bool) -> tuple[bool, TreeSpec | None]:
         """(whether a measured size <= ``batch`` exists, its entry): the largest such, except
         above the largest measured size, where a tree was never measured: vanilla decoding
         (None) there. Sizes between measured ones inherit only vanilla decoding (a gap
         below a drafting size is refused when the defaults are written)."""
-        found = [t for size, t in self.batch_trees if size <= batch]
+        table = self.batch_table(greedy)
+        found = [t for size, t in table if size <= batch]
         if not found:
             return False, None
-        return True, found[-1] if batch <= self.batch_trees[-1][0] else None
+        return True, found[-1] if batch <= table[-1][0] else None
 
-    def speculates_at(self, batch: int) -> bool:
-        """Whether the folder measured speculation worth running at ``batch`` rows: False
-        where the entry for the largest measured size <= ``batch`` is vanilla decoding,
-        and above the largest measured size (nothing measured drafts there)."""
-        measured, tree = self._batch_entry(batch)
+    def speculates_at(self, batch: int, greedy: bool = True) -> bool:
+        """Whether the folder measured speculation worth running at ``batch`` rows (for
+        ``greedy`` or sampled decoding, :meth:`batch_table`): False where the entry for the
+        largest measured size <= ``batch`` is vanilla decoding, and above the largest
+        measured size (nothing measured drafts there)."""
+        measured, tree = self._batch_entry(batch, greedy)
         return not measured or tree is not None
 
     def tree_for(self, greedy: bool, batch: int = 1) -> TreeSpec:
         """The tree generate drafts when given none: at ``batch`` >= 2 rows the measured
-        batch default for that size, greedy or sampled (:meth:`speculates_at` says where
+        batch default for that size (:meth:`batch_table`; :meth:`speculates_at` says where
         there is none to draft); at one row the measured one for sampling when not
         ``greedy`` and the folder has one, else the measured greedy one, else
         :class:`TreeSpec`'s defaults (a small EAGLE-2 tree).
 
-        The batch trees serve sampling too: they are the small trees a batch's verify can
-        afford (rows x nodes stay under the forward's latency step), where the tree for
-        sampling was measured at one row (SmolLM2, 4 rows at temperature 1: its root of five
-        sampled children 0.44x vanilla, the batch tree chain d1 + lookup 1 1.08x).
+        Sampling at a batch drafts the greedy batch trees where the folder measured none
+        for it: they are the small trees a batch's verify can afford (rows x nodes stay
+        under the forward's latency step), where the tree for sampling was measured at one
+        row (SmolLM2, 4 rows at temperature 1: its root of five sampled children 0.44x
+        vanilla, the batch tree chain d1 + lookup 1 1.08x).
         """
-        _, tree = self._batch_entry(batch)
+        _, tree = self._batch_entry(batch, greedy)
         if tree is not None:
             return tree
         return ((None if greedy else self.default_sampled_tree) or self.default_tree

@@ -48,7 +48,8 @@ def test_each_shipped_drafter_is_found_for_its_target_and_no_other(tiny_target):
         assert shipped_drafter_for(cfg.target) == folder
         # Its measured defaults parse, and its head's artifacts are in the folder.
         assert read_default_tree(folder) is not None
-        assert all(size >= 2 for size, _ in read_batch_trees(folder))
+        for sampled in (False, True):
+            assert all(size >= 2 for size, _ in read_batch_trees(folder, sampled=sampled))
         if read_default_vocab(folder).startswith(("fr", "pafr")):
             assert (folder / "freq_counts.npy").is_file()
     assert shipped_drafter_for(tiny_target.cfg) is None

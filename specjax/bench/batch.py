@@ -28,8 +28,10 @@ size, or decodes without the drafter (``disable_by_batch_size``).
 ``--temperature T`` (> 0) measures sampled batches instead (default trees: the drafter's
 tree for sampling and a chain of one draft): vanilla and every tree draw with one seed a
 batch (``--seed`` + its index), no EOS stop (every row runs the budget, so the methods
-decode the same number of tokens), and no equality is counted; such a run cannot be saved
-as batch defaults, which are measured greedy.
+decode the same number of tokens), and no equality is counted. Saved, such a run's choice
+becomes the sampled batch defaults, which every temperature > 0 drafts (as the one tree
+for sampling at batch 1 does); a lookup chain accepted at greedy batches is accepted less
+when sampling, so the choice can differ.
 
 Per-batch results go to ``<out stem>.partial.jsonl``; a rerun skips those done, and those of
 a finished run at ``--out`` with the same settings (batch sizes aside): adding a size to a
@@ -347,21 +349,22 @@ def save_batch_defaults(r: dict[str, Any], drafter_dir: str | Path,
     """Store :func:`batch_choice` of a run as the drafter's batch defaults, with what was
     measured (every tree's speedup and interval at every batch size, the machine).
 
+    A greedy run stores the batch defaults, a sampled one (``--temperature``) the sampled
+    batch defaults.
+
     Raises:
-      ValueError: a row differed from vanilla's output, the run measured no batch size of
-        2 or more, it drafted with another head than the folder's trees share, or an
-        unmeasured size would draft a tree measured at another size
+      ValueError: a row differed from vanilla's output (greedy), the run measured no batch
+        size of 2 or more, it drafted with another head than the folder's trees share, or
+        an unmeasured size would draft a tree measured at another size
         (:func:`specjax.tree.default.unmeasured_drafting_sizes`).
     """
     from specjax.tree.default import read_default_vocab, write_batch_trees
 
-    if not r["config"]["greedy"]:
-        raise ValueError("batch defaults are measured greedy (generate's threshold serves "
-                         "both); run again without --temperature to save them")
+    greedy = r["config"]["greedy"]
     if not r["config"].get("calibration"):
         raise ValueError("batch defaults are chosen on calibration prompts, never on "
                          "Spec-Bench's (the evaluation): run again with --calibration 24")
-    if not r["all_rows_equal"]:
+    if greedy and not r["all_rows_equal"]:
         raise ValueError("a row differed from vanilla's greedy output in this run; not "
                          "saving batch defaults from it")
     choice = batch_choice(r)
@@ -387,11 +390,14 @@ def save_batch_defaults(r: dict[str, Any], drafter_dir: str | Path,
                      for b, row in r["by_batch_size"].items()},
         "machine": {k: r["machine"].get(k) for k in ("cpu_model", "nproc", "jax_backend",
                                                      "versions")},
+        **({} if greedy else {"temperature": r["config"]["temperature"],
+                              "seed": r["config"]["seed"]}),
         "results": None if results_path is None else str(results_path),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
     }
     return write_batch_trees(drafter_dir, {b: None if i is None else trees[i]
-                                           for b, i in choice.items()}, measured)
+                                           for b, i in choice.items()}, measured,
+                             sampled=not greedy)
 
 
 def summary(r: dict[str, Any]) -> str:
@@ -484,7 +490,7 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
                    help="store, for each batch size >= 2, the fastest tree resolved faster "
                         "than vanilla decoding there (or vanilla decoding where none was, and "
                         "at every larger size) in the drafter's default_tree.json: generate "
-                        "then follows it")
+                        "then follows it (with --temperature: at every temperature > 0)")
     p.add_argument("--out", default="results/bench_batch.json")
 
 
@@ -492,9 +498,6 @@ def run_batch_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Run :func:`run_batch_bench` from :func:`add_batch_args`' flags (and save)."""
     if args.save_default_tree and args.drafter == "random":
         raise ValueError("--save-default-tree needs a trained drafter, not 'random'")
-    if args.save_default_tree and args.temperature:
-        raise ValueError("--save-default-tree stores greedy measurements (generate's batch "
-                         "threshold serves sampling too); drop --temperature")
     if args.save_default_tree and not args.calibration:
         raise ValueError("--save-default-tree chooses on calibration prompts, never on "
                          "Spec-Bench's (the evaluation): add --calibration 24")
@@ -512,7 +515,8 @@ def run_batch_from_args(args: argparse.Namespace) -> dict[str, Any]:
         where = save_batch_defaults(r, r["config"]["drafter"], args.out)
         chosen = ", ".join(f"B={b}: {t or 'vanilla decoding'}"
                            for b, t in batch_choice_labels(r).items())
-        print(f"batch defaults ({chosen}) saved to {where}")
+        kind = "batch" if r["config"]["greedy"] else "sampled batch"
+        print(f"{kind} defaults ({chosen}) saved to {where}")
     return r
 
 

@@ -22,6 +22,11 @@ For each measured batch size B >= 2 the entry is the greedy tree fastest there, 
 where no tree was resolved faster than vanilla decoding (then generate decodes without the
 drafter: the output is the same). A batch of n rows takes the entry of the largest
 measured size <= n; batch 1 (and fewer rows than any measured size) the greedy tree.
+Sampled batch defaults (``"sampled_batch"``, the same shape, written by ``specjax bench
+batch --temperature 1 --save-default-tree``) serve temperature > 0 where present: a
+lookup chain that pays at greedy batches is accepted less under sampling (Gemma 3 at 3
+rows, temperature 1: chain d1 + lookup 2 1.02x vanilla, chain d1 alone 1.20x); without
+them sampling drafts the greedy batch trees.
 
 A stored head names only artifacts inside the drafter's folder (``fr:8192``, never
 ``fr:8192:/some/path``), so the folder can be copied or shipped whole.
@@ -32,13 +37,25 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from specjax.checkpoint import write_json_atomic
 from specjax.tree.spec import TreeSpec
 
 FILE = "default_tree.json"
 FORMAT = "specjax-default-tree"
+BatchTrees = tuple[tuple[int, TreeSpec | None], ...]
+
+
+class Defaults(NamedTuple):
+    """A drafter folder's defaults, from one read of its file (:func:`read_defaults`)."""
+
+    tree: TreeSpec | None  # greedy, batch 1; None without a file
+    vocab: str | None  # the head every tree drafts with; None without a file
+    sampled_tree: TreeSpec | None  # temperature > 0, batch 1; None: the greedy tree
+    # (batch size >= 2, tree or None for vanilla decoding) by size; () where not measured.
+    batch_trees: BatchTrees = ()
+    sampled_batch_trees: BatchTrees = ()  # the same at temperature > 0
 
 
 def check_portable_vocab(spec: str) -> str:
@@ -71,8 +88,10 @@ def _read(folder: str | Path) -> dict[str, Any] | None:
             if not isinstance(d["sampled"], dict):
                 raise ValueError("sampled must be an object with a tree")
             d["sampled"] = {**d["sampled"], "tree": TreeSpec.from_json(d["sampled"]["tree"])}
-        if "batch" in d:
-            d["batch"] = {**d["batch"], "trees": _batch_trees(d["batch"])}
+        for entry in ("batch", "sampled_batch"):
+            if entry in d:
+                trees = _batch_trees(entry, d[entry])  # checks the entry's shape first
+                d[entry] = {**d[entry], "trees": trees}
         vocab = d.get("vocab", "full")
         if not isinstance(vocab, str):
             raise ValueError(f"vocab must be a head spec string, got {vocab!r}")
@@ -84,10 +103,11 @@ def _read(folder: str | Path) -> dict[str, Any] | None:
                          "`specjax bench spec --save-default-tree`") from None
 
 
-def _batch_trees(batch: Any) -> tuple[tuple[int, TreeSpec | None], ...]:
-    """The ``"batch"`` entry's trees as (size, tree or None) pairs, by size."""
+def _batch_trees(entry: str, batch: Any) -> BatchTrees:
+    """A ``"batch"`` or ``"sampled_batch"`` entry's trees as (size, tree or None) pairs,
+    by size."""
     if not isinstance(batch, dict) or not isinstance(batch.get("trees"), dict):
-        raise ValueError("batch must be an object with trees by batch size")
+        raise ValueError(f"{entry} must be an object with trees by batch size")
     out = []
     for size, tree in batch["trees"].items():
         if not str(size).isdigit() or int(size) < 2:
@@ -96,19 +116,17 @@ def _batch_trees(batch: Any) -> tuple[tuple[int, TreeSpec | None], ...]:
     return tuple(sorted(out, key=lambda x: x[0]))
 
 
-def read_batch_trees(folder: str | Path) -> tuple[tuple[int, TreeSpec | None], ...]:
-    """``folder``'s batch defaults: (batch size, greedy tree, or None where speculation lost
-    to vanilla decoding) pairs by size; () where none were measured (see
-    :func:`read_defaults`, which raises the same errors)."""
-    return read_defaults(folder)[3]
+def read_batch_trees(folder: str | Path, *, sampled: bool = False) -> BatchTrees:
+    """``folder``'s batch defaults (with ``sampled``, those for temperature > 0): (batch
+    size, tree, or None where speculation lost to vanilla decoding) pairs by size; () where
+    none were measured (see :func:`read_defaults`, which raises the same errors)."""
+    d = read_defaults(folder)
+    return d.sampled_batch_trees if sampled else d.batch_trees
 
 
-def read_defaults(folder: str | Path) -> tuple[TreeSpec | None, str | None, TreeSpec | None,
-                                               tuple[tuple[int, TreeSpec | None], ...]]:
-    """(greedy tree, head spec, tree for sampling, batch defaults) from one read of
-    ``folder``'s file: None (and no batch defaults) when there is no file; the head "full"
-    when the file names none; the tree for sampling None when the file holds only the
-    greedy one; the batch defaults () where none were measured.
+def read_defaults(folder: str | Path) -> Defaults:
+    """``folder``'s defaults from one read of its file: all None and () without a file; the
+    head "full" when the file names none; an entry the file lacks None or ().
 
     Raises:
       ValueError: the file exists but is not a valid default (names the file and how to
@@ -116,35 +134,36 @@ def read_defaults(folder: str | Path) -> tuple[TreeSpec | None, str | None, Tree
     """
     d = _read(folder)
     if d is None:
-        return None, None, None, ()
-    return (d["tree"], d["vocab"], d["sampled"]["tree"] if "sampled" in d else None,
-            d["batch"]["trees"] if "batch" in d else ())
+        return Defaults(None, None, None)
+    return Defaults(d["tree"], d["vocab"], d["sampled"]["tree"] if "sampled" in d else None,
+                    d["batch"]["trees"] if "batch" in d else (),
+                    d["sampled_batch"]["trees"] if "sampled_batch" in d else ())
 
 
 def read_default_tree(folder: str | Path, *, sampled: bool = False) -> TreeSpec | None:
     """The greedy tree stored in ``folder``, or with ``sampled`` the tree for sampling (see
     :func:`read_defaults`, which raises the same errors)."""
-    tree, _, sampled_tree, _ = read_defaults(folder)
-    return sampled_tree if sampled else tree
+    d = read_defaults(folder)
+    return d.sampled_tree if sampled else d.tree
 
 
 def read_default_vocab(folder: str | Path) -> str | None:
     """The head spec stored in ``folder`` (see :func:`read_defaults`)."""
-    return read_defaults(folder)[1]
+    return read_defaults(folder).vocab
 
 
 def write_default_tree(folder: str | Path, tree: TreeSpec, measured: dict[str, Any],
                        vocab: str = "full") -> Path:
     """Store ``tree`` and the head ``vocab`` as ``folder``'s defaults, with ``measured``
-    (how they were chosen). A tree for sampling already in a valid file is kept: it was
-    measured on its own. Raises ValueError for a head that names an outside path."""
+    (how they were chosen). The tree for sampling and the batch defaults already in a valid
+    file are kept: each was measured on its own. Raises ValueError for a head that names an
+    outside path."""
     vocab = check_portable_vocab(vocab)
     try:
-        old = _read(folder)
+        old = _read(folder) or {}
     except ValueError:  # an invalid file is replaced whole
-        old = None
-    return _write(folder, tree, vocab, measured, None if old is None else old.get("sampled"),
-                  None if old is None else old.get("batch"))
+        old = {}
+    return _write(folder, old | {"tree": tree, "vocab": vocab, "measured": measured})
 
 
 def write_sampled_default_tree(folder: str | Path, tree: TreeSpec,
@@ -155,38 +174,29 @@ def write_sampled_default_tree(folder: str | Path, tree: TreeSpec,
     Raises:
       ValueError: the folder has no default tree yet, or an invalid one.
     """
-    old = _read(folder)
-    if old is None:
-        raise ValueError(f"{Path(folder) / FILE} does not exist; measure the greedy default "
-                         "first (`specjax bench spec --save-default-tree`), which also "
-                         "stores the head both trees use")
-    return _write(folder, old["tree"], old["vocab"], old.get("measured", {}),
-                  {"tree": tree, "measured": measured}, old.get("batch"))
+    old = _read_measured(folder, "both trees use")
+    return _write(folder, old | {"sampled": {"tree": tree, "measured": measured}})
 
 
 def write_batch_trees(folder: str | Path, trees: dict[int, TreeSpec | None],
-                      measured: dict[str, Any]) -> Path:
-    """Store ``trees`` (batch size >= 2 -> the greedy tree fastest there, or None where no
-    tree beat vanilla decoding) as ``folder``'s batch defaults, with ``measured``, beside
-    the trees and head already there (the head is shared, so it must have been measured).
+                      measured: dict[str, Any], *, sampled: bool = False) -> Path:
+    """Store ``trees`` (batch size >= 2 -> the tree fastest there, or None where no tree
+    beat vanilla decoding) as ``folder``'s batch defaults (with ``sampled``, those for
+    temperature > 0), with ``measured``, beside the trees and head already there (the head
+    is shared, so it must have been measured).
 
     A batch of n rows drafts the entry of the largest stored size <= n (the batch-1 tree
     below the smallest; nothing above the largest, where no tree was measured: see
     :meth:`specjax.loaded.Drafter.speculates_at`), so an unmeasured size between 2 and the
-    largest stored one would
-    draft a tree measured at another size: the sizes must run 2, 3, ... without a gap up to
-    any entry after which a tree is still drafted (a gap after a vanilla entry decodes
-    without the drafter, measured or not).
+    largest stored one would draft a tree measured at another size: the sizes must run 2,
+    3, ... without a gap up to any entry after which a tree is still drafted (a gap after a
+    vanilla entry decodes without the drafter, measured or not).
 
     Raises:
       ValueError: the folder has no default tree yet, or an invalid one; a size below 2; an
         unmeasured size that would draft a tree measured elsewhere.
     """
-    old = _read(folder)
-    if old is None:
-        raise ValueError(f"{Path(folder) / FILE} does not exist; measure the greedy default "
-                         "first (`specjax bench spec --save-default-tree`), which also "
-                         "stores the head every tree uses")
+    old = _read_measured(folder, "every tree uses")
     if any(b < 2 for b in trees):
         raise ValueError(f"batch sizes are integers >= 2, got {sorted(trees)}")
     if gaps := unmeasured_drafting_sizes(trees):
@@ -195,9 +205,21 @@ def write_batch_trees(folder: str | Path, trees: dict[int, TreeSpec | None],
             f"size (measured: {sorted(trees)}); measure every size from 2 up to the first "
             "where vanilla decoding wins (`specjax bench batch --batch-sizes "
             f"{','.join(map(str, sorted(set(trees) | set(gaps))))} --save-default-tree`)")
-    batch = {"trees": tuple(sorted(trees.items())), "measured": measured}
-    return _write(folder, old["tree"], old["vocab"], old.get("measured", {}),
-                  old.get("sampled"), batch)
+    entry = "sampled_batch" if sampled else "batch"
+    return _write(folder, old | {entry: {"trees": tuple(sorted(trees.items())),
+                                         "measured": measured}})
+
+
+def _read_measured(folder: str | Path, shared: str) -> dict[str, Any]:
+    """``folder``'s valid file as :func:`_read` returns it, for an entry written beside the
+    greedy default and its head (``shared`` ends the error's sentence: what the head
+    serves)."""
+    old = _read(folder)
+    if old is None:
+        raise ValueError(f"{Path(folder) / FILE} does not exist; measure the greedy default "
+                         "first (`specjax bench spec --save-default-tree`), which also "
+                         f"stores the head {shared}")
+    return old
 
 
 def unmeasured_drafting_sizes(trees: Mapping[int, object]) -> list[int]:
@@ -213,16 +235,17 @@ def unmeasured_drafting_sizes(trees: Mapping[int, object]) -> list[int]:
     return gaps
 
 
-def _write(folder: str | Path, tree: TreeSpec, vocab: str, measured: dict[str, Any],
-           sampled: dict[str, Any] | None, batch: dict[str, Any] | None = None) -> Path:
-    """The file, atomically; ``sampled`` and ``batch``: None, or their entries as
-    :func:`_read` returns them."""
-    data = {"format": FORMAT, "tree": tree.to_json(), "vocab": vocab, "measured": measured}
-    if sampled is not None:
-        data["sampled"] = {**sampled, "tree": sampled["tree"].to_json()}
-    if batch is not None:
-        data["batch"] = {**batch, "trees": {str(b): None if t is None else t.to_json()
-                                            for b, t in batch["trees"]}}
+def _write(folder: str | Path, d: dict[str, Any]) -> Path:
+    """The file, atomically, from ``d`` as :func:`_read` returns it (the greedy tree, head
+    and ``measured``; ``sampled``, ``batch`` and ``sampled_batch`` where present)."""
+    data = {"format": FORMAT, "tree": d["tree"].to_json(), "vocab": d["vocab"],
+            "measured": d.get("measured", {})}
+    if "sampled" in d:
+        data["sampled"] = {**d["sampled"], "tree": d["sampled"]["tree"].to_json()}
+    for entry in ("batch", "sampled_batch"):
+        if entry in d:
+            data[entry] = {**d[entry], "trees": {str(b): None if t is None else t.to_json()
+                                                 for b, t in d[entry]["trees"]}}
     path = Path(folder) / FILE
     write_json_atomic(path, data)
     return path

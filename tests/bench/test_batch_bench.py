@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 import pytest
 
@@ -101,7 +102,7 @@ def test_every_row_matches_vanilla_at_every_batch_size(tiny_target, tmp_path, mo
     assert len(calls) == 10
 
 
-def test_sampled_batches_share_a_seed_a_batch_and_save_nothing(tiny_target, tmp_path):
+def test_sampled_batches_share_a_seed_a_batch(tiny_target, tmp_path):
     drafter = random_drafter(tiny_target)
     cfg = BatchBenchConfig(tiny_target.path, batch_sizes=(2,), trees=(TreeSpec("chain", depth=2),),
                            max_new_tokens=6, temperature=1.0, seed=5, out=tmp_path / "t.json")
@@ -120,7 +121,7 @@ def test_sampled_batches_share_a_seed_a_batch_and_save_nothing(tiny_target, tmp_
         assert all(len(t) == 6 for t in rec["chain d2"]["tokens"])
         assert "mismatches" not in rec["chain d2"]
     assert "sampled at temperature 1" in batch_bench.summary(r)
-    with pytest.raises(ValueError, match="measured greedy"):
+    with pytest.raises(ValueError, match="never on Spec-Bench's"):  # not a calibration run
         batch_bench.save_batch_defaults(r, tmp_path)
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         BatchBenchConfig("m", temperature=float("nan"))
@@ -141,7 +142,7 @@ def test_defaults_and_flags(tiny_target):
         BatchBenchConfig("m", batch_sizes=(0, 2))
     sampled = p.parse_args(["--temperature", "0.7", "--seed", "3", "--save-default-tree"])
     assert (config_from_args(sampled).temperature, config_from_args(sampled).seed) == (0.7, 3)
-    with pytest.raises(ValueError, match="drop --temperature"):  # before any work
+    with pytest.raises(ValueError, match="add --calibration 24"):  # before any work
         batch_bench.run_batch_from_args(sampled)
     with pytest.raises(ValueError, match="add --calibration 24"):
         batch_bench.run_batch_from_args(p.parse_args(["--save-default-tree"]))
@@ -194,6 +195,15 @@ def test_batch_defaults_are_the_fastest_tree_resolved_faster_else_vanilla(tiny_t
                                         (3, TreeSpec("chain", depth=2)), (4, None), (8, None))
     with pytest.raises(ValueError, match="differed from vanilla"):
         batch_bench.save_batch_defaults({**r, "all_rows_equal": False}, folder)
+    # A sampled run (no rows compared) stores the sampled table and leaves the greedy one.
+    sampled = {**r, "all_rows_equal": None,
+               "config": r["config"] | {"greedy": False, "temperature": 1.0, "seed": 0}}
+    where = batch_bench.save_batch_defaults(sampled, folder)
+    assert read_batch_trees(folder, sampled=True) == read_batch_trees(folder)
+    assert json.loads(where.read_text())["sampled_batch"]["measured"]["temperature"] == 1.0
+    batch_bench.save_batch_defaults(_result({"2": {"a": (1.3, [1.1, 1.5])}}), folder)
+    assert read_batch_trees(folder) == ((2, TreeSpec("chain", depth=1)),)
+    assert len(read_batch_trees(folder, sampled=True)) == 4
     spec_bench = {**r, "config": {k: v for k, v in r["config"].items() if k != "calibration"}}
     with pytest.raises(ValueError, match="never on Spec-Bench's.*--calibration 24"):
         batch_bench.save_batch_defaults(spec_bench, folder)

@@ -21,6 +21,7 @@ from specjax.tree.default import (
     read_batch_trees,
     read_default_tree,
     read_default_vocab,
+    read_defaults,
     unmeasured_drafting_sizes,
     write_batch_trees,
     write_default_tree,
@@ -268,10 +269,27 @@ def test_batch_defaults_sit_beside_the_trees_and_survive_their_remeasurement(tmp
     with pytest.raises(ValueError, match=r"sizes \[3\] were not measured.*--batch-sizes 2,3,4"):
         write_batch_trees(tmp_path, {2: chain, 4: None}, {})
     assert read_batch_trees(tmp_path) == ((2, chain), (3, chain), (4, None))  # kept
+    # Sampled batch defaults are a second table: writing either keeps the other, and every
+    # other writer keeps both.
+    assert read_batch_trees(tmp_path, sampled=True) == ()
+    write_batch_trees(tmp_path, {2: chain, 3: None}, {"temperature": 1.0}, sampled=True)
+    write_default_tree(tmp_path, TreeSpec("chain", depth=3), {}, vocab="fr:8192")
+    write_sampled_default_tree(tmp_path, wide, {})
+    write_batch_trees(tmp_path, {2: wide, 3: None}, {})
+    assert read_batch_trees(tmp_path, sampled=True) == ((2, chain), (3, None))
+    assert read_batch_trees(tmp_path) == ((2, wide), (3, None))
+    d = read_defaults(tmp_path)
+    assert (d.tree, d.vocab, d.sampled_tree) == (TreeSpec("chain", depth=3), "fr:8192", wide)
+    with pytest.raises(ValueError, match=r"sizes \[2\] were not measured"):
+        write_batch_trees(tmp_path, {3: chain}, {}, sampled=True)
     text = json.loads((tmp_path / FILE).read_text())
+    assert text["sampled_batch"]["measured"] == {"temperature": 1.0}
     (tmp_path / FILE).write_text(json.dumps({**text, "batch": {"trees": {"x": None}}}))
     with pytest.raises(ValueError, match="not a valid default tree.*integers >= 2"):
         read_batch_trees(tmp_path)
+    (tmp_path / FILE).write_text(json.dumps({**text, "sampled_batch": [None]}))
+    with pytest.raises(ValueError, match="sampled_batch must be an object"):
+        read_batch_trees(tmp_path, sampled=True)
 
 
 def test_generate_follows_the_batch_defaults(tiny_target, tmp_path):
@@ -303,6 +321,21 @@ def test_generate_follows_the_batch_defaults(tiny_target, tmp_path):
                                                                                  depth=1)
     assert run(1, drafter=ds, temperature=1.0).stats["tree"]["kind"] == "dyspec-threshold"
     assert run(2, drafter=ds, temperature=1.0).stats["tree"]["kind"] == "chain"
+    # Where the folder measured sampled batches, sampling follows them instead, vanilla
+    # decoding included, and greedy decoding still follows the greedy ones.
+    write_batch_trees(folder, {2: TreeSpec("chain", depth=2), 3: None}, {}, sampled=True)
+    dsb = specjax.load_drafter(folder, tiny_target)
+    assert dsb.tree_for(False, batch=1) == wide
+    assert dsb.tree_for(False, batch=2) == TreeSpec("chain", depth=2)
+    assert dsb.tree_for(True, batch=2) == TreeSpec("chain", depth=1)
+    assert [dsb.speculates_at(b, greedy=False) for b in (1, 2, 3, 4)] == [True, True, False,
+                                                                          False]
+    assert [dsb.speculates_at(b) for b in (1, 2, 3, 4)] == [True, True, True, False]
+    sampled_off = run(3, drafter=dsb, temperature=1.0, seed=3)
+    assert sampled_off.tokens == run(3, temperature=1.0, seed=3).tokens
+    assert "stores vanilla decoding for this batch size" in sampled_off.stats["speculation_off"]
+    assert run(2, drafter=dsb, temperature=1.0).stats["tree"]["depth"] == 2
+    assert "speculation_off" not in run(3, drafter=dsb).stats
     two = run(3, drafter=d).stats
     assert two["tree"] == run(3, drafter=d, tree=TreeSpec("chain", depth=1)).stats["tree"]
     assert "speculation_off" not in two
