@@ -411,9 +411,10 @@ def _speculation_off(drafter: Drafter | None, tree: TreeSpec | None, rows: int,
     if tree is None and not drafter.speculates_at(rows, greedy):
         table = drafter.batch_table(greedy)
         largest = table[-1][0]
-        why = ("stores vanilla decoding for this batch size (no tree was measured faster "
-               "here, or at a smaller size)" if rows <= largest or table[-1][1] is None else
-               f"measured trees up to {largest} rows only, none at this batch size")
+        sampling = "sampling at " if not greedy and drafter.sampled_batch_trees else ""
+        why = (f"stores vanilla decoding for {sampling}this batch size (no tree was measured "
+               "faster here, or at a smaller size)" if rows <= largest or table[-1][1] is None
+               else f"measured trees up to {largest} rows only, none at this batch size")
         return (f"{rows} rows: the drafter's folder {why} (default_tree.json, `specjax bench "
                 "batch`); decoded without the drafter (pass disable_by_batch_size=0 to "
                 "speculate anyway)")

@@ -333,7 +333,8 @@ def test_generate_follows_the_batch_defaults(tiny_target, tmp_path):
     assert [dsb.speculates_at(b) for b in (1, 2, 3, 4)] == [True, True, True, False]
     sampled_off = run(3, drafter=dsb, temperature=1.0, seed=3)
     assert sampled_off.tokens == run(3, temperature=1.0, seed=3).tokens
-    assert "stores vanilla decoding for this batch size" in sampled_off.stats["speculation_off"]
+    assert "vanilla decoding for sampling at this batch size" in sampled_off.stats[
+        "speculation_off"]
     assert run(2, drafter=dsb, temperature=1.0).stats["tree"]["depth"] == 2
     assert "speculation_off" not in run(3, drafter=dsb).stats
     two = run(3, drafter=d).stats
