@@ -56,7 +56,7 @@ def main() -> None:
                 jax.clear_caches()
                 kw = dict(max_new_tokens=128, stop_on_eos=False, temperature=temp, seed=0)
                 if mode == "spec":  # the drafter folder's measured defaults
-                    kw |= dict(drafter=drafter, tree=drafter.tree_for(temp == 0),
+                    kw |= dict(drafter=drafter, tree=drafter.tree_for(temp),
                                vocab=drafter.default_vocab)
                 specjax.generate(target, [prompt_by_name[pname]], **kw)  # compile or re-warm
                 r = specjax.generate(target, [prompt_by_name[pname]], **kw)

@@ -129,7 +129,7 @@ def main() -> None:
         evals, _ = spec_bench_prompts(target, questions=None, tasks=TASKS,
                                       per_task=args.per_task)
     tasks = list(dict.fromkeys(e["task"] for e in evals))
-    trees = trees or [drafter.tree_for(args.temperature == 0)]  # what generate drafts
+    trees = trees or [drafter.tree_for(args.temperature)]  # what generate drafts
     rows = paired_runs(target, drafter, trees, [e["ids"] for e in evals],
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        seed=args.seed, vanilla=True, tasks=[e["task"] for e in evals],

@@ -141,11 +141,12 @@ def step_times(target, drafter, trees: list[TreeSpec], prompts: list[list[int]],
 def save_choice(folder: Path, tree: TreeSpec, measured: dict, *, temperature: float) -> Path:
     """Store ``tree`` in ``folder``'s default_tree.json: as the greedy tree at temperature 0
     (the file's head kept: every candidate drafted with it), else as the tree for sampling
-    (the greedy tree and head kept). Returns the file's path."""
+    at ``temperature`` (the greedy tree, head and other temperatures' trees kept). Returns
+    the file's path."""
     if temperature == 0:
         return write_default_tree(folder, tree, measured,
                                   vocab=read_default_vocab(folder) or "full")
-    return write_sampled_default_tree(folder, tree, measured)
+    return write_sampled_default_tree(folder, tree, measured, temperature=temperature)
 
 
 def main() -> None:

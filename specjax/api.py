@@ -198,7 +198,7 @@ def load_drafter(path: str | Path, target: Target, dtype: str | None = None) -> 
     cfg, params, meta = read(Path(path), target.cfg, dtype)
     d = read_defaults(path)
     return Drafter(cfg=cfg, params=params, path=Path(path), meta=meta, default_tree=d.tree,
-                   default_vocab=d.vocab, default_sampled_tree=d.sampled_tree,
+                   default_vocab=d.vocab, sampled_trees=d.sampled_trees,
                    batch_trees=d.batch_trees, sampled_batch_trees=d.sampled_batch_trees)
 
 
@@ -281,9 +281,9 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
       tree: the draft tree; default the drafter's measured one (``drafter.tree_for``:
         from its folder's ``default_tree.json``: at a batch of several rows the one
         measured for that batch size where the file has batch defaults (at ``temperature``
-        > 0 its sampled batch defaults, where it has them); else the tree measured for
-        sampling when ``temperature`` > 0 and the file has one), else ``TreeSpec()`` (a
-        small EAGLE-2 tree).
+        > 0 its sampled batch defaults, where it has them); else, when ``temperature``
+        > 0 and the file has trees for sampling, the one measured at the temperature
+        nearest it), else ``TreeSpec()`` (a small EAGLE-2 tree).
       assume_q_one: EAGLE's verification shortcut for sampled drafts (see
         :class:`specjax.speculative.SpecConfig`); off by default.
       vocab: the drafter's vocabulary head: "full", "fr:N", "pafr:N", "dynaspec",
@@ -512,7 +512,7 @@ def _plan(target: Target, ids: list[list[int]], *, max_new_tokens: int, temperat
     runner: VanillaRunner | SpecRunner = VanillaRunner(target, sampling)
     if drafter is not None:
         drafter.cfg.check_target(target.cfg)
-        tree = tree or drafter.tree_for(sampling.greedy, batch=rows)
+        tree = tree or drafter.tree_for(temperature, batch=rows)
         vocab = vocab or drafter.default_vocab or "full"
         runner = SpecRunner.of(target, drafter, resolve_head(vocab, target, drafter), tree,
                                sampling, assume_q_one, attention)

@@ -13,6 +13,7 @@ from typing import Any
 from specjax.config import ModelConfig
 from specjax.draft_model import DraftModel
 from specjax.model import Params
+from specjax.tree.default import sampled_tree_at
 from specjax.tree.spec import TreeSpec
 
 
@@ -45,10 +46,11 @@ class Drafter:
     # The tree and vocabulary head measured fastest for this drafter on some machine (its
     # folder's default_tree.json; see specjax.tree.default); generate uses them when given
     # none. default_vocab is a head spec that reads only the folder's own artifacts;
-    # default_sampled_tree, where the file has one, is the tree measured for temperature > 0.
+    # sampled_trees, where the file has them, are the trees measured for sampling, as
+    # (temperature, tree) by temperature (specjax.tree.default.sampled_tree_at).
     default_tree: TreeSpec | None = None
     default_vocab: str | None = None
-    default_sampled_tree: TreeSpec | None = None
+    sampled_trees: tuple[tuple[float, TreeSpec], ...] = ()
     # The folder's batch defaults (specjax bench batch): (batch size >= 2, the tree fastest
     # there, or None where speculation lost to vanilla decoding), by size; greedy, and
     # where measured apart, at temperature > 0.
@@ -80,11 +82,12 @@ class Drafter:
         measured, tree = self._batch_entry(batch, greedy)
         return not measured or tree is not None
 
-    def tree_for(self, greedy: bool, batch: int = 1) -> TreeSpec:
-        """The tree generate drafts when given none: at ``batch`` >= 2 rows the measured
-        batch default for that size (:meth:`batch_table`; :meth:`speculates_at` says where
-        there is none to draft); at one row the measured one for sampling when not
-        ``greedy`` and the folder has one, else the measured greedy one, else
+    def tree_for(self, temperature: float, batch: int = 1) -> TreeSpec:
+        """The tree generate drafts when given none at ``temperature`` (0: greedy): at
+        ``batch`` >= 2 rows the measured batch default for that size (:meth:`batch_table`;
+        :meth:`speculates_at` says where there is none to draft); at one row, sampling, the
+        one measured at the temperature nearest ``temperature`` where the folder has one
+        (:func:`~specjax.tree.default.sampled_tree_at`), else the measured greedy one, else
         :class:`TreeSpec`'s defaults (a small EAGLE-2 tree).
 
         Sampling at a batch drafts the greedy batch trees where the folder measured none
@@ -93,8 +96,11 @@ class Drafter:
         row (SmolLM2, 4 rows at temperature 1: its root of five sampled children 0.44x
         vanilla, the batch tree chain d1 + lookup 1 1.08x).
         """
+        if isinstance(temperature, bool):  # the old tree_for(greedy) would read as 1 or 0
+            raise TypeError("tree_for takes the temperature (0 for greedy), not a bool")
+        greedy = temperature == 0
         _, tree = self._batch_entry(batch, greedy)
         if tree is not None:
             return tree
-        return ((None if greedy else self.default_sampled_tree) or self.default_tree
-                or TreeSpec())
+        return ((None if greedy else sampled_tree_at(self.sampled_trees, temperature))
+                or self.default_tree or TreeSpec())

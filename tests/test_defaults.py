@@ -39,7 +39,12 @@ def test_an_unknown_name_is_a_path(tmp_path):
 
 def test_each_shipped_drafter_is_found_for_its_target_and_no_other(tiny_target):
     from specjax.drafter import DrafterConfig
-    from specjax.tree.default import read_batch_trees, read_default_tree, read_default_vocab
+    from specjax.tree.default import (
+        read_batch_trees,
+        read_default_tree,
+        read_default_vocab,
+        read_defaults,
+    )
 
     folders = sorted(p.parent for p in SHIPPED_DRAFTERS.glob("*/specjax.json"))
     assert {f.name for f in folders} >= {"SmolLM2-135M-Instruct", GEMMA3_MODEL_NAME}
@@ -48,6 +53,7 @@ def test_each_shipped_drafter_is_found_for_its_target_and_no_other(tiny_target):
         assert shipped_drafter_for(cfg.target) == folder
         # Its measured defaults parse, and its head's artifacts are in the folder.
         assert read_default_tree(folder) is not None
+        assert all(t > 0 for t, _ in read_defaults(folder).sampled_trees)
         for sampled in (False, True):
             assert all(size >= 2 for size, _ in read_batch_trees(folder, sampled=sampled))
         if read_default_vocab(folder).startswith(("fr", "pafr")):

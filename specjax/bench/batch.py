@@ -146,10 +146,10 @@ def batches(prompts: Sequence[dict[str, Any]], b: int) -> list[list[dict[str, An
     return [list(prompts[i:i + b]) for i in range(0, len(prompts), b)]
 
 
-def default_trees(drafter: Drafter, greedy: bool = True) -> list[TreeSpec]:
-    """The drafter's measured tree (greedy, or for sampling: what ``generate`` drafts by
-    default at batch 1) and the smallest tree, a chain of one draft."""
-    out = [drafter.tree_for(greedy=greedy)]
+def default_trees(drafter: Drafter, temperature: float = 0.0) -> list[TreeSpec]:
+    """The drafter's measured tree at ``temperature`` (what ``generate`` drafts by default
+    at batch 1) and the smallest tree, a chain of one draft."""
+    out = [drafter.tree_for(temperature)]
     chain = TreeSpec("chain", depth=1)
     return out + ([chain] if chain not in out else [])
 
@@ -221,7 +221,7 @@ def run_batch_bench(cfg: BatchBenchConfig, *, prompts: Sequence[dict[str, Any]] 
     vocab = cfg.vocab or drafter.default_vocab or "full"
     head = resolve_head(vocab, target, drafter)
     greedy = cfg.temperature == 0
-    trees = list(cfg.trees) or default_trees(drafter, greedy)
+    trees = list(cfg.trees) or default_trees(drafter, cfg.temperature)
     labels = [tree_label(t) for t in trees]
     calib = None
     if cfg.calibration:

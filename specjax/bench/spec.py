@@ -112,6 +112,7 @@ from specjax.defaults import resolve_model
 from specjax.loaded import Drafter, Target
 from specjax.loop import bucket
 from specjax.speculative import TreeSpec, spare_rows
+from specjax.tree.default import nearest_temperature
 from specjax.vocab.head import VocabHead
 from specjax.vocab.resolve import resolve_head
 
@@ -428,7 +429,7 @@ def candidates(cfg: SpecBenchConfig, drafter: Drafter,
                                  "the grid (its default_tree.json); drop --grid-add-default")
             added.append(drafter.default_tree)
     else:
-        first, added = (cfg.tree or drafter.tree_for(greedy=False),), list(cfg.add_trees)
+        first, added = (cfg.tree or drafter.tree_for(cfg.temperature),), list(cfg.add_trees)
     grid: list[TreeSpec] = []
     for t in (*first, *added):
         if t not in grid:
@@ -486,10 +487,11 @@ def _ab_prompts(cfg: SpecBenchConfig, target: Target,
     return ab_prompts(target, cfg.ab_prompts, questions=cfg.questions, given=given)
 
 
-def _sampled_tree_source(drafter: Drafter) -> str:
-    """Where ``Drafter.tree_for(greedy=False)`` took its tree from, for the report."""
-    if drafter.default_sampled_tree is not None:
-        return "the drafter's tree for sampling"
+def _sampled_tree_source(drafter: Drafter, temperature: float) -> str:
+    """Where ``Drafter.tree_for`` took a tree for sampling at ``temperature`` from, for the
+    report."""
+    if (t := nearest_temperature(drafter.sampled_trees, temperature)) is not None:
+        return f"the drafter's tree for sampling measured at temperature {t:g}"
     if drafter.default_tree is not None:
         return "the drafter's greedy tree: it stores none for sampling"
     return "TreeSpec()'s defaults: the drafter stores no tree"
@@ -541,7 +543,8 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
         "questions": None if qpath is None else str(qpath),
         "tree_mode": ("auto" if greedy and cfg.tree is None else
                       "paired" if len(grid) > 1 else
-                      "given" if cfg.tree is not None else _sampled_tree_source(drafter)),
+                      "given" if cfg.tree is not None
+                      else _sampled_tree_source(drafter, cfg.temperature)),
         "vocab": vocab if isinstance(vocab, str) else repr(head),
     }
     if greedy:
@@ -832,7 +835,8 @@ def save_default_tree(result: dict[str, Any], drafter_dir: str | Path,
         how = (f"bench spec --temperature {conf['temperature']:g}: the {len(ab['candidates'])}"
                f" trees run end to end at that temperature, paired, on {ab['prompts']} "
                f"calibration prompts: {rule} ({ab['decided_by']})")
-        return write_sampled_default_tree(drafter_dir, tree, {"how": how, **measured})
+        return write_sampled_default_tree(drafter_dir, tree, {"how": how, **measured},
+                                          temperature=conf["temperature"])
     how = "bench spec: calibration MAL / (verify(T) + draft time), highest wins"
     if paired is not None:
         how += (f"; then the {len(ab['candidates'])} best within {ab['within']:.0%} run end "

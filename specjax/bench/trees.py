@@ -7,6 +7,7 @@ from functools import partial
 from typing import Any
 
 from specjax.speculative import TreeSpec
+from specjax.tree.default import sampled_tree_at
 
 # ``--tree default``: the drafter's measured greedy tree, known once it is loaded.
 DRAFTER_DEFAULT = "default"
@@ -95,11 +96,11 @@ def tree_from_args(args: argparse.Namespace) -> TreeSpec | str | None:
 
 
 def resolve_tree(tree: TreeSpec | str | None, drafter: Any, *,
-                 greedy: bool = True) -> TreeSpec:
+                 temperature: float = 0.0) -> TreeSpec:
     """``tree`` itself; :class:`TreeSpec`'s defaults for None; for
-    :data:`DRAFTER_DEFAULT` the loaded ``drafter``'s measured greedy tree, or with ``greedy``
-    False the tree it drafts when sampling (its tree for sampling, else its greedy tree:
-    ``Drafter.tree_for``).
+    :data:`DRAFTER_DEFAULT` the loaded ``drafter``'s measured greedy tree, or at
+    ``temperature`` > 0 the tree it drafts when sampling at batch 1 (its tree for sampling
+    measured nearest that temperature, else its greedy tree: ``Drafter.tree_for``).
 
     Raises:
       ValueError: the drafter has no measured tree (no default_tree.json in its folder).
@@ -108,8 +109,8 @@ def resolve_tree(tree: TreeSpec | str | None, drafter: Any, *,
         return TreeSpec()
     if tree != DRAFTER_DEFAULT:
         return tree
-    if not greedy and drafter.default_sampled_tree is not None:
-        return drafter.default_sampled_tree
+    if temperature > 0 and (sampled := sampled_tree_at(drafter.sampled_trees, temperature)):
+        return sampled
     if drafter.default_tree is None:
         raise ValueError(f"--tree {DRAFTER_DEFAULT}: the drafter "
                          f"{drafter.path or '(in memory)'} has no measured tree (no "

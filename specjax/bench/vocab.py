@@ -199,7 +199,7 @@ def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
     compared = pairs(heads, versus)  # before the run: a bad name costs no decoding
     target = specjax.load(model_dir)
     drafter, drafter_label = resolve_drafter(drafter_dir, target)
-    tree = resolve_tree(tree, drafter, greedy=greedy)
+    tree = resolve_tree(tree, drafter, temperature=temperature)
     built = {spec: resolve_head(spec, target, drafter) for spec in heads}
     prompts, calib = _prompts(target, questions, tasks, per_task, calibration,
                               calibration_given)

@@ -63,7 +63,8 @@ def _add_tree(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree", default=None,
                    choices=["eagle2", "chain", "dyspec", "dyspec-threshold"],
                    help="draft tree (default: the drafter's measured default_tree.json, its "
-                        "tree for sampling when --temperature > 0 and it has one, else "
+                        "tree for sampling measured nearest --temperature when it is > 0 "
+                        "and it has one, else "
                         f"{d.kind}); dyspec grows the tree greedily by estimated acceptance, "
                         "dyspec-threshold layer by layer")
     p.add_argument("--tree-depth", type=int, default=None,
@@ -232,7 +233,7 @@ def _tree(args: argparse.Namespace, drafter: Any) -> Any:
             raise ValueError("--tree-topk-children and --tree-greedy-children apply to "
                              "--tree dyspec or dyspec-threshold; name the tree")
         if args.tree_lookup:  # the default tree, with the chain
-            return dataclasses.replace(drafter.tree_for(args.temperature == 0),
+            return dataclasses.replace(drafter.tree_for(args.temperature),
                                        lookup=args.tree_lookup, lookup_min=args.tree_lookup_min)
         return None  # the drafter's measured tree, else TreeSpec()
     fields = {k: v for k, v in given.items() if v is not None} | {

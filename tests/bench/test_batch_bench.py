@@ -125,7 +125,7 @@ def test_sampled_batches_share_a_seed_a_batch(tiny_target, tmp_path):
         batch_bench.save_batch_defaults(r, tmp_path)
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         BatchBenchConfig("m", temperature=float("nan"))
-    assert default_trees(drafter, greedy=False)[1] == TreeSpec("chain", depth=1)
+    assert default_trees(drafter, temperature=1.0)[1] == TreeSpec("chain", depth=1)
 
 
 def test_defaults_and_flags(tiny_target):

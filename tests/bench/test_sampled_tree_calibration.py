@@ -69,12 +69,14 @@ def test_save_choice_greedy_keeps_head_and_sampled_tree(tmp_path):
     chain = TreeSpec("chain", depth=1, lookup=8, lookup_min=2)
     n2 = TreeSpec("dyspec-threshold", depth=1, total_tokens=2, threshold=0.001)
     write_default_tree(tmp_path, chain, {"how": "bench spec"}, vocab="fr:8192")
-    write_sampled_default_tree(tmp_path, n2, {"how": "t=1"})
+    write_sampled_default_tree(tmp_path, n2, {"how": "t=1"}, temperature=1.0)
     two = TreeSpec("static", paths=((0,), (1,)), lookup=8, lookup_min=2)
     calib.save_choice(tmp_path, two, {"how": "t=0"}, temperature=0.0)
-    assert read_defaults(tmp_path) == (two, "fr:8192", n2, (), ())
+    assert read_defaults(tmp_path) == (two, "fr:8192", ((1.0, n2),), (), ())
     calib.save_choice(tmp_path, chain, {"how": "t=1 again"}, temperature=1.0)
-    assert read_defaults(tmp_path) == (two, "fr:8192", chain, (), ())
+    assert read_defaults(tmp_path) == (two, "fr:8192", ((1.0, chain),), (), ())
+    calib.save_choice(tmp_path, two, {"how": "t=0.3"}, temperature=0.3)  # beside the one at 1
+    assert read_defaults(tmp_path) == (two, "fr:8192", ((0.3, two), (1.0, chain)), (), ())
 
 
 @pytest.mark.parametrize("flags", [["--timing-reps", "1"], ["--timing-prompts", "0"]])

@@ -340,9 +340,12 @@ def test_sampled_spec_bench_draws_one_seed_a_prompt_to_the_budget(tiny_model, tm
         spec_bench.save_default_tree(res, tmp_path)
     # The tree for sampling where the drafter stores one, else its greedy tree.
     stored = dataclasses.replace(drafter, default_tree=chain)
-    assert spec_bench._sampled_tree_source(stored).startswith("the drafter's greedy tree")
-    stored = dataclasses.replace(stored, default_sampled_tree=TreeSpec("chain", depth=1))
-    assert spec_bench._sampled_tree_source(stored) == "the drafter's tree for sampling"
+    assert spec_bench._sampled_tree_source(stored, 1.0).startswith("the drafter's greedy tree")
+    stored = dataclasses.replace(stored, sampled_trees=((0.3, chain),
+                                                        (1.0, TreeSpec("chain", depth=1))))
+    assert spec_bench._sampled_tree_source(stored, 0.8) == (
+        "the drafter's tree for sampling measured at temperature 1")
+    assert spec_bench._sampled_tree_source(stored, 0.5).endswith("temperature 0.3")
 
 
 def test_sampled_paired_ab_chooses_the_tree_for_sampling(tiny_model, tmp_path):
@@ -387,8 +390,9 @@ def test_sampled_paired_ab_chooses_the_tree_for_sampling(tiny_model, tmp_path):
     spec_bench.save_default_tree(res, tmp_path / "d", "ab.json")
     greedy_tree, vocab, sampled = read_defaults(tmp_path / "d")[:3]
     assert (greedy_tree, vocab) == (static, "full")
-    assert sampled == TreeSpec.from_json(res["tree"])
-    stored = json.loads((tmp_path / "d" / "default_tree.json").read_text())["sampled"]
+    assert sampled == ((1.0, TreeSpec.from_json(res["tree"])),)  # at the run's temperature
+    stored = json.loads((tmp_path / "d" / "default_tree.json").read_text())["sampled"][
+        "temperatures"]["1"]
     assert "bench spec --temperature 1" in stored["measured"]["how"]
     assert set(stored["measured"]["paired"]) == {"static 0 1", "chain d1"}
     write_default_tree(tmp_path / "e", static, {"how": "test"}, vocab="fr:64")

@@ -163,8 +163,8 @@ def test_heads_compared_sampled_draw_one_seed_a_prompt(tiny_target, tmp_path, mo
     chain, root = TreeSpec("chain", depth=2), TreeSpec("dyspec-threshold", depth=1,
                                                        total_tokens=3, threshold=0.001)
     drafter = dataclasses.replace(random_drafter(tiny_target), default_tree=chain,
-                                  default_sampled_tree=root)
-    assert resolve_tree(DRAFTER_DEFAULT, drafter, greedy=False) == root
+                                  sampled_trees=((1.0, root),))
+    assert resolve_tree(DRAFTER_DEFAULT, drafter, temperature=1.0) == root
     assert resolve_tree(DRAFTER_DEFAULT, drafter) == chain
     out = tmp_path / "t.json"
     r = run_vocab_bench(tiny_target.path, "random", heads=heads, per_task=1,

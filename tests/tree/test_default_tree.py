@@ -67,16 +67,17 @@ def test_a_tree_for_sampling_sits_beside_the_greedy_one(tmp_path):
     chain, wide = TreeSpec("chain", depth=1, lookup=8), TreeSpec(
         "dyspec-threshold", depth=1, total_tokens=2, threshold=0.001, lookup=8)
     with pytest.raises(ValueError, match="does not exist; measure the greedy default first"):
-        write_sampled_default_tree(tmp_path, wide, {})
+        write_sampled_default_tree(tmp_path, wide, {}, temperature=1.0)
     write_default_tree(tmp_path, chain, {"chosen": "chain"}, vocab="fr:8192")
-    assert read_default_tree(tmp_path, sampled=True) is None
-    write_sampled_default_tree(tmp_path, wide, {"how": "t=1"})
-    assert read_default_tree(tmp_path, sampled=True) == wide
+    assert read_default_tree(tmp_path, temperature=1.0) is None
+    write_sampled_default_tree(tmp_path, wide, {"how": "t=1"}, temperature=1.0)
+    assert read_default_tree(tmp_path, temperature=1.0) == wide
     assert read_default_tree(tmp_path) == chain and read_default_vocab(tmp_path) == "fr:8192"
     # Measuring the greedy default again keeps the sampled one, measured on its own.
     write_default_tree(tmp_path, TreeSpec("chain", depth=2), {}, vocab="fr:4096")
-    assert read_default_tree(tmp_path, sampled=True) == wide
-    assert json.loads((tmp_path / FILE).read_text())["sampled"]["measured"] == {"how": "t=1"}
+    assert read_default_tree(tmp_path, temperature=1.0) == wide
+    assert json.loads((tmp_path / FILE).read_text())["sampled"]["temperatures"]["1"][
+        "measured"] == {"how": "t=1"}
     text = json.loads((tmp_path / FILE).read_text())
     (tmp_path / FILE).write_text(json.dumps({**text, "sampled": {"tree": {"kind": "bush"}}}))
     with pytest.raises(ValueError, match="not a valid default tree"):
@@ -84,7 +85,44 @@ def test_a_tree_for_sampling_sits_beside_the_greedy_one(tmp_path):
     # An invalid file is replaced whole by a new greedy measurement.
     write_default_tree(tmp_path, chain, {})
     assert read_default_tree(tmp_path) == chain
-    assert read_default_tree(tmp_path, sampled=True) is None
+    assert read_default_tree(tmp_path, temperature=1.0) is None
+
+
+def test_trees_for_sampling_are_kept_by_temperature(tmp_path):
+    """Each temperature keeps its own measured tree; sampling at t drafts the one measured
+    nearest t (the higher temperature's where two are as near). A file from before the table
+    (one tree) reads as measured at 1."""
+    chain, low, high = (TreeSpec("chain", depth=1, lookup=8), TreeSpec("chain", depth=3),
+                        TreeSpec("dyspec-threshold", depth=1, total_tokens=4, threshold=0.001))
+    write_default_tree(tmp_path, chain, {}, vocab="fr:8192")
+    write_sampled_default_tree(tmp_path, high, {"how": "t=1"}, temperature=1.0)
+    write_sampled_default_tree(tmp_path, low, {"how": "t=0.3"}, temperature=0.3)
+    assert read_defaults(tmp_path).sampled_trees == ((0.3, low), (1.0, high))
+    nearest = {t: read_default_tree(tmp_path, temperature=t)
+               for t in (0.05, 0.3, 0.6, 0.65, 0.7, 1.0, 2.0)}
+    assert nearest == {0.05: low, 0.3: low, 0.6: low, 0.65: high, 0.7: high, 1.0: high,
+                       2.0: high}
+    assert read_default_tree(tmp_path) == chain  # temperature 0: the greedy tree
+    # Re-measuring one temperature replaces only its entry.
+    write_sampled_default_tree(tmp_path, chain, {"how": "t=1 again"}, temperature=1)
+    assert read_defaults(tmp_path).sampled_trees == ((0.3, low), (1.0, chain))
+    text = json.loads((tmp_path / FILE).read_text())
+    assert text["sampled"]["temperatures"]["0.3"]["measured"] == {"how": "t=0.3"}
+    with pytest.raises(ValueError, match="temperature > 0, got 0"):
+        write_sampled_default_tree(tmp_path, low, {}, temperature=0)
+    # The one-tree entry older files hold is the tree measured at temperature 1.
+    old = {**text, "sampled": {"tree": high.to_json(), "measured": {"how": "s68"}}}
+    (tmp_path / FILE).write_text(json.dumps(old))
+    assert read_defaults(tmp_path).sampled_trees == ((1.0, high),)
+    write_sampled_default_tree(tmp_path, low, {}, temperature=0.3)  # keeps it, new format
+    assert read_defaults(tmp_path).sampled_trees == ((0.3, low), (1.0, high))
+    for bad in ({"temperatures": {"hot": high.to_json()}}, {"temperatures": {}},
+                {"temperatures": {"0": {"tree": high.to_json()}}},
+                {"temperatures": {"inf": {"tree": high.to_json()}}},
+                {"temperatures": {"0.5": {"measured": {}}}}, [high.to_json()]):
+        (tmp_path / FILE).write_text(json.dumps({**text, "sampled": bad}))
+        with pytest.raises(ValueError, match="not a valid default tree"):
+            read_defaults(tmp_path)
 
 
 def test_default_head_is_stored_only_when_it_travels_with_the_folder(tmp_path):
@@ -144,9 +182,9 @@ def test_generate_uses_the_drafters_default_tree(tiny_target, tmp_path):
     assert _cli_tree("--tree-lookup", "4", drafter=d) == TreeSpec("chain", depth=2, lookup=4)
     # Sampling drafts the tree measured for it, where the folder has one.
     wide = TreeSpec("dyspec-threshold", depth=1, total_tokens=2, threshold=0.001)
-    write_sampled_default_tree(folder, wide, {})
+    write_sampled_default_tree(folder, wide, {}, temperature=1.0)
     d = specjax.load_drafter(folder, tiny_target)
-    assert d.tree_for(greedy=True) == TreeSpec("chain", depth=2) and d.tree_for(False) == wide
+    assert d.tree_for(0) == TreeSpec("chain", depth=2) and d.tree_for(1.0) == wide
     sampled = specjax.generate(tiny_target, prompt, drafter=d, max_new_tokens=4,
                                temperature=1.0).stats
     assert sampled["tree"]["kind"] == "dyspec-threshold"
@@ -154,6 +192,15 @@ def test_generate_uses_the_drafters_default_tree(tiny_target, tmp_path):
                             max_new_tokens=4).stats["tree"]["kind"] == "chain"
     assert _cli_tree("--temperature", "1", "--tree-lookup", "4", drafter=d) == (
         dataclasses.replace(wide, lookup=4))
+    # At a temperature measured apart, sampling drafts that temperature's tree.
+    write_sampled_default_tree(folder, TreeSpec("chain", depth=3), {}, temperature=0.3)
+    d = specjax.load_drafter(folder, tiny_target)
+    assert specjax.generate(tiny_target, prompt, drafter=d, max_new_tokens=4,
+                            temperature=0.25).stats["tree"]["depth"] == 3
+    assert _cli_tree("--temperature", "0.3", "--tree-lookup", "4", drafter=d) == TreeSpec(
+        "chain", depth=3, lookup=4)
+    with pytest.raises(TypeError, match="temperature"):
+        d.tree_for(True)  # the old tree_for(greedy) must not read as temperature 1
     assert _cli_tree("--tree", "chain", "--tree-lookup", "3", "--tree-lookup-min", "2") == (
         TreeSpec("chain", lookup=3, lookup_min=2))
     with pytest.raises(ValueError, match="name the tree"):
@@ -258,10 +305,10 @@ def test_batch_defaults_sit_beside_the_trees_and_survive_their_remeasurement(tmp
     write_batch_trees(tmp_path, {4: None, 2: chain, 3: chain}, {"how": "bench batch"})
     assert read_batch_trees(tmp_path) == ((2, chain), (3, chain), (4, None))
     # Re-measuring the greedy tree or the tree for sampling keeps them, and they keep those.
-    write_sampled_default_tree(tmp_path, wide, {})
+    write_sampled_default_tree(tmp_path, wide, {}, temperature=1.0)
     write_default_tree(tmp_path, TreeSpec("chain", depth=3), {}, vocab="fr:8192")
     assert read_batch_trees(tmp_path) == ((2, chain), (3, chain), (4, None))
-    assert read_default_tree(tmp_path, sampled=True) == wide
+    assert read_default_tree(tmp_path, temperature=1.0) == wide
     assert json.loads((tmp_path / FILE).read_text())["batch"]["measured"] == {
         "how": "bench batch"}
     with pytest.raises(ValueError, match="batch sizes are integers >= 2"):
@@ -274,12 +321,13 @@ def test_batch_defaults_sit_beside_the_trees_and_survive_their_remeasurement(tmp
     assert read_batch_trees(tmp_path, sampled=True) == ()
     write_batch_trees(tmp_path, {2: chain, 3: None}, {"temperature": 1.0}, sampled=True)
     write_default_tree(tmp_path, TreeSpec("chain", depth=3), {}, vocab="fr:8192")
-    write_sampled_default_tree(tmp_path, wide, {})
+    write_sampled_default_tree(tmp_path, wide, {}, temperature=1.0)
     write_batch_trees(tmp_path, {2: wide, 3: None}, {})
     assert read_batch_trees(tmp_path, sampled=True) == ((2, chain), (3, None))
     assert read_batch_trees(tmp_path) == ((2, wide), (3, None))
     d = read_defaults(tmp_path)
-    assert (d.tree, d.vocab, d.sampled_tree) == (TreeSpec("chain", depth=3), "fr:8192", wide)
+    assert (d.tree, d.vocab, d.sampled_trees) == (TreeSpec("chain", depth=3), "fr:8192",
+                                                 ((1.0, wide),))
     with pytest.raises(ValueError, match=r"sizes \[2\] were not measured"):
         write_batch_trees(tmp_path, {3: chain}, {}, sampled=True)
     text = json.loads((tmp_path / FILE).read_text())
@@ -303,8 +351,8 @@ def test_generate_follows_the_batch_defaults(tiny_target, tmp_path):
                                4: None}, {})
     d = specjax.load_drafter(folder, tiny_target)
     assert [d.speculates_at(b) for b in (1, 2, 3, 4, 9)] == [True, True, True, False, False]
-    assert d.tree_for(True, batch=3) == TreeSpec("chain", depth=1)
-    assert d.tree_for(True, batch=1) == d.tree_for(True, batch=4) == TreeSpec("chain", depth=2)
+    assert d.tree_for(0, batch=3) == TreeSpec("chain", depth=1)
+    assert d.tree_for(0, batch=1) == d.tree_for(0, batch=4) == TreeSpec("chain", depth=2)
     prompts = [[1, 17, 42, 99], [1, 5, 6], [1, 60, 61, 62, 63], [1, 9]]
 
     def run(n, **kw):
@@ -314,10 +362,10 @@ def test_generate_follows_the_batch_defaults(tiny_target, tmp_path):
     # Sampled, a batch drafts the batch tree too: the tree for sampling was measured at one
     # row, and its width times the rows is what a batch cannot afford.
     wide = TreeSpec("dyspec-threshold", depth=1, total_tokens=3, threshold=0.001)
-    write_sampled_default_tree(folder, wide, {})
+    write_sampled_default_tree(folder, wide, {}, temperature=1.0)
     ds = specjax.load_drafter(folder, tiny_target)
-    assert ds.tree_for(False, batch=1) == wide
-    assert ds.tree_for(False, batch=2) == ds.tree_for(False, batch=3) == TreeSpec("chain",
+    assert ds.tree_for(1.0, batch=1) == wide
+    assert ds.tree_for(1.0, batch=2) == ds.tree_for(1.0, batch=3) == TreeSpec("chain",
                                                                                  depth=1)
     assert run(1, drafter=ds, temperature=1.0).stats["tree"]["kind"] == "dyspec-threshold"
     assert run(2, drafter=ds, temperature=1.0).stats["tree"]["kind"] == "chain"
@@ -325,9 +373,9 @@ def test_generate_follows_the_batch_defaults(tiny_target, tmp_path):
     # decoding included, and greedy decoding still follows the greedy ones.
     write_batch_trees(folder, {2: TreeSpec("chain", depth=2), 3: None}, {}, sampled=True)
     dsb = specjax.load_drafter(folder, tiny_target)
-    assert dsb.tree_for(False, batch=1) == wide
-    assert dsb.tree_for(False, batch=2) == TreeSpec("chain", depth=2)
-    assert dsb.tree_for(True, batch=2) == TreeSpec("chain", depth=1)
+    assert dsb.tree_for(1.0, batch=1) == wide
+    assert dsb.tree_for(1.0, batch=2) == TreeSpec("chain", depth=2)
+    assert dsb.tree_for(0, batch=2) == TreeSpec("chain", depth=1)
     assert [dsb.speculates_at(b, greedy=False) for b in (1, 2, 3, 4)] == [True, True, False,
                                                                           False]
     assert [dsb.speculates_at(b) for b in (1, 2, 3, 4)] == [True, True, True, False]
@@ -357,7 +405,7 @@ def test_generate_follows_the_batch_defaults(tiny_target, tmp_path):
     upto3 = specjax.load_drafter(folder, tiny_target)
     assert [upto3.speculates_at(b) for b in (1, 2, 3, 4, 9)] == [True, True, True, False,
                                                                   False]
-    assert upto3.tree_for(True, batch=3) == TreeSpec("chain", depth=1)
+    assert upto3.tree_for(0, batch=3) == TreeSpec("chain", depth=1)
     beyond = run(4, drafter=upto3, vocab="full")
     assert beyond.tokens == vanilla.tokens
     assert "measured trees up to 3 rows only" in beyond.stats["speculation_off"]
