@@ -46,15 +46,17 @@ def exact_lookup(small_vocab) -> np.ndarray:
     return exact_second_third(small_vocab[0], LOOKUP_PROMPT)
 
 
-def exact_second_third(target, prompt: list[int] = PROMPT) -> np.ndarray:
-    """P(x2, x3) [V, V] after the prompt, marginalising the first generated token x1."""
+def exact_second_third(target, prompt: list[int] = PROMPT,
+                       temperature: float = TEMP) -> np.ndarray:
+    """P(x2, x3) [V, V] after the prompt at ``temperature``, marginalising the first
+    generated token x1."""
     cfg, params = target.cfg, target.params
 
     def next_probs(seqs: np.ndarray) -> np.ndarray:
         b, t = seqs.shape
         logits, _ = forward(params, cfg, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(t), (b, t)),
                             init_cache(cfg, b, t))
-        z = np.asarray(logits[:, -1], np.float64) / TEMP
+        z = np.asarray(logits[:, -1], np.float64) / temperature
         z = np.exp(z - z.max(-1, keepdims=True))
         return z / z.sum(-1, keepdims=True)
 
@@ -73,9 +75,9 @@ def pair_counts(tokens: list[list[int]]) -> np.ndarray:
     return counts
 
 
-def sample_second_third(target, drafter, tree, vocab="full",
-                        prompt: list[int] = PROMPT) -> tuple[np.ndarray, float]:
-    res = specjax.generate(target, [prompt] * N, max_new_tokens=3, temperature=TEMP,
+def sample_second_third(target, drafter, tree, vocab="full", prompt: list[int] = PROMPT,
+                        temperature: float = TEMP) -> tuple[np.ndarray, float]:
+    res = specjax.generate(target, [prompt] * N, max_new_tokens=3, temperature=temperature,
                            stop_on_eos=False, drafter=drafter, tree=tree, seed=7, vocab=vocab)
     return pair_counts(res.tokens), res.stats["mean_accepted_length"]
 
@@ -118,9 +120,12 @@ LOOKUP_TREES = {
     "eagle2-topk-lookup": specjax.TreeSpec("eagle2", depth=2, top_k=3, total_tokens=5,
                                            lookup=3),
     "chain-sampled-lookup": specjax.TreeSpec("chain", depth=2, lookup=3),
+    # The shape of the shipped drafters' greedy trees, which they also draft when sampling
+    # at 0.3 and 0.7 (default_tree.json): static children and a chain beside them.
+    "static-sampled-lookup": specjax.TreeSpec("static", paths=((0,), (1,), (0, 0)), lookup=3),
     "dyspec-lookup": specjax.TreeSpec("dyspec", total_tokens=5, lookup=3),
-    # The shipped SmolLM2 drafter's tree for sampling: three sampled children of the root,
-    # the chain's first node a fourth sibling after them.
+    # SmolLM2's tree for sampling before the sixty-eighth session: three sampled children of the
+    # root, the chain's first node a fourth sibling after them.
     "dyspec-threshold-wide-lookup": specjax.TreeSpec("dyspec-threshold", depth=1,
                                                      total_tokens=3, threshold=0.001,
                                                      lookup=3),
@@ -162,6 +167,24 @@ def test_a_lookup_chain_keeps_the_target_distribution(small_vocab, exact_lookup,
     target, drafter = small_vocab
     counts, _ = sample_second_third(target, drafter, LOOKUP_TREES[name], prompt=LOOKUP_PROMPT)
     assert pvalue(counts, exact_lookup) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["static-sampled-lookup", "chain-sampled-lookup"])
+def test_a_low_temperature_keeps_the_target_distribution(small_vocab, name):
+    """At temperature 0.3 (where the shipped drafters draft their greedy trees, lookup
+    chain included) the output follows softmax(z / 0.3), not the temperature-1 law the
+    drafter was fitted to (a verifier that accepted against the untempered p would draw
+    that one). On PROMPT, where the drafter was fitted, so drafts are accepted."""
+    target, drafter = small_vocab
+    res = specjax.generate(target, [PROMPT] * N, max_new_tokens=3, temperature=0.3,
+                           stop_on_eos=False, drafter=drafter, tree=LOOKUP_TREES[name], seed=7)
+    assert res.stats["mean_accepted_length"] > 1.2, "drafts must be accepted"
+    # About 2% of steps (some 800) verify a chain: PROMPT repeats only its 1.
+    assert res.stats["chained_fraction"] > 0.01, "the lookup chain must be verified"
+    counts = pair_counts(res.tokens)
+    assert pvalue(counts, exact_second_third(target, PROMPT, 0.3)) > 1e-3
+    # The same counts are far from the temperature-1 law: the test can tell them apart.
+    assert pvalue(counts, exact_second_third(target, PROMPT, 1.0)) < 1e-6
 
 
 def test_a_shortlist_head_keeps_the_target_distribution(small_vocab, exact):
