@@ -221,11 +221,13 @@ def write_sampled_default_tree(folder: str | Path, tree: TreeSpec, measured: dic
       ValueError: a temperature not > 0; the folder has no default tree yet, or an invalid
         one.
     """
-    if not temperature > 0:
-        raise ValueError(f"a tree for sampling is measured at a temperature > 0, got "
+    if not 0 < temperature < math.inf:
+        raise ValueError(f"a tree for sampling is measured at a finite temperature > 0, got "
                          f"{temperature!r}; the greedy tree is write_default_tree's")
     old = _read_measured(folder, "every tree uses")
-    sampled = old.get("sampled", {}) | {float(temperature): {"tree": tree, "measured": measured}}
+    t = float(f"{temperature:g}")  # the key as the file spells it (_write), so a rewrite at
+    # the same temperature replaces its entry
+    sampled = old.get("sampled", {}) | {t: {"tree": tree, "measured": measured}}
     return _write(folder, old | {"sampled": dict(sorted(sampled.items()))})
 
 

@@ -108,8 +108,13 @@ def test_trees_for_sampling_are_kept_by_temperature(tmp_path):
     assert read_defaults(tmp_path).sampled_trees == ((0.3, low), (1.0, chain))
     text = json.loads((tmp_path / FILE).read_text())
     assert text["sampled"]["temperatures"]["0.3"]["measured"] == {"how": "t=0.3"}
-    with pytest.raises(ValueError, match="temperature > 0, got 0"):
-        write_sampled_default_tree(tmp_path, low, {}, temperature=0)
+    for bad in (0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="finite temperature > 0"):
+            write_sampled_default_tree(tmp_path, low, {}, temperature=bad)
+    # A temperature the file spells shorter (6 significant digits) is replaced as spelled.
+    write_sampled_default_tree(tmp_path, high, {}, temperature=0.30000001)
+    assert read_defaults(tmp_path).sampled_trees == ((0.3, high), (1.0, chain))
+    write_sampled_default_tree(tmp_path, low, {"how": "t=0.3"}, temperature=0.3)
     # The one-tree entry older files hold is the tree measured at temperature 1.
     old = {**text, "sampled": {"tree": high.to_json(), "measured": {"how": "s68"}}}
     (tmp_path / FILE).write_text(json.dumps(old))
