@@ -225,8 +225,7 @@ def write_sampled_default_tree(folder: str | Path, tree: TreeSpec, measured: dic
         raise ValueError(f"a tree for sampling is measured at a finite temperature > 0, got "
                          f"{temperature!r}; the greedy tree is write_default_tree's")
     old = _read_measured(folder, "every tree uses")
-    t = float(f"{temperature:g}")  # the key as the file spells it (_write), so a rewrite at
-    # the same temperature replaces its entry
+    t = float(_temperature_key(temperature))  # as read back, so a rewrite replaces it
     sampled = old.get("sampled", {}) | {t: {"tree": tree, "measured": measured}}
     return _write(folder, old | {"sampled": dict(sorted(sampled.items()))})
 
@@ -288,6 +287,12 @@ def unmeasured_drafting_sizes(trees: Mapping[int, object]) -> list[int]:
     return gaps
 
 
+def _temperature_key(temperature: float) -> str:
+    """How the file spells a sampled tree's temperature: six significant digits, "1" for
+    1.0 (the key older files' one tree reads as)."""
+    return f"{temperature:g}"
+
+
 def _write(folder: str | Path, d: dict[str, Any]) -> Path:
     """The file, atomically, from ``d`` as :func:`_read` returns it (the greedy tree, head
     and ``measured``; ``sampled`` (by temperature), ``batch`` and ``sampled_batch`` where
@@ -295,8 +300,9 @@ def _write(folder: str | Path, d: dict[str, Any]) -> Path:
     data = {"format": FORMAT, "tree": d["tree"].to_json(), "vocab": d["vocab"],
             "measured": d.get("measured", {})}
     if "sampled" in d:
-        data["sampled"] = {"temperatures": {f"{t:g}": {**e, "tree": e["tree"].to_json()}
-                                            for t, e in d["sampled"].items()}}
+        data["sampled"] = {"temperatures": {
+            _temperature_key(t): {**e, "tree": e["tree"].to_json()}
+            for t, e in d["sampled"].items()}}
     for entry in ("batch", "sampled_batch"):
         if entry in d:
             data[entry] = {**d[entry], "trees": {str(b): None if t is None else t.to_json()
