@@ -25,7 +25,7 @@ from specjax.runner import Request, SpecRunner, VanillaRunner, all_done
 from specjax.sampling import SamplingConfig
 from specjax.speculative import TreeSpec
 from specjax.tokenizer import load_tokenizer, render_chat
-from specjax.tree.default import read_defaults
+from specjax.tree.default import nearest_temperature, read_defaults
 from specjax.vocab import VocabHead, resolve_head
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -281,7 +281,8 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
       tree: the draft tree; default the drafter's measured one (``drafter.tree_for``:
         from its folder's ``default_tree.json``: at a batch of several rows the one
         measured for that batch size where the file has batch defaults (at ``temperature``
-        > 0 its sampled batch defaults, where it has them); else, when ``temperature``
+        > 0 its sampled batch defaults measured at the temperature nearest it, where it
+        has them); else, when ``temperature``
         > 0 and the file has trees for sampling, the one measured at the temperature
         nearest it), else ``TreeSpec()`` (a small EAGLE-2 tree).
       assume_q_one: EAGLE's verification shortcut for sampled drafts (see
@@ -313,7 +314,8 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
         vanilla decoding (vLLM's option of the same name). The output is the same either
         way (greedy tokens; sampled, the target's distribution). None (default): where the
         drafter's folder measured batches (``specjax bench batch --save-default-tree``;
-        at ``temperature`` > 0 the sampled batches where it measured them) and ``tree`` is
+        at ``temperature`` > 0 the sampled batches measured nearest it where it measured
+        them) and ``tree`` is
         left to the drafter, where the entry of the largest measured size <= the rows is
         vanilla decoding (no tree was faster there), and above the largest measured size
         (no tree was measured there); 0: never.
@@ -343,7 +345,7 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
     n = len(ids)
     # Rows a device decodes: the batch, or its share of the mesh's data axis.
     rows = -(-n // (1 if mesh is None else sh.axis_size(mesh, "data")))
-    off = _speculation_off(drafter, tree, rows, disable_by_batch_size, temperature == 0)
+    off = _speculation_off(drafter, tree, rows, disable_by_batch_size, temperature)
     if off is not None:
         drafter, tree, vocab, attention = None, None, None, "dense"
     target, drafter = _on_mesh(target, drafter, mesh)
@@ -398,7 +400,7 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
 
 
 def _speculation_off(drafter: Drafter | None, tree: TreeSpec | None, rows: int,
-                     disable_by_batch_size: int | None, greedy: bool) -> str | None:
+                     disable_by_batch_size: int | None, temperature: float) -> str | None:
     """Why :func:`generate` decodes ``rows`` rows a device without ``drafter`` (see its
     ``disable_by_batch_size``), or None where it speculates."""
     if drafter is None:
@@ -408,16 +410,19 @@ def _speculation_off(drafter: Drafter | None, tree: TreeSpec | None, rows: int,
             return (f"{rows} rows >= disable_by_batch_size={disable_by_batch_size}: decoded "
                     "without the drafter")
         return None
-    if tree is None and not drafter.speculates_at(rows, greedy):
-        table = drafter.batch_table(greedy)
+    if tree is None and not drafter.speculates_at(rows, temperature):
+        table = drafter.batch_table(temperature)
         largest = table[-1][0]
-        sampling = "sampling at " if not greedy and drafter.sampled_batch_trees else ""
-        why = (f"stores vanilla decoding for {sampling}this batch size (no tree was measured "
-               "faster here, or at a smaller size)" if rows <= largest or table[-1][1] is None
+        why = ("stores vanilla decoding for this batch size (no tree was measured faster "
+               "here, or at a smaller size)" if rows <= largest or table[-1][1] is None
                else f"measured trees up to {largest} rows only, none at this batch size")
-        return (f"{rows} rows: the drafter's folder {why} (default_tree.json, `specjax bench "
-                "batch`); decoded without the drafter (pass disable_by_batch_size=0 to "
-                "speculate anyway)")
+        # Which table said so: sampling, the one measured nearest the temperature, if any.
+        t = nearest_temperature(drafter.sampled_batch_trees, temperature) if temperature else None
+        source = ("default_tree.json" if t is None
+                  else f"default_tree.json's table for sampling at temperature {t:g}")
+        return (f"{rows} rows: the drafter's folder {why} ({source}, `specjax bench batch`); "
+                "decoded without the drafter (pass disable_by_batch_size=0 to speculate "
+                "anyway)")
     return None
 
 

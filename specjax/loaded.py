@@ -13,7 +13,13 @@ from typing import Any
 from specjax.config import ModelConfig
 from specjax.draft_model import DraftModel
 from specjax.model import Params
-from specjax.tree.default import sampled_tree_at
+from specjax.tree.default import (
+    BatchTrees,
+    SampledBatchTrees,
+    SampledTrees,
+    sampled_batch_at,
+    sampled_tree_at,
+)
 from specjax.tree.spec import TreeSpec
 
 
@@ -50,57 +56,64 @@ class Drafter:
     # (temperature, tree) by temperature (specjax.tree.default.sampled_tree_at).
     default_tree: TreeSpec | None = None
     default_vocab: str | None = None
-    sampled_trees: tuple[tuple[float, TreeSpec], ...] = ()
+    sampled_trees: SampledTrees = ()
     # The folder's batch defaults (specjax bench batch): (batch size >= 2, the tree fastest
     # there, or None where speculation lost to vanilla decoding), by size; greedy, and
-    # where measured apart, at temperature > 0.
-    batch_trees: tuple[tuple[int, TreeSpec | None], ...] = ()
-    sampled_batch_trees: tuple[tuple[int, TreeSpec | None], ...] = ()
+    # where measured apart, for sampling: such tables as (temperature, table) by temperature.
+    batch_trees: BatchTrees = ()
+    sampled_batch_trees: SampledBatchTrees = ()
 
-    def batch_table(self, greedy: bool) -> tuple[tuple[int, TreeSpec | None], ...]:
-        """The batch defaults that serve ``greedy`` (or sampled) decoding: the sampled ones
-        where the folder measured them, else the greedy ones."""
-        return (self.sampled_batch_trees if not greedy and self.sampled_batch_trees
-                else self.batch_trees)
+    def batch_table(self, temperature: float) -> BatchTrees:
+        """The batch defaults that serve decoding at ``temperature`` (0: greedy): sampling,
+        the table measured at the temperature nearest it where the folder has one
+        (:func:`~specjax.tree.default.sampled_batch_at`), else the greedy one."""
+        _check_temperature(temperature)
+        return ((temperature > 0 and sampled_batch_at(self.sampled_batch_trees, temperature))
+                or self.batch_trees)
 
-    def _batch_entry(self, batch: int, greedy: bool) -> tuple[bool, TreeSpec | None]:
+    def _batch_entry(self, batch: int, temperature: float) -> tuple[bool, TreeSpec | None]:
         """(whether a measured size <= ``batch`` exists, its entry): the largest such, except
         above the largest measured size, where a tree was never measured: vanilla decoding
         (None) there. Sizes between measured ones inherit only vanilla decoding (a gap
         below a drafting size is refused when the defaults are written)."""
-        table = self.batch_table(greedy)
+        table = self.batch_table(temperature)
         found = [t for size, t in table if size <= batch]
         if not found:
             return False, None
         return True, found[-1] if batch <= table[-1][0] else None
 
-    def speculates_at(self, batch: int, greedy: bool = True) -> bool:
-        """Whether the folder measured speculation worth running at ``batch`` rows (for
-        ``greedy`` or sampled decoding, :meth:`batch_table`): False where the entry for the
-        largest measured size <= ``batch`` is vanilla decoding, and above the largest
-        measured size (nothing measured drafts there)."""
-        measured, tree = self._batch_entry(batch, greedy)
+    def speculates_at(self, batch: int, temperature: float = 0.0) -> bool:
+        """Whether the folder measured speculation worth running at ``batch`` rows when
+        decoding at ``temperature`` (0: greedy; :meth:`batch_table`): False where the entry
+        for the largest measured size <= ``batch`` is vanilla decoding, and above the
+        largest measured size (nothing measured drafts there)."""
+        measured, tree = self._batch_entry(batch, temperature)
         return not measured or tree is not None
 
     def tree_for(self, temperature: float, batch: int = 1) -> TreeSpec:
         """The tree generate drafts when given none at ``temperature`` (0: greedy): at
-        ``batch`` >= 2 rows the measured batch default for that size (:meth:`batch_table`;
-        :meth:`speculates_at` says where there is none to draft); at one row, sampling, the
-        one measured at the temperature nearest ``temperature`` where the folder has one
-        (:func:`~specjax.tree.default.sampled_tree_at`), else the measured greedy one, else
-        :class:`TreeSpec`'s defaults (a small EAGLE-2 tree).
+        ``batch`` >= 2 rows the measured batch default for that size and temperature
+        (:meth:`batch_table`; :meth:`speculates_at` says where there is none to draft); at
+        one row, sampling, the one measured at the temperature nearest ``temperature`` where
+        the folder has one (:func:`~specjax.tree.default.sampled_tree_at`), else the
+        measured greedy one, else :class:`TreeSpec`'s defaults (a small EAGLE-2 tree).
 
         Sampling at a batch drafts the greedy batch trees where the folder measured none
-        for it: they are the small trees a batch's verify can afford (rows x nodes stay
-        under the forward's latency step), where the tree for sampling was measured at one
-        row (SmolLM2, 4 rows at temperature 1: its root of five sampled children 0.44x
+        for sampling: they are the small trees a batch's verify can afford (rows x nodes
+        stay under the forward's latency step), where the tree for sampling was measured at
+        one row (SmolLM2, 4 rows at temperature 1: its root of five sampled children 0.44x
         vanilla, the batch tree chain d1 + lookup 1 1.08x).
         """
-        if isinstance(temperature, bool):  # the old tree_for(greedy) would read as 1 or 0
-            raise TypeError("tree_for takes the temperature (0 for greedy), not a bool")
-        greedy = temperature == 0
-        _, tree = self._batch_entry(batch, greedy)
+        _, tree = self._batch_entry(batch, temperature)
         if tree is not None:
             return tree
-        return ((None if greedy else sampled_tree_at(self.sampled_trees, temperature))
+        return ((temperature > 0 and sampled_tree_at(self.sampled_trees, temperature))
                 or self.default_tree or TreeSpec())
+
+
+def _check_temperature(temperature: float) -> None:
+    """Refuse a bool where a temperature is due: the older ``tree_for(greedy)`` and
+    ``speculates_at(batch, greedy)`` took one, and True would read as temperature 1, False
+    as greedy decoding."""
+    if isinstance(temperature, bool):
+        raise TypeError("this takes the temperature (0 for greedy), not a bool")

@@ -54,8 +54,10 @@ def test_each_shipped_drafter_is_found_for_its_target_and_no_other(tiny_target):
         # Its measured defaults parse, and its head's artifacts are in the folder.
         assert read_default_tree(folder) is not None
         assert all(t > 0 for t, _ in read_defaults(folder).sampled_trees)
-        for sampled in (False, True):
-            assert all(size >= 2 for size, _ in read_batch_trees(folder, sampled=sampled))
+        tables = [read_batch_trees(folder)] + [t for _, t in read_defaults(folder)
+                                               .sampled_batch_trees]
+        assert all(size >= 2 for table in tables for size, _ in table)
+        assert all(t > 0 for t, _ in read_defaults(folder).sampled_batch_trees)
         if read_default_vocab(folder).startswith(("fr", "pafr")):
             assert (folder / "freq_counts.npy").is_file()
     assert shipped_drafter_for(tiny_target.cfg) is None

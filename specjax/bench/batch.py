@@ -29,9 +29,10 @@ size, or decodes without the drafter (``disable_by_batch_size``).
 tree for sampling and a chain of one draft): vanilla and every tree draw with one seed a
 batch (``--seed`` + its index), no EOS stop (every row runs the budget, so the methods
 decode the same number of tokens), and no equality is counted. Saved, such a run's choice
-becomes the sampled batch defaults, which every temperature > 0 drafts (as the one tree
-for sampling at batch 1 does); a lookup chain accepted at greedy batches is accepted less
-when sampling, so the choice can differ.
+becomes the sampled batch defaults at T, which sampling drafts at the temperatures nearer T
+than any other measured one (as the trees for sampling at batch 1 are chosen); a lookup
+chain accepted at greedy batches is accepted less the higher the temperature, so the
+choice moves with it.
 
 Per-batch results go to ``<out stem>.partial.jsonl``; a rerun skips those done, and those of
 a finished run at ``--out`` with the same settings (batch sizes aside): adding a size to a
@@ -349,8 +350,8 @@ def save_batch_defaults(r: dict[str, Any], drafter_dir: str | Path,
     """Store :func:`batch_choice` of a run as the drafter's batch defaults, with what was
     measured (every tree's speedup and interval at every batch size, the machine).
 
-    A greedy run stores the batch defaults, a sampled one (``--temperature``) the sampled
-    batch defaults.
+    A greedy run stores the batch defaults, a sampled one (``--temperature T``) the sampled
+    batch defaults at T (those at other temperatures stay).
 
     Raises:
       ValueError: a row differed from vanilla's output (greedy), the run measured no batch
@@ -397,7 +398,7 @@ def save_batch_defaults(r: dict[str, Any], drafter_dir: str | Path,
     }
     return write_batch_trees(drafter_dir, {b: None if i is None else trees[i]
                                            for b, i in choice.items()}, measured,
-                             sampled=not greedy)
+                             temperature=0.0 if greedy else r["config"]["temperature"])
 
 
 def summary(r: dict[str, Any]) -> str:
@@ -490,7 +491,8 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
                    help="store, for each batch size >= 2, the fastest tree resolved faster "
                         "than vanilla decoding there (or vanilla decoding where none was, and "
                         "at every larger size) in the drafter's default_tree.json: generate "
-                        "then follows it (with --temperature: at every temperature > 0)")
+                        "then follows it (with --temperature T: when sampling at the "
+                        "temperatures nearer T than any other measured)")
     p.add_argument("--out", default="results/bench_batch.json")
 
 

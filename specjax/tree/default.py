@@ -26,11 +26,15 @@ For each measured batch size B >= 2 the entry is the greedy tree fastest there, 
 where no tree was resolved faster than vanilla decoding (then generate decodes without the
 drafter: the output is the same). A batch of n rows takes the entry of the largest
 measured size <= n; batch 1 (and fewer rows than any measured size) the greedy tree.
-Sampled batch defaults (``"sampled_batch"``, the same shape, written by ``specjax bench
-batch --temperature 1 --save-default-tree``) serve temperature > 0 where present: a
-lookup chain that pays at greedy batches is accepted less under sampling (Gemma 3 at 3
-rows, temperature 1: chain d1 + lookup 2 1.02x vanilla, chain d1 alone 1.20x); without
-them sampling drafts the greedy batch trees.
+Sampled batch defaults (``"sampled_batch"``: one such table by the temperature each was
+measured at, written by ``specjax bench batch --temperature T --save-default-tree``) serve
+temperature > 0 where present, the table measured nearest it as for the trees at batch 1:
+a lookup chain that pays at greedy batches is accepted less the higher the temperature
+(Gemma 3 at 3 rows, temperature 1: chain d1 + lookup 2 1.02x vanilla, chain d1 alone
+1.20x; at 2 rows, temperature 0.3: chain d1 + lookup 4 1.61x, chain d1 1.28x); without
+them sampling drafts the greedy batch trees. A file written before the eighty-first
+session holds one table, ``{"trees", "measured"}``, measured at temperature 1, and reads
+as that.
 
 A stored head names only artifacts inside the drafter's folder (``fr:8192``, never
 ``fr:8192:/some/path``), so the folder can be copied or shipped whole.
@@ -40,7 +44,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -51,6 +55,7 @@ FILE = "default_tree.json"
 FORMAT = "specjax-default-tree"
 BatchTrees = tuple[tuple[int, TreeSpec | None], ...]
 SampledTrees = tuple[tuple[float, TreeSpec], ...]
+SampledBatchTrees = tuple[tuple[float, BatchTrees], ...]
 
 
 class Defaults(NamedTuple):
@@ -62,7 +67,8 @@ class Defaults(NamedTuple):
     sampled_trees: SampledTrees = ()
     # (batch size >= 2, tree or None for vanilla decoding) by size; () where not measured.
     batch_trees: BatchTrees = ()
-    sampled_batch_trees: BatchTrees = ()  # the same at temperature > 0
+    # (temperature > 0 it was measured at, such a table) by temperature; (): the greedy one
+    sampled_batch_trees: SampledBatchTrees = ()
 
 
 def check_portable_vocab(spec: str) -> str:
@@ -92,11 +98,14 @@ def _read(folder: str | Path) -> dict[str, Any] | None:
             raise ValueError(f"not a {FORMAT!r} file")
         d["tree"] = TreeSpec.from_json(d["tree"])
         if "sampled" in d:
-            d["sampled"] = _sampled_entries(d["sampled"])
-        for entry in ("batch", "sampled_batch"):
-            if entry in d:
-                trees = _batch_trees(entry, d[entry])  # checks the entry's shape first
-                d[entry] = {**d[entry], "trees": trees}
+            d["sampled"] = _by_temperature("sampled", d["sampled"], "tree", lambda e: {
+                **e, "tree": TreeSpec.from_json(e["tree"])})
+        if "batch" in d:
+            d["batch"] = {**d["batch"], "trees": _batch_trees("batch", d["batch"])}
+        if "sampled_batch" in d:
+            d["sampled_batch"] = _by_temperature("sampled_batch", d["sampled_batch"], "trees",
+                                                 lambda e: {**e, "trees": _batch_trees(
+                                                     "sampled_batch", e)})
         vocab = d.get("vocab", "full")
         if not isinstance(vocab, str):
             raise ValueError(f"vocab must be a head spec string, got {vocab!r}")
@@ -121,31 +130,33 @@ def _batch_trees(entry: str, batch: Any) -> BatchTrees:
     return tuple(sorted(out, key=lambda x: x[0]))
 
 
-def _sampled_entries(sampled: Any) -> dict[float, dict[str, Any]]:
-    """The ``"sampled"`` entry as {temperature: {"tree": TreeSpec, "measured": ...}}, by
-    temperature; the one-tree entry of older files as measured at temperature 1 (every
-    such file's tree was)."""
-    if not isinstance(sampled, dict):
-        raise ValueError("sampled must be an object with trees by temperature")
-    by_t = {"1": sampled} if "tree" in sampled else sampled.get("temperatures")
+def _by_temperature(name: str, value: Any, legacy: str,
+                    parse: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[float, Any]:
+    """A ``"sampled"`` or ``"sampled_batch"`` entry, ``{"temperatures": {t: entry}}``, as
+    {temperature: ``parse(entry)``} by temperature; the one-entry form of older files
+    (holding the key ``legacy``) as measured at temperature 1 (every such file's was)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be an object with trees by temperature")
+    by_t = {"1": value} if legacy in value else value.get("temperatures")
     if not isinstance(by_t, dict) or not by_t:
-        raise ValueError("sampled must be an object with trees by temperature")
+        raise ValueError(f"{name} must be an object with trees by temperature")
     out = {}
     for t, entry in by_t.items():
         try:
             temperature = float(t)
         except ValueError:
-            raise ValueError(f"sampled temperatures are numbers > 0, got {t!r}") from None
+            raise ValueError(f"{name} temperatures are numbers > 0, got {t!r}") from None
         if not 0 < temperature < math.inf or not isinstance(entry, dict):
-            raise ValueError(f"sampled temperatures are numbers > 0 with a tree, got {t!r}")
-        out[temperature] = {**entry, "tree": TreeSpec.from_json(entry["tree"])}
+            raise ValueError(f"{name} temperatures are numbers > 0 with trees, got {t!r}")
+        out[temperature] = parse(entry)
     return dict(sorted(out.items()))
 
 
-def nearest_temperature(trees: SampledTrees, temperature: float) -> float | None:
-    """The measured temperature in ``trees`` nearest ``temperature`` (the higher of two as
-    near), or None where ``trees`` is empty."""
-    return min((t for t, _ in reversed(trees)), key=lambda t: abs(t - temperature),
+def nearest_temperature(entries: Sequence[tuple[float, Any]],
+                        temperature: float) -> float | None:
+    """The measured temperature in ``entries`` ((temperature, tree or table) pairs) nearest
+    ``temperature`` (the higher of two as near), or None where ``entries`` is empty."""
+    return min((t for t, _ in reversed(entries)), key=lambda t: abs(t - temperature),
                default=None)
 
 
@@ -159,12 +170,21 @@ def sampled_tree_at(trees: SampledTrees, temperature: float) -> TreeSpec | None:
     return None if t is None else dict(trees)[t]
 
 
-def read_batch_trees(folder: str | Path, *, sampled: bool = False) -> BatchTrees:
-    """``folder``'s batch defaults (with ``sampled``, those for temperature > 0): (batch
-    size, tree, or None where speculation lost to vanilla decoding) pairs by size; () where
-    none were measured (see :func:`read_defaults`, which raises the same errors)."""
+def sampled_batch_at(tables: SampledBatchTrees, temperature: float) -> BatchTrees:
+    """The batch table measured at the temperature nearest ``temperature``
+    (:func:`nearest_temperature`), or () where ``tables`` is empty."""
+    t = nearest_temperature(tables, temperature)
+    return () if t is None else dict(tables)[t]
+
+
+def read_batch_trees(folder: str | Path, *, temperature: float = 0.0) -> BatchTrees:
+    """``folder``'s batch defaults for greedy decoding, or at ``temperature`` > 0 the
+    sampled ones measured nearest it (:func:`sampled_batch_at`): (batch size, tree, or None
+    where speculation lost to vanilla decoding) pairs by size; () where none were measured
+    (see :func:`read_defaults`, which raises the same errors)."""
     d = read_defaults(folder)
-    return d.sampled_batch_trees if sampled else d.batch_trees
+    return (d.batch_trees if temperature == 0
+            else sampled_batch_at(d.sampled_batch_trees, temperature))
 
 
 def read_defaults(folder: str | Path) -> Defaults:
@@ -181,7 +201,7 @@ def read_defaults(folder: str | Path) -> Defaults:
     return Defaults(d["tree"], d["vocab"],
                     tuple((t, e["tree"]) for t, e in d.get("sampled", {}).items()),
                     d["batch"]["trees"] if "batch" in d else (),
-                    d["sampled_batch"]["trees"] if "sampled_batch" in d else ())
+                    tuple((t, e["trees"]) for t, e in d.get("sampled_batch", {}).items()))
 
 
 def read_default_tree(folder: str | Path, *, temperature: float = 0.0) -> TreeSpec | None:
@@ -225,17 +245,17 @@ def write_sampled_default_tree(folder: str | Path, tree: TreeSpec, measured: dic
         raise ValueError(f"a tree for sampling is measured at a finite temperature > 0, got "
                          f"{temperature!r}; the greedy tree is write_default_tree's")
     old = _read_measured(folder, "every tree uses")
-    t = float(_temperature_key(temperature))  # as read back, so a rewrite replaces it
-    sampled = old.get("sampled", {}) | {t: {"tree": tree, "measured": measured}}
-    return _write(folder, old | {"sampled": dict(sorted(sampled.items()))})
+    return _write(folder, old | {"sampled": _with_temperature(
+        old.get("sampled", {}), temperature, {"tree": tree, "measured": measured})})
 
 
 def write_batch_trees(folder: str | Path, trees: dict[int, TreeSpec | None],
-                      measured: dict[str, Any], *, sampled: bool = False) -> Path:
+                      measured: dict[str, Any], *, temperature: float = 0.0) -> Path:
     """Store ``trees`` (batch size >= 2 -> the tree fastest there, or None where no tree
-    beat vanilla decoding) as ``folder``'s batch defaults (with ``sampled``, those for
-    temperature > 0), with ``measured``, beside the trees and head already there (the head
-    is shared, so it must have been measured).
+    beat vanilla decoding) as ``folder``'s batch defaults for greedy decoding, or with
+    ``temperature`` > 0 (where they were measured) those for sampling at it, with
+    ``measured``, beside the trees, head and tables at other temperatures already there
+    (the head is shared, so it must have been measured).
 
     A batch of n rows drafts the entry of the largest stored size <= n (the batch-1 tree
     below the smallest; nothing above the largest, where no tree was measured: see
@@ -246,8 +266,12 @@ def write_batch_trees(folder: str | Path, trees: dict[int, TreeSpec | None],
 
     Raises:
       ValueError: the folder has no default tree yet, or an invalid one; a size below 2; an
-        unmeasured size that would draft a tree measured elsewhere.
+        unmeasured size that would draft a tree measured elsewhere; a temperature below 0,
+        infinite or NaN.
     """
+    if not 0 <= temperature < math.inf:
+        raise ValueError(f"batch trees are measured at a finite temperature >= 0 (0: "
+                         f"greedy), got {temperature!r}")
     old = _read_measured(folder, "every tree uses")
     if any(b < 2 for b in trees):
         raise ValueError(f"batch sizes are integers >= 2, got {sorted(trees)}")
@@ -257,9 +281,19 @@ def write_batch_trees(folder: str | Path, trees: dict[int, TreeSpec | None],
             f"size (measured: {sorted(trees)}); measure every size from 2 up to the first "
             "where vanilla decoding wins (`specjax bench batch --batch-sizes "
             f"{','.join(map(str, sorted(set(trees) | set(gaps))))} --save-default-tree`)")
-    entry = "sampled_batch" if sampled else "batch"
-    return _write(folder, old | {entry: {"trees": tuple(sorted(trees.items())),
-                                         "measured": measured}})
+    table = {"trees": tuple(sorted(trees.items())), "measured": measured}
+    if temperature == 0:
+        return _write(folder, old | {"batch": table})
+    return _write(folder, old | {"sampled_batch": _with_temperature(
+        old.get("sampled_batch", {}), temperature, table)})
+
+
+def _with_temperature(entries: dict[float, Any], temperature: float,
+                      entry: Any) -> dict[float, Any]:
+    """``entries`` (by temperature, as :func:`_read` returns them) with ``entry`` at
+    ``temperature``, keyed as the file spells it so that a rewrite replaces it."""
+    t = float(_temperature_key(temperature))
+    return dict(sorted((entries | {t: entry}).items()))
 
 
 def _read_measured(folder: str | Path, shared: str) -> dict[str, Any]:
@@ -295,18 +329,25 @@ def _temperature_key(temperature: float) -> str:
 
 def _write(folder: str | Path, d: dict[str, Any]) -> Path:
     """The file, atomically, from ``d`` as :func:`_read` returns it (the greedy tree, head
-    and ``measured``; ``sampled`` (by temperature), ``batch`` and ``sampled_batch`` where
-    present)."""
+    and ``measured``; ``sampled`` and ``sampled_batch`` (by temperature) and ``batch``
+    where present)."""
     data = {"format": FORMAT, "tree": d["tree"].to_json(), "vocab": d["vocab"],
             "measured": d.get("measured", {})}
     if "sampled" in d:
         data["sampled"] = {"temperatures": {
             _temperature_key(t): {**e, "tree": e["tree"].to_json()}
             for t, e in d["sampled"].items()}}
-    for entry in ("batch", "sampled_batch"):
-        if entry in d:
-            data[entry] = {**d[entry], "trees": {str(b): None if t is None else t.to_json()
-                                                 for b, t in d[entry]["trees"]}}
+    if "batch" in d:
+        data["batch"] = _batch_json(d["batch"])
+    if "sampled_batch" in d:
+        data["sampled_batch"] = {"temperatures": {
+            _temperature_key(t): _batch_json(e) for t, e in d["sampled_batch"].items()}}
     path = Path(folder) / FILE
     write_json_atomic(path, data)
     return path
+
+
+def _batch_json(table: dict[str, Any]) -> dict[str, Any]:
+    """A batch table (``trees`` as (size, tree or None) pairs) as the file holds it."""
+    return {**table, "trees": {str(b): None if t is None else t.to_json()
+                               for b, t in table["trees"]}}

@@ -199,11 +199,18 @@ def test_batch_defaults_are_the_fastest_tree_resolved_faster_else_vanilla(tiny_t
     sampled = {**r, "all_rows_equal": None,
                "config": r["config"] | {"greedy": False, "temperature": 1.0, "seed": 0}}
     where = batch_bench.save_batch_defaults(sampled, folder)
-    assert read_batch_trees(folder, sampled=True) == read_batch_trees(folder)
-    assert json.loads(where.read_text())["sampled_batch"]["measured"]["temperature"] == 1.0
+    assert read_batch_trees(folder, temperature=1.0) == read_batch_trees(folder)
+    assert json.loads(where.read_text())["sampled_batch"]["temperatures"]["1"]["measured"][
+        "temperature"] == 1.0
     batch_bench.save_batch_defaults(_result({"2": {"a": (1.3, [1.1, 1.5])}}), folder)
     assert read_batch_trees(folder) == ((2, TreeSpec("chain", depth=1)),)
-    assert len(read_batch_trees(folder, sampled=True)) == 4
+    assert len(read_batch_trees(folder, temperature=1.0)) == 4
+    # One at 0.3 is stored beside the one at 1, which sampling at 0.9 still follows.
+    cool = _result({"2": {"a": (1.3, [1.1, 1.5])}})
+    cool["config"] |= {"greedy": False, "temperature": 0.3, "seed": 0}
+    batch_bench.save_batch_defaults({**cool, "all_rows_equal": None}, folder)
+    assert read_batch_trees(folder, temperature=0.3) == ((2, TreeSpec("chain", depth=1)),)
+    assert len(read_batch_trees(folder, temperature=0.9)) == 4
     spec_bench = {**r, "config": {k: v for k, v in r["config"].items() if k != "calibration"}}
     with pytest.raises(ValueError, match="never on Spec-Bench's.*--calibration 24"):
         batch_bench.save_batch_defaults(spec_bench, folder)

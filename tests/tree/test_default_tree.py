@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -321,28 +322,63 @@ def test_batch_defaults_sit_beside_the_trees_and_survive_their_remeasurement(tmp
     with pytest.raises(ValueError, match=r"sizes \[3\] were not measured.*--batch-sizes 2,3,4"):
         write_batch_trees(tmp_path, {2: chain, 4: None}, {})
     assert read_batch_trees(tmp_path) == ((2, chain), (3, chain), (4, None))  # kept
-    # Sampled batch defaults are a second table: writing either keeps the other, and every
-    # other writer keeps both.
-    assert read_batch_trees(tmp_path, sampled=True) == ()
-    write_batch_trees(tmp_path, {2: chain, 3: None}, {"temperature": 1.0}, sampled=True)
+    # Sampled batch defaults are more tables, one by temperature: writing any keeps the
+    # others, and every other writer keeps them all.
+    assert read_batch_trees(tmp_path, temperature=1.0) == ()
+    write_batch_trees(tmp_path, {2: chain, 3: None}, {"temperature": 1.0}, temperature=1.0)
     write_default_tree(tmp_path, TreeSpec("chain", depth=3), {}, vocab="fr:8192")
     write_sampled_default_tree(tmp_path, wide, {}, temperature=1.0)
     write_batch_trees(tmp_path, {2: wide, 3: None}, {})
-    assert read_batch_trees(tmp_path, sampled=True) == ((2, chain), (3, None))
+    assert read_batch_trees(tmp_path, temperature=1.0) == ((2, chain), (3, None))
     assert read_batch_trees(tmp_path) == ((2, wide), (3, None))
     d = read_defaults(tmp_path)
     assert (d.tree, d.vocab, d.sampled_trees) == (TreeSpec("chain", depth=3), "fr:8192",
                                                  ((1.0, wide),))
     with pytest.raises(ValueError, match=r"sizes \[2\] were not measured"):
-        write_batch_trees(tmp_path, {3: chain}, {}, sampled=True)
+        write_batch_trees(tmp_path, {3: chain}, {}, temperature=1.0)
     text = json.loads((tmp_path / FILE).read_text())
-    assert text["sampled_batch"]["measured"] == {"temperature": 1.0}
+    assert text["sampled_batch"]["temperatures"]["1"]["measured"] == {"temperature": 1.0}
     (tmp_path / FILE).write_text(json.dumps({**text, "batch": {"trees": {"x": None}}}))
     with pytest.raises(ValueError, match="not a valid default tree.*integers >= 2"):
         read_batch_trees(tmp_path)
     (tmp_path / FILE).write_text(json.dumps({**text, "sampled_batch": [None]}))
     with pytest.raises(ValueError, match="sampled_batch must be an object"):
-        read_batch_trees(tmp_path, sampled=True)
+        read_batch_trees(tmp_path, temperature=1.0)
+
+
+def test_sampled_batch_tables_by_temperature(tmp_path):
+    """A table for sampling at each measured temperature; sampling at t follows the one
+    measured nearest t, and a file's older one-table entry reads as measured at 1."""
+    chain, lookup = TreeSpec("chain", depth=1), TreeSpec("chain", depth=1, lookup=4)
+    write_default_tree(tmp_path, TreeSpec("chain", depth=3), {}, vocab="fr:8192")
+    write_batch_trees(tmp_path, {2: chain, 3: None}, {"temperature": 1.0}, temperature=1.0)
+    write_batch_trees(tmp_path, {2: lookup, 3: chain}, {"t": 0.3}, temperature=0.3)
+    for t, table in ((0.1, ((2, lookup), (3, chain))), (0.3, ((2, lookup), (3, chain))),
+                     (0.6, ((2, lookup), (3, chain))), (0.65, ((2, chain), (3, None))),
+                     (1.0, ((2, chain), (3, None))), (2.0, ((2, chain), (3, None)))):
+        assert read_batch_trees(tmp_path, temperature=t) == table, t
+    # Measured again at 0.30 (spelled "0.3" in the file): replaced, not added beside.
+    write_batch_trees(tmp_path, {2: chain}, {"t": 0.3, "again": True}, temperature=0.30)
+    assert read_defaults(tmp_path).sampled_batch_trees == ((0.3, ((2, chain),)),
+                                                          (1.0, ((2, chain), (3, None))))
+    text = json.loads((tmp_path / FILE).read_text())
+    assert set(text["sampled_batch"]["temperatures"]) == {"0.3", "1"}
+    assert text["sampled_batch"]["temperatures"]["0.3"]["measured"]["again"]
+    for bad in (-0.5, math.inf, math.nan):
+        with pytest.raises(ValueError, match="finite temperature >= 0"):
+            write_batch_trees(tmp_path, {2: chain}, {}, temperature=bad)
+    # A file from before the tables were keyed by temperature held one, measured at 1.
+    text["sampled_batch"] = {"trees": {"2": chain.to_json(), "3": None}, "measured": {}}
+    (tmp_path / FILE).write_text(json.dumps(text))
+    assert read_defaults(tmp_path).sampled_batch_trees == ((1.0, ((2, chain), (3, None))),)
+    assert read_batch_trees(tmp_path, temperature=0.3) == ((2, chain), (3, None))
+    write_batch_trees(tmp_path, {2: lookup}, {}, temperature=0.3)  # the old one stays, at 1
+    assert read_batch_trees(tmp_path, temperature=0.9) == ((2, chain), (3, None))
+    assert read_batch_trees(tmp_path, temperature=0.3) == ((2, lookup),)
+    text["sampled_batch"] = {"temperatures": {"0": {"trees": {}}}}
+    (tmp_path / FILE).write_text(json.dumps(text))
+    with pytest.raises(ValueError, match="sampled_batch temperatures are numbers > 0"):
+        read_defaults(tmp_path)
 
 
 def test_generate_follows_the_batch_defaults(tiny_target, tmp_path):
@@ -376,18 +412,30 @@ def test_generate_follows_the_batch_defaults(tiny_target, tmp_path):
     assert run(2, drafter=ds, temperature=1.0).stats["tree"]["kind"] == "chain"
     # Where the folder measured sampled batches, sampling follows them instead, vanilla
     # decoding included, and greedy decoding still follows the greedy ones.
-    write_batch_trees(folder, {2: TreeSpec("chain", depth=2), 3: None}, {}, sampled=True)
+    write_batch_trees(folder, {2: TreeSpec("chain", depth=2), 3: None}, {}, temperature=1.0)
     dsb = specjax.load_drafter(folder, tiny_target)
     assert dsb.tree_for(1.0, batch=1) == wide
-    assert dsb.tree_for(1.0, batch=2) == TreeSpec("chain", depth=2)
+    assert dsb.tree_for(1.0, batch=2) == dsb.tree_for(0.2, batch=2) == TreeSpec("chain",
+                                                                                depth=2)
     assert dsb.tree_for(0, batch=2) == TreeSpec("chain", depth=1)
-    assert [dsb.speculates_at(b, greedy=False) for b in (1, 2, 3, 4)] == [True, True, False,
-                                                                          False]
+    assert [dsb.speculates_at(b, 1.0) for b in (1, 2, 3, 4)] == [True, True, False, False]
     assert [dsb.speculates_at(b) for b in (1, 2, 3, 4)] == [True, True, True, False]
+    with pytest.raises(TypeError, match="temperature"):
+        dsb.speculates_at(3, False)  # the old speculates_at(batch, greedy) must not pass
     sampled_off = run(3, drafter=dsb, temperature=1.0, seed=3)
     assert sampled_off.tokens == run(3, temperature=1.0, seed=3).tokens
-    assert "vanilla decoding for sampling at this batch size" in sampled_off.stats[
-        "speculation_off"]
+    assert ("stores vanilla decoding for this batch size" in sampled_off.stats[
+        "speculation_off"] and "table for sampling at temperature 1," in sampled_off.stats[
+        "speculation_off"])
+    # Measured at 0.3 too: sampling at 0.4 follows that table, at 0.9 the one at 1.
+    write_batch_trees(folder, {2: TreeSpec("chain", depth=3), 3: TreeSpec("chain", depth=1)},
+                      {}, temperature=0.3)
+    dst = specjax.load_drafter(folder, tiny_target)
+    assert dst.tree_for(0.4, batch=3) == TreeSpec("chain", depth=1)
+    assert dst.tree_for(0.4, batch=2) == TreeSpec("chain", depth=3)
+    assert dst.tree_for(0.9, batch=2) == TreeSpec("chain", depth=2)
+    assert [dst.speculates_at(3, t) for t in (0, 0.4, 0.9)] == [True, True, False]
+    assert "mean_accepted_length" in run(3, drafter=dst, temperature=0.4, seed=3).stats
     assert run(2, drafter=dsb, temperature=1.0).stats["tree"]["depth"] == 2
     assert "speculation_off" not in run(3, drafter=dsb).stats
     two = run(3, drafter=d).stats
