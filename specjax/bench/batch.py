@@ -10,11 +10,12 @@ default) need not be at batch 8. This run measures where.
 On the Spec-Bench prompts of ``bench spec`` (the first ``per_task`` questions of each task,
 first turns, chat template, greedy), interleaved by task so that each batch mixes tasks as
 a server's does, and cut into batches of B: for every batch size and every batch, vanilla
-decoding and each tree (default: the drafter's measured greedy tree and a chain of one
-draft), each batch decoding until all its rows stop (EOS or the budget: static batching,
-the same for every method). Reported for each (B, tree): decode tokens/s against vanilla's
-over the same batches, the speedup with a 95% interval that resamples batches (paired),
-MAL, and greedy equality row by row (every row must match vanilla's).
+decoding and each tree (default: the drafter's measured greedy tree, a chain of one
+draft and the trees of its batch defaults), each batch decoding until all its rows stop
+(EOS or the budget: static batching, the same for every method). Reported for each (B,
+tree): decode tokens/s against vanilla's over the same batches, the speedup with a 95%
+interval that resamples batches (paired), MAL, and greedy equality row by row (every row
+must match vanilla's).
 
 ``--calibration N`` runs on N calibration prompts instead (ShareGPT, Spec-Bench's mix of
 lengths, never its questions: the prompts of ``bench spec``'s paired A/Bs, interleaved by
@@ -26,7 +27,8 @@ was and at every larger size; ``generate`` then drafts that tree for a batch of 
 size, or decodes without the drafter (``disable_by_batch_size``).
 
 ``--temperature T`` (> 0) measures sampled batches instead (default trees: the drafter's
-tree for sampling and a chain of one draft): vanilla and every tree draw with one seed a
+tree for sampling at T, a chain of one draft, and the trees of its greedy batch defaults
+and of its sampled ones nearest T): vanilla and every tree draw with one seed a
 batch (``--seed`` + its index), no EOS stop (every row runs the budget, so the methods
 decode the same number of tokens), and no equality is counted. Saved, such a run's choice
 becomes the sampled batch defaults at T, which sampling drafts at the temperatures nearer T
@@ -149,10 +151,14 @@ def batches(prompts: Sequence[dict[str, Any]], b: int) -> list[list[dict[str, An
 
 def default_trees(drafter: Drafter, temperature: float = 0.0) -> list[TreeSpec]:
     """The drafter's measured tree at ``temperature`` (what ``generate`` drafts by default
-    at batch 1) and the smallest tree, a chain of one draft."""
-    out = [drafter.tree_for(temperature)]
-    chain = TreeSpec("chain", depth=1)
-    return out + ([chain] if chain not in out else [])
+    at batch 1), the smallest tree (a chain of one draft), and the incumbents: the trees of
+    the batch table that serves ``temperature`` and, sampling, of the greedy one (a tree
+    that pays at greedy batches may at a low temperature too), each once."""
+    out = [drafter.tree_for(temperature), TreeSpec("chain", depth=1)]
+    tables = [drafter.batch_table(temperature)] + ([drafter.batch_trees] if temperature
+                                                   else [])
+    out += [tree for table in tables for _, tree in table if tree is not None]
+    return list(dict.fromkeys(out))
 
 
 class _Runner:
@@ -465,7 +471,8 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated batch sizes (default 1,2,4,8)")
     p.add_argument("--tree-json", action="append", default=[], metavar="JSON",
                    help="a tree to compare, as TreeSpec JSON (repeat for more; default: the "
-                        "drafter's measured greedy tree and a chain of one draft)")
+                        "drafter's measured greedy tree, a chain of one draft and the trees of "
+                        "its batch defaults)")
     p.add_argument("--vocab", default=None,
                    help="drafter vocabulary head (default: the drafter's measured head)")
     p.add_argument("--per-task", type=int, default=4)
@@ -481,7 +488,8 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="0 (default): greedy, every row checked against vanilla's; > 0: "
                         "sampled, one seed a batch shared by vanilla and every tree, no EOS "
-                        "stop (default trees: the drafter's tree for sampling and a chain)")
+                        "stop (default trees: the drafter's tree for sampling at T, a chain, and "
+                        "the trees of its batch defaults)")
     p.add_argument("--seed", type=int, default=0,
                    help="with --temperature > 0: the first batch's seed (default 0)")
     p.add_argument("--no-resume", action="store_true",

@@ -126,6 +126,14 @@ def test_sampled_batches_share_a_seed_a_batch(tiny_target, tmp_path):
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         BatchBenchConfig("m", temperature=float("nan"))
     assert default_trees(drafter, temperature=1.0)[1] == TreeSpec("chain", depth=1)
+    # The incumbents run too: the batch tables' trees, greedy ones when sampling, each once.
+    lookup, d2 = TreeSpec("chain", depth=1, lookup=4), TreeSpec("chain", depth=2)
+    measured = dataclasses.replace(
+        drafter, default_tree=d2, batch_trees=((2, lookup), (3, d2), (4, None)),
+        sampled_batch_trees=((1.0, ((2, TreeSpec("chain", depth=3)),)),))
+    assert default_trees(measured) == [d2, TreeSpec("chain", depth=1), lookup]
+    assert default_trees(measured, 0.5) == [d2, TreeSpec("chain", depth=1),
+                                            TreeSpec("chain", depth=3), lookup]
 
 
 def test_defaults_and_flags(tiny_target):
