@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -56,6 +57,8 @@ FORMAT = "specjax-default-tree"
 BatchTrees = tuple[tuple[int, TreeSpec | None], ...]
 SampledTrees = tuple[tuple[float, TreeSpec], ...]
 SampledBatchTrees = tuple[tuple[float, BatchTrees], ...]
+# The entries measured beside the greedy tree, drafting with the head it stores.
+_MEASURED_WITH_THE_HEAD = ("sampled", "batch", "sampled_batch")
 
 
 class Defaults(NamedTuple):
@@ -220,14 +223,25 @@ def read_default_vocab(folder: str | Path) -> str | None:
 def write_default_tree(folder: str | Path, tree: TreeSpec, measured: dict[str, Any],
                        vocab: str = "full") -> Path:
     """Store ``tree`` and the head ``vocab`` as ``folder``'s defaults, with ``measured``
-    (how they were chosen). The tree for sampling and the batch defaults already in a valid
-    file are kept: each was measured on its own. Raises ValueError for a head that names an
-    outside path."""
+    (how they were chosen). The trees for sampling and the batch defaults already in a valid
+    file are kept, each measured on its own, where they drafted with the same head; with
+    another they are dropped (with a warning that says how to measure them again): they
+    were measured with the old head, which every tree in the file shares. Raises
+    ValueError for a head that names an outside path."""
     vocab = check_portable_vocab(vocab)
     try:
         old = _read(folder) or {}
     except ValueError:  # an invalid file is replaced whole
         old = {}
+    if old and old["vocab"] != vocab and (stale := [k for k in _MEASURED_WITH_THE_HEAD
+                                                    if k in old]):
+        warnings.warn(f"{Path(folder) / FILE}: the head changed from {old['vocab']!r} to "
+                      f"{vocab!r}, so its entries {stale} (measured with the old head) were "
+                      "dropped; measure them again with this head (`specjax bench spec "
+                      "--temperature T --add-tree ... --save-default-tree`, `specjax bench "
+                      "batch --calibration 24 [--temperature T] --save-default-tree`)",
+                      stacklevel=2)
+        old = {k: v for k, v in old.items() if k not in stale}
     return _write(folder, old | {"tree": tree, "vocab": vocab, "measured": measured})
 
 

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -74,8 +75,9 @@ def test_a_tree_for_sampling_sits_beside_the_greedy_one(tmp_path):
     write_sampled_default_tree(tmp_path, wide, {"how": "t=1"}, temperature=1.0)
     assert read_default_tree(tmp_path, temperature=1.0) == wide
     assert read_default_tree(tmp_path) == chain and read_default_vocab(tmp_path) == "fr:8192"
-    # Measuring the greedy default again keeps the sampled one, measured on its own.
-    write_default_tree(tmp_path, TreeSpec("chain", depth=2), {}, vocab="fr:4096")
+    # Measuring the greedy default again (same head) keeps the sampled one, measured on
+    # its own.
+    write_default_tree(tmp_path, TreeSpec("chain", depth=2), {}, vocab="fr:8192")
     assert read_default_tree(tmp_path, temperature=1.0) == wide
     assert json.loads((tmp_path / FILE).read_text())["sampled"]["temperatures"]["1"][
         "measured"] == {"how": "t=1"}
@@ -344,6 +346,23 @@ def test_batch_defaults_sit_beside_the_trees_and_survive_their_remeasurement(tmp
     (tmp_path / FILE).write_text(json.dumps({**text, "sampled_batch": [None]}))
     with pytest.raises(ValueError, match="sampled_batch must be an object"):
         read_batch_trees(tmp_path, temperature=1.0)
+
+
+def test_a_new_head_drops_the_entries_measured_with_the_old_one(tmp_path):
+    chain = TreeSpec("chain", depth=1)
+    write_default_tree(tmp_path, TreeSpec("chain", depth=2), {}, vocab="fr:8192")
+    write_sampled_default_tree(tmp_path, chain, {}, temperature=0.3)
+    write_batch_trees(tmp_path, {2: chain}, {})
+    write_batch_trees(tmp_path, {2: chain}, {}, temperature=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same head keeps them, silently
+        write_default_tree(tmp_path, TreeSpec("chain", depth=3), {}, vocab="fr:8192")
+    d = read_defaults(tmp_path)
+    assert d.sampled_trees and d.batch_trees and d.sampled_batch_trees
+    with pytest.warns(UserWarning, match=r"head changed from 'fr:8192' to 'full'.*"
+                                         r"\['sampled', 'batch', 'sampled_batch'\]"):
+        write_default_tree(tmp_path, TreeSpec("chain", depth=3), {}, vocab="full")
+    assert read_defaults(tmp_path) == (TreeSpec("chain", depth=3), "full", (), (), ())
 
 
 def test_sampled_batch_tables_by_temperature(tmp_path):
