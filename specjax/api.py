@@ -282,9 +282,9 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
         from its folder's ``default_tree.json``: at a batch of several rows the one
         measured for that batch size where the file has batch defaults (at ``temperature``
         > 0 its sampled batch defaults measured at the temperature nearest it, where it
-        has them); else, when ``temperature``
-        > 0 and the file has trees for sampling, the one measured at the temperature
-        nearest it), else ``TreeSpec()`` (a small EAGLE-2 tree).
+        has them); else, when ``temperature`` > 0 and the file has trees for sampling, the
+        one measured at the temperature nearest it), else ``TreeSpec()`` (a small EAGLE-2
+        tree).
       assume_q_one: EAGLE's verification shortcut for sampled drafts (see
         :class:`specjax.speculative.SpecConfig`); off by default.
       vocab: the drafter's vocabulary head: "full", "fr:N", "pafr:N", "dynaspec",
@@ -315,10 +315,9 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], *,
         way (greedy tokens; sampled, the target's distribution). None (default): where the
         drafter's folder measured batches (``specjax bench batch --save-default-tree``;
         at ``temperature`` > 0 the sampled batches measured nearest it where it measured
-        them) and ``tree`` is
-        left to the drafter, where the entry of the largest measured size <= the rows is
-        vanilla decoding (no tree was faster there), and above the largest measured size
-        (no tree was measured there); 0: never.
+        them) and ``tree`` is left to the drafter, where the entry of the largest measured
+        size <= the rows is vanilla decoding (no tree was faster there), and above the
+        largest measured size (no tree was measured there); 0: never.
         ``stats["speculation_off"]`` says why when off.
     Returns:
       :class:`GenerationResult` with texts, new token ids and ``stats``
