@@ -25,7 +25,7 @@ from specjax.runner import Request, SpecRunner, VanillaRunner, all_done
 from specjax.sampling import SamplingConfig
 from specjax.speculative import TreeSpec
 from specjax.tokenizer import load_tokenizer, render_chat
-from specjax.tree.default import nearest_temperature, read_defaults
+from specjax.tree.default import read_defaults
 from specjax.vocab import VocabHead, resolve_head
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -415,8 +415,7 @@ def _speculation_off(drafter: Drafter | None, tree: TreeSpec | None, rows: int,
         why = ("stores vanilla decoding for this batch size (no tree was measured faster "
                "here, or at a smaller size)" if rows <= largest or table[-1][1] is None
                else f"measured trees up to {largest} rows only, none at this batch size")
-        # Which table said so: sampling, the one measured nearest the temperature, if any.
-        t = nearest_temperature(drafter.sampled_batch_trees, temperature) if temperature else None
+        t = drafter.batch_table_temperature(temperature)  # which table said so
         source = ("default_tree.json" if t is None
                   else f"default_tree.json's table for sampling at temperature {t:g}")
         return (f"{rows} rows: the drafter's folder {why} ({source}, `specjax bench batch`); "

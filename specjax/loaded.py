@@ -17,7 +17,7 @@ from specjax.tree.default import (
     BatchTrees,
     SampledBatchTrees,
     SampledTrees,
-    sampled_batch_at,
+    nearest_temperature,
     sampled_tree_at,
 )
 from specjax.tree.spec import TreeSpec
@@ -63,13 +63,21 @@ class Drafter:
     batch_trees: BatchTrees = ()
     sampled_batch_trees: SampledBatchTrees = ()
 
+    def batch_table_temperature(self, temperature: float) -> float | None:
+        """The temperature of the sampled batch table that serves decoding at
+        ``temperature`` (:meth:`batch_table`): sampling, the one measured nearest it
+        (:func:`~specjax.tree.default.nearest_temperature`) where that table has entries;
+        None where the greedy table serves (greedy decoding, or none measured)."""
+        _check_temperature(temperature)
+        t = nearest_temperature(self.sampled_batch_trees, temperature) if temperature > 0 else None
+        return t if t is not None and dict(self.sampled_batch_trees)[t] else None
+
     def batch_table(self, temperature: float) -> BatchTrees:
         """The batch defaults that serve decoding at ``temperature`` (0: greedy): sampling,
         the table measured at the temperature nearest it where the folder has one
-        (:func:`~specjax.tree.default.sampled_batch_at`), else the greedy one."""
-        _check_temperature(temperature)
-        return ((temperature > 0 and sampled_batch_at(self.sampled_batch_trees, temperature))
-                or self.batch_trees)
+        (:meth:`batch_table_temperature`), else the greedy one."""
+        t = self.batch_table_temperature(temperature)
+        return self.batch_trees if t is None else dict(self.sampled_batch_trees)[t]
 
     def _batch_entry(self, batch: int, temperature: float) -> tuple[bool, TreeSpec | None]:
         """(whether a measured size <= ``batch`` exists, its entry): the largest such, except
