@@ -75,9 +75,9 @@ def pair_counts(tokens: list[list[int]]) -> np.ndarray:
     return counts
 
 
-def sample_second_third(target, drafter, tree, vocab="full", prompt: list[int] = PROMPT,
-                        temperature: float = TEMP) -> tuple[np.ndarray, float]:
-    res = specjax.generate(target, [prompt] * N, max_new_tokens=3, temperature=temperature,
+def sample_second_third(target, drafter, tree, vocab="full",
+                        prompt: list[int] = PROMPT) -> tuple[np.ndarray, float]:
+    res = specjax.generate(target, [prompt] * N, max_new_tokens=3, temperature=TEMP,
                            stop_on_eos=False, drafter=drafter, tree=tree, seed=7, vocab=vocab)
     return pair_counts(res.tokens), res.stats["mean_accepted_length"]
 
