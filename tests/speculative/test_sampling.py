@@ -8,7 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 from scipy.stats import chisquare
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 import specjax
 import specjax.speculative as spec_mod
@@ -46,19 +48,23 @@ def exact_lookup(small_vocab) -> np.ndarray:
     return exact_second_third(small_vocab[0], LOOKUP_PROMPT)
 
 
-def exact_second_third(target, prompt: list[int] = PROMPT,
-                       temperature: float = TEMP) -> np.ndarray:
+def exact_second_third(target, prompt: list[int] = PROMPT, temperature: float = TEMP,
+                       top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
     """P(x2, x3) [V, V] after the prompt at ``temperature``, marginalising the first
-    generated token x1."""
+    generated token x1; ``top_k``/``top_p`` filter each step as transformers' warpers do
+    (an implementation independent of specjax.sampling)."""
     cfg, params = target.cfg, target.params
 
     def next_probs(seqs: np.ndarray) -> np.ndarray:
         b, t = seqs.shape
         logits, _ = forward(params, cfg, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(t), (b, t)),
                             init_cache(cfg, b, t))
-        z = np.asarray(logits[:, -1], np.float64) / temperature
-        z = np.exp(z - z.max(-1, keepdims=True))
-        return z / z.sum(-1, keepdims=True)
+        z = torch.tensor(np.asarray(logits[:, -1], np.float64) / temperature)
+        if top_k:
+            z = TopKLogitsWarper(top_k)(None, z)
+        if top_p < 1:
+            z = TopPLogitsWarper(top_p)(None, z)
+        return torch.softmax(z, -1).numpy()
 
     p1 = next_probs(np.asarray([prompt]))[0]
     p2 = next_probs(np.asarray([prompt + [a] for a in range(V)]))  # [x1, x2]
@@ -83,11 +89,16 @@ def sample_second_third(target, drafter, tree, vocab="full",
 
 
 def pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Chi-square over cells, pooling those expected below 5 into one."""
+    """Chi-square over cells, pooling those expected below 5 into one. A draw in a cell of
+    probability 0 (a filtered-out id) fails outright; such cells are otherwise left out."""
     exp, obs = probs.ravel() * counts.sum(), counts.ravel()
+    if obs[exp == 0].any():
+        return 0.0
+    exp, obs = exp[exp > 0], obs[exp > 0]
     small = exp < 5
-    exp = np.append(exp[~small], exp[small].sum())
-    obs = np.append(obs[~small], obs[small].sum())
+    if small.any():
+        exp = np.append(exp[~small], exp[small].sum())
+        obs = np.append(obs[~small], obs[small].sum())
     return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
@@ -185,6 +196,28 @@ def test_a_low_temperature_keeps_the_target_distribution(small_vocab, name):
     assert pvalue(counts, exact_second_third(target, PROMPT, 0.3)) > 1e-3
     # The same counts are far from the temperature-1 law: the test can tell them apart.
     assert pvalue(counts, exact_second_third(target, PROMPT, 1.0)) < 1e-6
+
+
+@pytest.mark.parametrize("name,top_k,top_p", [
+    ("chain-sampled", 0, 0.8),
+    ("static-sampled-lookup", 0, 0.8),
+    ("dyspec-threshold-wide-greedy-lookup", 4, 1.0),
+])
+def test_top_k_and_top_p_keep_the_filtered_distribution(small_vocab, name, top_k, top_p):
+    """Filtered sampling (top-k, nucleus) through the drafter: the output follows the
+    filtered target law, each step renormalised over the kept ids, and not the unfiltered
+    one. The drafts are drawn from the drafter's unfiltered q or copied, so most filtered
+    steps reject some of them; the verifier's p is the filtered law."""
+    target, drafter = small_vocab
+    tree = TREES.get(name) or LOOKUP_TREES[name]
+    prompt = LOOKUP_PROMPT if tree.lookup else PROMPT
+    res = specjax.generate(target, [prompt] * N, max_new_tokens=3, temperature=TEMP,
+                           top_k=top_k, top_p=top_p, stop_on_eos=False, drafter=drafter,
+                           tree=tree, seed=7)
+    assert res.stats["mean_accepted_length"] > 1.2, "drafts must be accepted"
+    counts = pair_counts(res.tokens)
+    assert pvalue(counts, exact_second_third(target, prompt, TEMP, top_k, top_p)) > 1e-3
+    assert pvalue(counts, exact_second_third(target, prompt, TEMP)) < 1e-6
 
 
 def test_a_shortlist_head_keeps_the_target_distribution(small_vocab, exact):
