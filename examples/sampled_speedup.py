@@ -83,6 +83,8 @@ def main() -> None:
                     help="converted target folder or a named model, e.g. gemma3-270m (its "
                          "shipped drafter drafts; default: SmolLM2-135M-Instruct)")
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="nucleus filtering of every draw (default 1: off)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--per-task", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
@@ -132,8 +134,9 @@ def main() -> None:
     trees = trees or [drafter.tree_for(args.temperature)]  # what generate drafts
     rows = paired_runs(target, drafter, trees, [e["ids"] for e in evals],
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       seed=args.seed, vanilla=True, tasks=[e["task"] for e in evals],
-                       desc=f"T={args.temperature}")
+                       top_p=args.top_p, seed=args.seed, vanilla=True,
+                       tasks=[e["task"] for e in evals],
+                       desc=f"T={args.temperature} top-p={args.top_p}")
 
     results = []
     for tree, tree_rows in zip(trees, rows, strict=True):
@@ -156,6 +159,7 @@ def main() -> None:
                   f"[{p['speedup_ci95'][0]:.2f}, {p['speedup_ci95'][1]:.2f}]  "
                   f"chained {p['chained_fraction']:.2f}")
     head = {"model": args.model or "SmolLM2-135M-Instruct", "temperature": args.temperature,
+            "top_p": args.top_p,
             "max_new_tokens": args.max_new_tokens,
             "prompts": "calibration" if args.calibration else "spec-bench"}
     if args.calibration:

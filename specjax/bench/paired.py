@@ -56,8 +56,9 @@ def relative_speed(rows: Sequence[dict], base: Sequence[dict]) -> dict[str, Any]
 
 def paired_runs(target: Target, drafter: Drafter, trees: Sequence[TreeSpec | None],
                 prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
-                temperature: float = 0.0, stop_on_eos: bool = False, seed: int = 0,
-                vocab: Any = None, vanilla: bool = False, tasks: Sequence[str] | None = None,
+                temperature: float = 0.0, top_p: float = 1.0, stop_on_eos: bool = False,
+                seed: int = 0, vocab: Any = None, vanilla: bool = False,
+                tasks: Sequence[str] | None = None,
                 desc: str = "paired") -> list[list[dict[str, Any]]]:
     """Run every tree on every prompt at batch 1, the trees' order rotated from prompt to
     prompt (:func:`run_order`), with one seed per prompt shared by every tree.
@@ -67,6 +68,7 @@ def paired_runs(target: Target, drafter: Drafter, trees: Sequence[TreeSpec | Non
 
     Args:
       trees: the candidates (None: the drafter's own tree at ``temperature``).
+      top_p: nucleus filtering of every draw at ``temperature`` > 0 (1 = off).
       prompts: [P] prompts as token ids.
       vocab: the drafter's head (None: the drafter's default).
       vanilla: also run vanilla decoding on each prompt first (its time goes into every
@@ -78,7 +80,8 @@ def paired_runs(target: Target, drafter: Drafter, trees: Sequence[TreeSpec | Non
       "chained_fraction"}`` (+ ``"vanilla_decode_s"``).
     """
     rows: list[list[dict[str, Any]]] = [[] for _ in trees]
-    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, stop_on_eos=stop_on_eos)
+    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+              stop_on_eos=stop_on_eos)
     for i, ids in enumerate(tqdm(prompts, desc=desc, leave=False)):
         ids = list(ids)
         van = specjax.generate(target, [ids], seed=seed + i, **kw) if vanilla else None
