@@ -2,10 +2,14 @@
 (Gumbel-max), the same token through ``first_argmax`` (specjax's draw until the
 sixty-seventh session), and ``specjax.sampling.categorical`` (the same law, inverse CDF
 through :func:`specjax.sampling.draw`); ``jnp.argmax`` against ``first_argmax`` (the same
-index); over a vocabulary of V ids.
+index); a draw filtered by top-k 50 or top-p 0.9, its threshold from a sort (``lax.top_k``,
+``jnp.sort``: specjax's filters until the eighty-second session) and from specjax's
+bisections (:func:`specjax.sampling.kth_largest`, :func:`specjax.sampling.nucleus_threshold`);
+over a vocabulary of V ids.
 
-The argmaxes and the two Gumbel-max draws are checked equal, and the inverse-CDF draw
-checked to be an id, first; each function is then timed two ways:
+The argmaxes and the two Gumbel-max draws are checked equal, the two ways of each filter
+checked to keep the same ids, and the inverse-CDF draw checked to be an id, first; each
+function is then timed two ways:
 
 * ``called``: jitted and called alone, ``--runs`` times (median and best, ms;
   :func:`specjax.bench.timing.time_calls`). This includes a dispatch of tens of
@@ -17,7 +21,8 @@ checked to be an id, first; each function is then timed two ways:
 
 Rows: 1 is vanilla decoding's token and speculative decoding's bonus token; 4 and 14 are
 the shipped greedy tree's verify rows without and with its lookup chain (greedy
-verification takes the argmax of every row).
+verification takes the argmax of every row); 6 the rows of SmolLM2's tree for sampling at
+temperature 1 (sampled verification filters every row's logits).
 
     python examples/sampling_cost.py --out results/sampling_cost.json
 """
@@ -36,7 +41,28 @@ from jax import Array
 
 from specjax.bench.common import write_json
 from specjax.bench.timing import time_calls
-from specjax.sampling import categorical, first_argmax
+from specjax.sampling import categorical, first_argmax, kth_largest, nucleus_threshold
+
+TOP_K, TOP_P = 50, 0.9
+
+
+def sorted_top_k(x: Array) -> Array:
+    """The k-th largest logit [n, 1] through ``lax.top_k``."""
+    return jax.lax.top_k(x, TOP_K)[0][..., -1:]
+
+
+def sorted_top_p(x: Array) -> Array:
+    """The smallest logit top-p keeps [n, 1] through a sort of the row: the last id whose
+    mass before it in the sorted order is < top_p."""
+    desc = -jnp.sort(-x, axis=-1)
+    p = jax.nn.softmax(desc, axis=-1)
+    return jnp.min(jnp.where(jnp.cumsum(p, axis=-1) - p < TOP_P, desc, jnp.inf), axis=-1,
+                   keepdims=True)
+
+
+def filtered(threshold: Callable[[Array], Array]) -> Callable[[Array, Array], Array]:
+    """A draw from the logits at or above ``threshold(logits)`` [n, 1]."""
+    return lambda k, x: categorical(k, jnp.where(x < threshold(x), -jnp.inf, x))
 
 
 def in_loop_ms(fn: Callable[[Array, Array], Array], key: Array, logits: Array, inner: int,
@@ -81,7 +107,14 @@ def main() -> None:
                x + jax.random.gumbel(k, x.shape, x.dtype)),
            "specjax categorical": categorical,
            "jnp.argmax": lambda k, x: jnp.argmax(x, -1).astype(jnp.int32),
-           "first_argmax": lambda k, x: first_argmax(x)}
+           "first_argmax": lambda k, x: first_argmax(x),
+           "top-k 50 by lax.top_k": filtered(sorted_top_k),
+           "top-k 50 by kth_largest": filtered(lambda x: kth_largest(x, TOP_K)),
+           "top-p 0.9 by sort": filtered(sorted_top_p),
+           "top-p 0.9 by nucleus_threshold": filtered(lambda x: nucleus_threshold(x, TOP_P))}
+    thresholds = {name: jax.jit(fn) for name, fn in (
+        ("top-k sort", sorted_top_k), ("top-k bisection", lambda x: kth_largest(x, TOP_K)),
+        ("top-p sort", sorted_top_p), ("top-p bisection", lambda x: nucleus_threshold(x, TOP_P)))}
     jitted = {name: jax.jit(fn) for name, fn in fns.items()}
     rows = []
     for n in (int(r) for r in args.rows.split(",")):
@@ -92,6 +125,9 @@ def main() -> None:
         tok = jitted["specjax categorical"](sub, logits)
         assert tok.shape == (n,) and bool((tok >= 0).all() & (tok < args.vocab).all())
         assert (jitted["first_argmax"](sub, logits) == jitted["jnp.argmax"](sub, logits)).all()
+        for kind in ("top-k", "top-p"):  # the same ids kept (random logits: no ties)
+            assert ((logits >= thresholds[f"{kind} sort"](logits))
+                    == (logits >= thresholds[f"{kind} bisection"](logits))).all()
         row = {"rows": n}
         for name, fn in fns.items():
             call = partial(jitted[name], sub, logits)

@@ -1,5 +1,6 @@
-"""The argmax and the draw behind every token: ``first_argmax`` gives exactly what
-``jnp.argmax`` gives, on the values that trip argmax rewrites (ties, infinities, NaN);
+"""The argmax, the filters and the draw behind every token: ``first_argmax`` gives exactly
+what ``jnp.argmax`` gives, on the values that trip argmax rewrites (ties, infinities, NaN);
+the bisections behind top-k and top-p find what a sort finds, ties and infinities included;
 ``draw`` and ``categorical`` have the law of their weights and logits (chi-square bounds
 that a wrong block or id search fails), and never draw an id of zero weight."""
 
@@ -22,10 +23,14 @@ from specjax.sampling import (
     DRAW_BLOCK,
     _blocks,
     _first_past,
+    _key_float,
+    _order_key,
     _search,
     categorical,
     draw,
     first_argmax,
+    kth_largest,
+    nucleus_threshold,
 )
 
 # Few distinct values, so ties are common; the specials argmax rewrites get wrong.
@@ -39,6 +44,70 @@ def test_first_argmax_is_argmax(rows):
     got = first_argmax(x)
     assert got.dtype == jnp.int32
     np.testing.assert_array_equal(got, jnp.argmax(x, axis=-1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=False), min_size=2, max_size=40))
+def test_order_keys_follow_the_floats_and_invert(values):
+    x = jnp.asarray(values, jnp.float32)
+    k = np.asarray(_order_key(x)).astype(np.int64)
+    np.testing.assert_array_equal(
+        np.asarray(jax.lax.bitcast_convert_type(_key_float(_order_key(x)), jnp.uint32)),
+        np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint32)))  # bit for bit, -0 too
+    v = np.asarray(x)
+    less, equal = v[:, None] < v[None, :], v[:, None] == v[None, :]
+    assert (k[:, None] < k[None, :])[less].all()
+    assert (np.abs(k[:, None] - k[None, :]) <= 1)[equal].all()  # only -0 and +0 differ
+
+
+NO_NAN = st.sampled_from([-np.inf, -2.0, -0.5, 0.0, 0.5, 3.0, np.inf])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(NO_NAN, min_size=7, max_size=7), min_size=1, max_size=5),
+       st.integers(1, 7))
+def test_kth_largest_is_top_ks_kth_value(rows, k):
+    x = jnp.asarray(rows, jnp.float32)
+    np.testing.assert_array_equal(kth_largest(x, k)[..., 0], jax.lax.top_k(x, k)[0][..., -1])
+
+
+def sorted_nucleus(row: np.ndarray, top_p: float) -> tuple[float, float]:
+    """The sorted rule in float64: (the smallest kept logit, how near top_p the running
+    mass before a kept or dropped id came)."""
+    z = np.sort(row[np.isfinite(row)].astype(np.float64))[::-1]
+    p = np.exp(z - z[0])
+    p /= p.sum()
+    before = np.cumsum(p) - p
+    # Ties are kept whole: an id is kept when the mass strictly above it is < top_p.
+    above = np.array([p[z > v].sum() for v in z])
+    kept = above < top_p
+    return z[kept].min(), np.abs(np.concatenate([above, before]) - top_p).min()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([-np.inf, -3.0, -1.0, 0.0, 0.5, 2.0, 2.5]), min_size=8,
+                max_size=8).filter(lambda r: np.isfinite(r).any()),
+       st.floats(0.01, 1.0))
+def test_nucleus_threshold_is_the_sorted_rules_last_id(row, top_p):
+    x = jnp.asarray([row], jnp.float32)
+    want, margin = sorted_nucleus(np.asarray(row), top_p)
+    if margin < 1e-5:  # within float32 rounding of the boundary: either answer is right
+        return
+    assert float(nucleus_threshold(x, jnp.float32(top_p))[0, 0]) == want
+
+
+def test_nucleus_threshold_on_a_vocabulary_row():
+    """Over SmolLM2's 49,152 ids, several rows at once, per-row top_p, one jitted call."""
+    x = 3.0 * jax.random.normal(jax.random.PRNGKey(0), (4, 49_152))
+    top_p = jnp.asarray([[0.1], [0.5], [0.9], [0.99]], jnp.float32)
+    got = np.asarray(jax.jit(nucleus_threshold)(x, top_p))[:, 0]
+    checked = 0
+    for r in range(4):
+        want, margin = sorted_nucleus(np.asarray(x[r]), float(top_p[r, 0]))
+        if margin > 1e-6:  # else within float32 rounding of the boundary
+            assert got[r] == np.float32(want)
+            checked += 1
+    assert checked >= 3
 
 
 @settings(max_examples=60, deadline=None)
@@ -164,7 +233,9 @@ def test_sampling_cost_example_times_both_ways_and_writes_json(tmp_path, monkeyp
     assert [r["rows"] for r in res["rows"]] == [1, 3] and res["inner"] == 3
     for row in res["rows"]:
         for name in ("jax.random.categorical", "gumbel + first_argmax", "specjax categorical",
-                     "jnp.argmax", "first_argmax"):
+                     "jnp.argmax", "first_argmax", "top-k 50 by lax.top_k",
+                     "top-k 50 by kth_largest", "top-p 0.9 by sort",
+                     "top-p 0.9 by nucleus_threshold"):
             assert row[name]["called"]["runs"] == 2
             # No bound against the called time: timings are the benchmark's, and a loop of
             # one run on a busy machine once read 64x the called median here.
