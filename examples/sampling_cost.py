@@ -4,8 +4,8 @@ sixty-seventh session), and ``specjax.sampling.categorical`` (the same law, inve
 through :func:`specjax.sampling.draw`); ``jnp.argmax`` against ``first_argmax`` (the same
 index); a draw filtered by top-k 50 or top-p 0.9, its threshold from a sort (``lax.top_k``,
 ``jnp.sort``: specjax's filters until the eighty-second session) and from specjax's
-bisections (:func:`specjax.sampling.kth_largest`, :func:`specjax.sampling.nucleus_threshold`);
-over a vocabulary of V ids.
+(:func:`specjax.sampling.kth_largest`, ``lax.top_k`` read whole;
+:func:`specjax.sampling.nucleus_threshold`, a bisection); over a vocabulary of V ids.
 
 The argmaxes and the two Gumbel-max draws are checked equal, the two ways of each filter
 checked to keep the same ids, and the inverse-CDF draw checked to be an id, first; each
@@ -47,7 +47,8 @@ TOP_K, TOP_P = 50, 0.9
 
 
 def sorted_top_k(x: Array) -> Array:
-    """The k-th largest logit [n, 1] through ``lax.top_k``."""
+    """The k-th largest logit [n, 1]: ``lax.top_k``'s last value, which XLA:CPU computes
+    by sorting the row."""
     return jax.lax.top_k(x, TOP_K)[0][..., -1:]
 
 

@@ -71,6 +71,23 @@ def test_kth_largest_is_top_ks_kth_value(rows, k):
     np.testing.assert_array_equal(kth_largest(x, k)[..., 0], jax.lax.top_k(x, k)[0][..., -1])
 
 
+@pytest.mark.parametrize("top_k,top_p", [(50, 1.0), (0, 0.9), (50, 0.9)])
+def test_filters_do_not_sort_the_row(top_k, top_p):
+    """The compiled filter holds no sort over the vocabulary: XLA:CPU sorts a 49,152-id row
+    in 8-10 ms, against 0.1 ms for its top-k selection and 0.4 ms for the bisection. A
+    ``lax.top_k`` read other than whole (its last value sliced out) compiles to a sort."""
+    from specjax.sampling import SamplingConfig, filter_logits
+
+    s = SamplingConfig(temperature=0.7, top_k=top_k, top_p=top_p)
+    x = jnp.zeros((6, 49_152), jnp.float32)
+    hlo = jax.jit(lambda x, temperature, top_p: filter_logits(x, s.static(), temperature,
+                                                               top_p)).lower(
+        x, **s.dynamic()).compile().as_text()
+    assert " sort(" not in hlo
+    if top_k and jax.default_backend() == "cpu":
+        assert "TopK" in hlo
+
+
 def sorted_nucleus(row: np.ndarray, top_p: float) -> tuple[float, float]:
     """The sorted rule in float64: (the smallest kept logit, how near top_p the running
     mass before a kept or dropped id came)."""
