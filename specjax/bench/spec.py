@@ -28,7 +28,8 @@ One command, one run, one JSON + one PNG:
 3. **Report** per task and overall: MAL, decode tokens/s of vanilla and speculative
    decoding, speedup (same run, same prompts), compiled-vs-eager speedup, prompts matched.
 
-``--temperature T`` (> 0) evaluates *sampled* decoding instead: the tree for sampling
+``--temperature T`` (> 0) evaluates *sampled* decoding instead (``--top-p`` filters every
+draw, vanilla's and the verifier's alike): the tree for sampling
 (``--tree``'s, or with ``auto`` the drafter's stored one; with ``--add-tree`` candidates it
 first runs paired against them end to end at T on calibration prompts, and the winner goes
 on: the latency model above prices greedy steps, so nothing is estimated), vanilla and
@@ -147,16 +148,17 @@ class _Runner:
     """Runs one method on one prompt, warming each (method, prompt bucket) up first."""
 
     def __init__(self, target: Target, drafter: Drafter, tree: TreeSpec, max_new_tokens: int,
-                 stop_on_eos: bool, head: VocabHead, temperature: float = 0.0):
+                 stop_on_eos: bool, head: VocabHead, temperature: float = 0.0,
+                 top_p: float = 1.0):
         self.target, self.drafter, self.tree, self.head = target, drafter, tree, head
         self.max_new_tokens, self.stop_on_eos = max_new_tokens, stop_on_eos
-        self.temperature = temperature
+        self.temperature, self.top_p = temperature, top_p
         self.warm: set[tuple[str, int]] = set()
         self.warmup_s = 0.0
 
     def __call__(self, method: str, ids: list[int], seed: int = 0) -> dict[str, Any]:
-        kw: dict[str, Any] = {"stop_on_eos": self.stop_on_eos,
-                              "temperature": self.temperature, "seed": seed}
+        kw: dict[str, Any] = {"stop_on_eos": self.stop_on_eos, "temperature": self.temperature,
+                              "top_p": self.top_p, "seed": seed}
         if method != "vanilla":
             kw |= {"drafter": self.drafter, "tree": self.tree, "vocab": self.head,
                    "mode": "eager" if method == "eager" else "compiled"}
@@ -365,6 +367,7 @@ class SpecBenchConfig:
     ab_prompts: int = 24
     add_trees: Sequence[TreeSpec] = ()
     temperature: float = 0.0
+    top_p: float = 1.0
     seed: int = 0
     turns: str = "first"
 
@@ -375,6 +378,9 @@ class SpecBenchConfig:
             raise ValueError("need per_task >= 1, max_new_tokens >= 1 and eager_per_task >= 0")
         if not self.temperature >= 0:  # also refuses NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1 or (self.top_p < 1 and self.temperature == 0):
+            raise ValueError(f"top_p is in (0, 1] and filters sampled draws (--temperature > "
+                             f"0), got {self.top_p} at temperature {self.temperature}")
         if self.temperature > 0 and (self.ab_trees or self.grid_add_default):
             raise ValueError(
                 "at temperature > 0 bench spec estimates nothing (its latency model prices "
@@ -473,7 +479,7 @@ def _sampled_selection(cfg: SpecBenchConfig, target: Target, drafter: Drafter,
     labels = [tree_label(t) for t in grid]
     record, j = paired_ab(target, drafter, grid, labels, ab_ids,
                           max_new_tokens=cfg.max_new_tokens, stop_on_eos=False, head=head,
-                          temperature=cfg.temperature, seed=cfg.seed)
+                          temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
     rows = [{"label": label, "tree": tree_dict(t)} for label, t in zip(labels, grid,
                                                                         strict=True)]
     return {"grid": rows, "chosen_index": j, "chosen": rows[j],
@@ -538,7 +544,7 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
         "dtype": str(target.params.embed.dtype), "per_task": cfg.per_task,
         "max_new_tokens": max_new_tokens, "tasks": task_order,
         "eager_per_task": cfg.eager_per_task, "greedy": greedy,
-        "temperature": cfg.temperature, "chat_template": prompts is None,
+        "temperature": cfg.temperature, "top_p": cfg.top_p, "chat_template": prompts is None,
         "batch_size": 1, "stop_on_eos": stop_on_eos, "turns": TURNS_NOTE[cfg.turns],
         "questions": None if qpath is None else str(qpath),
         "tree_mode": ("auto" if greedy and cfg.tree is None else
@@ -613,7 +619,7 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
                                              and r.get("turn", 1) == 1)}
 
     runner = _Runner(target, drafter, chosen_tree, max_new_tokens, stop_on_eos, head,
-                     cfg.temperature)
+                     cfg.temperature, cfg.top_p)
     records = []
     for i, p in enumerate(evals):
         qid, ids, answers = p["question_id"], p["ids"], []
@@ -659,7 +665,8 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
             "matched": overall["matched"], "prompts": len(records), "all_match": not mismatches,
             "mismatches": mismatches},
         "sampling": None if greedy else {
-            "temperature": cfg.temperature, "seed": cfg.seed, "note": SAMPLING_NOTE},
+            "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
+            "note": SAMPLING_NOTE},
         "prediction": None if not greedy else {
             "est_tokens_per_s": selection["chosen"]["est_tokens_per_s"],
             "realized_spec_decode_tokens_per_s": overall["spec_decode_tokens_per_s"],
@@ -742,6 +749,10 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "prompt and no EOS stop, the speedup with a 95%% interval over prompts; "
                         "the tree is --tree's, or with auto the drafter's stored tree for "
                         "sampling, or the winner of a paired A/B against --add-tree's")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="with --temperature > 0: nucleus filtering of every draw, vanilla's "
+                        "and the verifier's (default 1: off); the tree for sampling is the "
+                        "one stored for the temperature, measured without a filter")
     p.add_argument("--turns", default="first", choices=["first", "all"],
                    help="first (default): each question's first turn (the issue's 24 "
                         "prompts); all: Spec-Bench's protocol, MT-bench's second turns too, "
@@ -772,7 +783,8 @@ def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
                            ab_within=args.ab_within, ab_prompts=args.ab_prompts,
                            add_trees=tuple(TreeSpec.from_json_text(t, "--add-tree")
                                            for t in args.add_tree),
-                           temperature=args.temperature, seed=args.seed, turns=args.turns)
+                           temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                           turns=args.turns)
 
 
 def save_default_tree(result: dict[str, Any], drafter_dir: str | Path,
@@ -856,6 +868,9 @@ def run_spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--save-default-tree at --temperature > 0 stores the tree for sampling "
                          "that a paired A/B chose: give the trees to compare the current one "
                          "with as --add-tree")
+    if args.save_default_tree and args.top_p < 1:
+        raise ValueError("--save-default-tree stores trees by temperature alone, measured "
+                         "without a top-p filter; drop --top-p to choose one")
     if args.save_default_tree and args.vocab is not None:
         from specjax.tree.default import check_portable_vocab
 

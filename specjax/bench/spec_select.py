@@ -135,7 +135,7 @@ def tie_candidates(rows: Sequence[dict[str, Any]], k: int, within: float,
 def paired_ab(target: Target, drafter: Drafter, trees: Sequence[TreeSpec],
               labels: Sequence[str], prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
               stop_on_eos: bool, head: VocabHead | None = None, temperature: float = 0.0,
-              seed: int = 0) -> tuple[dict[str, Any], int]:
+              top_p: float = 1.0, seed: int = 0) -> tuple[dict[str, Any], int]:
     """Run ``trees`` on ``prompts`` at batch 1, every prompt running every tree in turn with
     one seed (:func:`specjax.bench.paired.paired_runs`), and choose by
     :func:`specjax.bench.paired.choose`: the fastest, or at a speed tie the one whose MAL is
@@ -149,8 +149,8 @@ def paired_ab(target: Target, drafter: Drafter, trees: Sequence[TreeSpec],
       ``trees``).
     """
     runs = paired_runs(target, drafter, trees, prompts, max_new_tokens=max_new_tokens,
-                       temperature=temperature, stop_on_eos=stop_on_eos, seed=seed,
-                       vocab=head, desc="paired A/B")
+                       temperature=temperature, top_p=top_p, stop_on_eos=stop_on_eos,
+                       seed=seed, vocab=head, desc="paired A/B")
     pick = choose(runs)
     results = [{"label": label, "mal": float(np.mean([r["mal"] for r in rows])),
                 "decode_s": sum(r["spec_decode_s"] for r in rows),

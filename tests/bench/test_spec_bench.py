@@ -348,6 +348,29 @@ def test_sampled_spec_bench_draws_one_seed_a_prompt_to_the_budget(tiny_model, tm
     assert spec_bench._sampled_tree_source(stored, 0.5).endswith("temperature 0.3")
 
 
+def test_sampled_spec_bench_filters_with_top_p(tiny_model, tmp_path):
+    """``top_p`` < 1 filters every draw: vanilla's and speculative decoding's tokens are a
+    direct call's with the same ``top_p`` (and the same seed), and the report says so."""
+    target = specjax.load(tiny_model)
+    drafter = random_drafter(target)
+    cfg = SpecBenchConfig(tiny_model, per_task=1, max_new_tokens=8, out=tmp_path / "p.json",
+                          eager_per_task=0, temperature=1.0, top_p=0.5, seed=2)
+    res = run_spec_bench(cfg, prompts=PROMPTS[:2], drafter=drafter)
+    assert res["config"]["top_p"] == res["sampling"]["top_p"] == 0.5
+    for i, (p, rec) in enumerate(zip(PROMPTS[:2], res["per_prompt"], strict=True)):
+        kw = dict(max_new_tokens=8, temperature=1.0, seed=2 + i, stop_on_eos=False)
+        assert rec["vanilla"]["tokens"] == specjax.generate(target, [p["ids"]], top_p=0.5,
+                                                            **kw).tokens[0]
+        assert rec["spec"]["tokens"] == specjax.generate(
+            target, [p["ids"]], drafter=drafter, tree=TreeSpec(), top_p=0.5, **kw).tokens[0]
+    # The filter changed the draws (these prompts' unfiltered draws differ from them).
+    unfiltered = [specjax.generate(target, [p["ids"]], max_new_tokens=8, temperature=1.0,
+                                   seed=2 + i, stop_on_eos=False).tokens[0]
+                  for i, p in enumerate(PROMPTS[:2])]
+    assert unfiltered != [r["vanilla"]["tokens"] for r in res["per_prompt"]]
+    assert "sampled at temperature 1, top-p 0.5 (no EOS stop" in summary(res)
+
+
 def test_sampled_paired_ab_chooses_the_tree_for_sampling(tiny_model, tmp_path):
     """``add_trees`` at temperature > 0: the tree for sampling and the added trees run end
     to end at that temperature, paired, on calibration prompts; the chosen one is
@@ -406,7 +429,10 @@ def test_sampled_settings_are_checked(tiny_model):
                       ({"temperature": 1.0, "ab_trees": 2}, "estimates nothing"),
                       ({"temperature": 1.0, "grid_add_default": True}, "estimates nothing"),
                       ({"tree": TreeSpec("chain"), "add_trees": (TreeSpec(),)},
-                       "a given tree is not chosen")):
+                       "a given tree is not chosen"),
+                      ({"temperature": 1.0, "top_p": 0.0}, "top_p is in"),
+                      ({"temperature": 1.0, "top_p": 1.5}, "top_p is in"),
+                      ({"top_p": 0.9}, "filters sampled draws")):
         with pytest.raises(ValueError, match=match):
             SpecBenchConfig(tiny_model, **kw)
     p = argparse.ArgumentParser()
@@ -423,6 +449,11 @@ def test_sampled_settings_are_checked(tiny_model):
     assert spec_bench.config_from_args(a).add_trees == (TreeSpec("chain", depth=1),)
     with pytest.raises(ValueError, match="needs a trained drafter"):
         spec_bench.run_spec_from_args(a)
+    a = p.parse_args(["--model", str(tiny_model), "--temperature", "1", "--top-p", "0.9",
+                      "--add-tree", '{"kind": "chain", "depth": 1}', "--save-default-tree"])
+    assert spec_bench.config_from_args(a).top_p == 0.9
+    with pytest.raises(ValueError, match="stores trees by temperature alone"):
+        spec_bench.run_spec_from_args(a)  # refused before any model loads
     with pytest.raises(ValueError, match="--add-tree"):
         spec_bench.config_from_args(p.parse_args(["--add-tree", "{bad"]))
 
