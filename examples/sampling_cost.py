@@ -114,8 +114,8 @@ def main() -> None:
            "top-p 0.9 by sort": filtered(sorted_top_p),
            "top-p 0.9 by nucleus_threshold": filtered(lambda x: nucleus_threshold(x, TOP_P))}
     thresholds = {name: jax.jit(fn) for name, fn in (
-        ("top-k sort", sorted_top_k), ("top-k bisection", lambda x: kth_largest(x, TOP_K)),
-        ("top-p sort", sorted_top_p), ("top-p bisection", lambda x: nucleus_threshold(x, TOP_P)))}
+        ("top-k sort", sorted_top_k), ("top-k specjax", lambda x: kth_largest(x, TOP_K)),
+        ("top-p sort", sorted_top_p), ("top-p specjax", lambda x: nucleus_threshold(x, TOP_P)))}
     jitted = {name: jax.jit(fn) for name, fn in fns.items()}
     rows = []
     for n in (int(r) for r in args.rows.split(",")):
@@ -128,7 +128,7 @@ def main() -> None:
         assert (jitted["first_argmax"](sub, logits) == jitted["jnp.argmax"](sub, logits)).all()
         for kind in ("top-k", "top-p"):  # the same ids kept (random logits: no ties)
             assert ((logits >= thresholds[f"{kind} sort"](logits))
-                    == (logits >= thresholds[f"{kind} bisection"](logits))).all()
+                    == (logits >= thresholds[f"{kind} specjax"](logits))).all()
         row = {"rows": n}
         for name, fn in fns.items():
             call = partial(jitted[name], sub, logits)

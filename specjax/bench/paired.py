@@ -68,8 +68,8 @@ def paired_runs(target: Target, drafter: Drafter, trees: Sequence[TreeSpec | Non
 
     Args:
       trees: the candidates (None: the drafter's own tree at ``temperature``).
-      top_p: nucleus filtering of every draw at ``temperature`` > 0 (1 = off).
       prompts: [P] prompts as token ids.
+      top_p: nucleus filtering of every draw at ``temperature`` > 0 (1 = off).
       vocab: the drafter's head (None: the drafter's default).
       vanilla: also run vanilla decoding on each prompt first (its time goes into every
         tree's record as ``vanilla_decode_s``, over the tree's token count: both run
