@@ -1,6 +1,7 @@
 """The argmax, the filters and the draw behind every token: ``first_argmax`` gives exactly
 what ``jnp.argmax`` gives, on the values that trip argmax rewrites (ties, infinities, NaN);
-the bisections behind top-k and top-p find what a sort finds, ties and infinities included;
+the thresholds behind top-k and top-p are what a sort finds, ties and infinities included,
+and compile to no sort;
 ``draw`` and ``categorical`` have the law of their weights and logits (chi-square bounds
 that a wrong block or id search fails), and never draw an id of zero weight."""
 
