@@ -81,10 +81,11 @@ def pair_counts(tokens: list[list[int]]) -> np.ndarray:
     return counts
 
 
-def sample_second_third(target, drafter, tree, vocab="full",
-                        prompt: list[int] = PROMPT) -> tuple[np.ndarray, float]:
+def sample_second_third(target, drafter, tree, vocab="full", prompt: list[int] = PROMPT,
+                        top_k: int = 0, top_p: float = 1.0) -> tuple[np.ndarray, float]:
     res = specjax.generate(target, [prompt] * N, max_new_tokens=3, temperature=TEMP,
-                           stop_on_eos=False, drafter=drafter, tree=tree, seed=7, vocab=vocab)
+                           top_k=top_k, top_p=top_p, stop_on_eos=False, drafter=drafter,
+                           tree=tree, seed=7, vocab=vocab)
     return pair_counts(res.tokens), res.stats["mean_accepted_length"]
 
 
@@ -203,21 +204,20 @@ def test_a_low_temperature_keeps_the_target_distribution(small_vocab, name):
     ("static-sampled-lookup", 0, 0.8),
     ("dyspec-threshold-wide-greedy-lookup", 4, 1.0),
 ])
-def test_top_k_and_top_p_keep_the_filtered_distribution(small_vocab, name, top_k, top_p):
+def test_top_k_and_top_p_keep_the_filtered_distribution(small_vocab, exact, exact_lookup, name,
+                                                        top_k, top_p):
     """Filtered sampling (top-k, nucleus) through the drafter: the output follows the
     filtered target law, each step renormalised over the kept ids, and not the unfiltered
     one. The drafts are drawn from the drafter's unfiltered q or copied, so most filtered
     steps reject some of them; the verifier's p is the filtered law."""
     target, drafter = small_vocab
     tree = TREES.get(name) or LOOKUP_TREES[name]
-    prompt = LOOKUP_PROMPT if tree.lookup else PROMPT
-    res = specjax.generate(target, [prompt] * N, max_new_tokens=3, temperature=TEMP,
-                           top_k=top_k, top_p=top_p, stop_on_eos=False, drafter=drafter,
-                           tree=tree, seed=7)
-    assert res.stats["mean_accepted_length"] > 1.2, "drafts must be accepted"
-    counts = pair_counts(res.tokens)
+    prompt, unfiltered = (LOOKUP_PROMPT, exact_lookup) if tree.lookup else (PROMPT, exact)
+    counts, mal = sample_second_third(target, drafter, tree, prompt=prompt, top_k=top_k,
+                                      top_p=top_p)
+    assert mal > 1.2, "drafts must be accepted"
     assert pvalue(counts, exact_second_third(target, prompt, TEMP, top_k, top_p)) > 1e-3
-    assert pvalue(counts, exact_second_third(target, prompt, TEMP)) < 1e-6
+    assert pvalue(counts, unfiltered) < 1e-6
 
 
 def test_a_shortlist_head_keeps_the_target_distribution(small_vocab, exact):
