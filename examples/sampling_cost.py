@@ -61,6 +61,14 @@ def sorted_top_p(x: Array) -> Array:
                    keepdims=True)
 
 
+# Each filter's threshold [n, 1], the sort-based way and specjax's, in pairs that must keep
+# the same ids.
+THRESHOLDS = {"top-k 50 by lax.top_k": sorted_top_k,
+              "top-k 50 by kth_largest": lambda x: kth_largest(x, TOP_K),
+              "top-p 0.9 by sort": sorted_top_p,
+              "top-p 0.9 by nucleus_threshold": lambda x: nucleus_threshold(x, TOP_P)}
+
+
 def filtered(threshold: Callable[[Array], Array]) -> Callable[[Array, Array], Array]:
     """A draw from the logits at or above ``threshold(logits)`` [n, 1]."""
     return lambda k, x: categorical(k, jnp.where(x < threshold(x), -jnp.inf, x))
@@ -109,13 +117,8 @@ def main() -> None:
            "specjax categorical": categorical,
            "jnp.argmax": lambda k, x: jnp.argmax(x, -1).astype(jnp.int32),
            "first_argmax": lambda k, x: first_argmax(x),
-           "top-k 50 by lax.top_k": filtered(sorted_top_k),
-           "top-k 50 by kth_largest": filtered(lambda x: kth_largest(x, TOP_K)),
-           "top-p 0.9 by sort": filtered(sorted_top_p),
-           "top-p 0.9 by nucleus_threshold": filtered(lambda x: nucleus_threshold(x, TOP_P))}
-    thresholds = {name: jax.jit(fn) for name, fn in (
-        ("top-k sort", sorted_top_k), ("top-k specjax", lambda x: kth_largest(x, TOP_K)),
-        ("top-p sort", sorted_top_p), ("top-p specjax", lambda x: nucleus_threshold(x, TOP_P)))}
+           **{name: filtered(fn) for name, fn in THRESHOLDS.items()}}
+    thresholds = {name: jax.jit(fn) for name, fn in THRESHOLDS.items()}
     jitted = {name: jax.jit(fn) for name, fn in fns.items()}
     rows = []
     for n in (int(r) for r in args.rows.split(",")):
@@ -126,9 +129,10 @@ def main() -> None:
         tok = jitted["specjax categorical"](sub, logits)
         assert tok.shape == (n,) and bool((tok >= 0).all() & (tok < args.vocab).all())
         assert (jitted["first_argmax"](sub, logits) == jitted["jnp.argmax"](sub, logits)).all()
-        for kind in ("top-k", "top-p"):  # the same ids kept (random logits: no ties)
-            assert ((logits >= thresholds[f"{kind} sort"](logits))
-                    == (logits >= thresholds[f"{kind} specjax"](logits))).all()
+        old_new = list(thresholds.values())
+        for old, new in zip(old_new[::2], old_new[1::2], strict=True):
+            # The same ids kept (random logits: no ties).
+            assert ((logits >= old(logits)) == (logits >= new(logits))).all()
         row = {"rows": n}
         for name, fn in fns.items():
             call = partial(jitted[name], sub, logits)
