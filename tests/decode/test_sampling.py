@@ -22,6 +22,7 @@ from scipy.stats import chisquare
 
 from specjax.sampling import (
     DRAW_BLOCK,
+    SamplingConfig,
     _blocks,
     _first_past,
     _key_float,
@@ -29,6 +30,7 @@ from specjax.sampling import (
     _search,
     categorical,
     draw,
+    filter_logits,
     first_argmax,
     kth_largest,
     nucleus_threshold,
@@ -77,8 +79,6 @@ def test_filters_do_not_sort_the_row(top_k, top_p):
     """The compiled filter holds no sort over the vocabulary: XLA:CPU sorts a 49,152-id row
     in 8-10 ms, against 0.1 ms for its top-k selection and 0.4 ms for the bisection. A
     ``lax.top_k`` read other than whole (its last value sliced out) compiles to a sort."""
-    from specjax.sampling import SamplingConfig, filter_logits
-
     s = SamplingConfig(temperature=0.7, top_k=top_k, top_p=top_p)
     x = jnp.zeros((6, 49_152), jnp.float32)
     hlo = jax.jit(lambda x, temperature, top_p: filter_logits(x, s.static(), temperature,
