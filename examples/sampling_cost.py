@@ -4,8 +4,10 @@ sixty-seventh session), and ``specjax.sampling.categorical`` (the same law, inve
 through :func:`specjax.sampling.draw`); ``jnp.argmax`` against ``first_argmax`` (the same
 index); a draw filtered by top-k 50 or top-p 0.9, its threshold from a sort (``lax.top_k``,
 ``jnp.sort``: specjax's filters until the eighty-second session) and from specjax's
-(:func:`specjax.sampling.kth_largest`, ``lax.top_k`` read whole;
-:func:`specjax.sampling.nucleus_threshold`, a bisection); over a vocabulary of V ids.
+(:func:`specjax.sampling.kth_largest`, ``lax.top_k`` read whole; for top-p the bisection
+over the row alone, as in the eighty-second session, and
+:func:`specjax.sampling.nucleus_threshold`, which first looks among the 256 largest logits
+and bisects only where the nucleus is wider); over a vocabulary of V ids.
 
 The argmaxes and the two Gumbel-max draws are checked equal, the two ways of each filter
 checked to keep the same ids, and the inverse-CDF draw checked to be an id, first; each
@@ -19,12 +21,18 @@ function is then timed two ways:
   nudged at one id so that XLA cannot hoist it, per application (best of ``--loop-runs``
   loops, ms). This is what a step of the loop pays.
 
+Logits are ``--scale`` times standard normals. A model's are sharper than the default 3
+(SmolLM2's nucleus at top-p 0.9: 9 ids at the median; 1,491 here over 49,152 ids), which
+times nucleus_threshold's fallback; ``--scale 5`` (5 ids; 99 over Gemma 3's 262,144) its
+top-k path.
+
 Rows: 1 is vanilla decoding's token and speculative decoding's bonus token; 4 and 14 are
 the shipped greedy tree's verify rows without and with its lookup chain (greedy
 verification takes the argmax of every row); 6 the rows of SmolLM2's tree for sampling at
 temperature 1 (sampled verification filters every row's logits).
 
     python examples/sampling_cost.py --out results/sampling_cost.json
+    python examples/sampling_cost.py --vocab 262144 --rows 1,6 --scale 5
 """
 
 from __future__ import annotations
@@ -41,7 +49,14 @@ from jax import Array
 
 from specjax.bench.common import write_json
 from specjax.bench.timing import time_calls
-from specjax.sampling import categorical, first_argmax, kth_largest, nucleus_threshold
+from specjax.sampling import (
+    _bisect_nucleus,
+    _nucleus_mass,
+    categorical,
+    first_argmax,
+    kth_largest,
+    nucleus_threshold,
+)
 
 TOP_K, TOP_P = 50, 0.9
 
@@ -61,12 +76,13 @@ def sorted_top_p(x: Array) -> Array:
                    keepdims=True)
 
 
-# Each filter's threshold [n, 1], the sort-based way and specjax's, in pairs that must keep
-# the same ids.
-THRESHOLDS = {"top-k 50 by lax.top_k": sorted_top_k,
-              "top-k 50 by kth_largest": lambda x: kth_largest(x, TOP_K),
-              "top-p 0.9 by sort": sorted_top_p,
-              "top-p 0.9 by nucleus_threshold": lambda x: nucleus_threshold(x, TOP_P)}
+# Each filter's thresholds [n, 1]: the sort-based way first, then specjax's, all of which
+# must keep the same ids.
+THRESHOLDS = {"top-k 50": {"lax.top_k": sorted_top_k,
+                           "kth_largest": lambda x: kth_largest(x, TOP_K)},
+              "top-p 0.9": {"sort": sorted_top_p,
+                            "bisection": lambda x: _bisect_nucleus(x, *_nucleus_mass(x, TOP_P)),
+                            "nucleus_threshold": lambda x: nucleus_threshold(x, TOP_P)}}
 
 
 def filtered(threshold: Callable[[Array], Array]) -> Callable[[Array, Array], Array]:
@@ -105,6 +121,7 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int, default=49_152, help="V (default SmolLM2's)")
     ap.add_argument("--rows", default="1,4,14")
+    ap.add_argument("--scale", type=float, default=3.0, help="logits' standard deviation")
     ap.add_argument("--runs", type=int, default=200, help="timed calls (called)")
     ap.add_argument("--inner", type=int, default=100, help="applications a loop (in_loop)")
     ap.add_argument("--loop-runs", type=int, default=15, help="timed loops (in_loop)")
@@ -117,22 +134,22 @@ def main() -> None:
            "specjax categorical": categorical,
            "jnp.argmax": lambda k, x: jnp.argmax(x, -1).astype(jnp.int32),
            "first_argmax": lambda k, x: first_argmax(x),
-           **{name: filtered(fn) for name, fn in THRESHOLDS.items()}}
-    thresholds = {name: jax.jit(fn) for name, fn in THRESHOLDS.items()}
+           **{f"{kind} by {way}": filtered(fn) for kind, ways in THRESHOLDS.items()
+              for way, fn in ways.items()}}
+    thresholds = [[jax.jit(fn) for fn in ways.values()] for ways in THRESHOLDS.values()]
     jitted = {name: jax.jit(fn) for name, fn in fns.items()}
     rows = []
     for n in (int(r) for r in args.rows.split(",")):
         key, sub = jax.random.split(jax.random.PRNGKey(n))
-        logits = 3.0 * jax.random.normal(key, (n, args.vocab))
+        logits = args.scale * jax.random.normal(key, (n, args.vocab))
         assert (jitted["gumbel + first_argmax"](sub, logits)
                 == jitted["jax.random.categorical"](sub, logits)).all()
         tok = jitted["specjax categorical"](sub, logits)
         assert tok.shape == (n,) and bool((tok >= 0).all() & (tok < args.vocab).all())
         assert (jitted["first_argmax"](sub, logits) == jitted["jnp.argmax"](sub, logits)).all()
-        old_new = list(thresholds.values())
-        for old, new in zip(old_new[::2], old_new[1::2], strict=True):
-            # The same ids kept (random logits: no ties).
-            assert ((logits >= old(logits)) == (logits >= new(logits))).all()
+        for old, *new in thresholds:
+            for fn in new:  # the same ids kept (random logits: no ties)
+                assert ((logits >= old(logits)) == (logits >= fn(logits))).all()
         row = {"rows": n}
         for name, fn in fns.items():
             call = partial(jitted[name], sub, logits)
@@ -143,8 +160,9 @@ def main() -> None:
             f"{k} {v['called']['median_ms']:.3f} / {v['in_loop_ms']:.3f}"
             for k, v in row.items() if k != "rows") + "  (ms: called, median / in a loop)")
     if args.out:
-        write_json(Path(args.out), {"vocab": args.vocab, "runs": args.runs,
-                                    "inner": args.inner, "loop_runs": args.loop_runs,
+        write_json(Path(args.out), {"vocab": args.vocab, "scale": args.scale,
+                                    "runs": args.runs, "inner": args.inner,
+                                    "loop_runs": args.loop_runs,
                                     "backend": jax.default_backend(), "rows": rows})
 
 

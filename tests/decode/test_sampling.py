@@ -26,6 +26,8 @@ from specjax.sampling import (
     _blocks,
     _first_past,
     _key_float,
+    _nucleus_among_top,
+    _nucleus_mass,
     _order_key,
     _search,
     categorical,
@@ -102,22 +104,62 @@ def sorted_nucleus(row: np.ndarray, top_p: float) -> tuple[float, float]:
     return z[kept].min(), np.abs(np.concatenate([above, before]) - top_p).min()
 
 
+NUCLEUS_VALUES = st.sampled_from([-np.inf, -3.0, -1.0, 0.0, 0.5, 2.0, 2.5])
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.sampled_from([-np.inf, -3.0, -1.0, 0.0, 0.5, 2.0, 2.5]), min_size=8,
-                max_size=8).filter(lambda r: np.isfinite(r).any()),
-       st.floats(0.01, 1.0))
-def test_nucleus_threshold_is_the_sorted_rules_last_id(row, top_p):
+@given(st.lists(NUCLEUS_VALUES, min_size=8, max_size=8).filter(lambda r: np.isfinite(r).any()),
+       st.floats(0.01, 1.0), st.sampled_from([1, 3, 8]))
+def test_nucleus_threshold_is_the_sorted_rules_last_id(row, top_p, candidates):
+    """With 1 or 3 candidates most rows take the bisection, with 8 (the whole row) the
+    running sum over the top-k."""
     x = jnp.asarray([row], jnp.float32)
     want, margin = sorted_nucleus(np.asarray(row), top_p)
     if margin < 1e-5:  # within float32 rounding of the boundary: either answer is right
         return
-    assert float(nucleus_threshold(x, jnp.float32(top_p))[0, 0]) == want
+    got = nucleus_threshold(x, jnp.float32(top_p), candidates)
+    assert float(got[0, 0]) == want
 
 
-def test_nucleus_threshold_on_a_vocabulary_row():
-    """Over SmolLM2's 49,152 ids, several rows at once, per-row top_p, one jitted call."""
-    x = 3.0 * jax.random.normal(jax.random.PRNGKey(0), (4, 49_152))
+@settings(max_examples=300, deadline=None)
+@given(st.lists(NUCLEUS_VALUES, min_size=8, max_size=8).filter(lambda r: np.isfinite(r).any()),
+       st.floats(0.01, 0.999), st.integers(1, 8))
+def test_nucleus_among_top_says_when_the_nucleus_ends_inside_it(row, top_p, k):
+    """The top-k path says it covers a row exactly when the k largest logits hold top_p of
+    the mass; its answer is then the sorted rule's, and otherwise the nucleus is wider
+    than k ids."""
+    x = jnp.asarray([row], jnp.float32)
+    want, margin = sorted_nucleus(np.asarray(row), top_p)
+    if margin < 1e-5:
+        return
+    bound, top = _nucleus_mass(x, jnp.float32(top_p))
+    found, covered = _nucleus_among_top(x, bound, top, k)
+    mass = _mass_of_top(np.asarray(row), k)
+    if abs(mass - top_p) < 1e-5:
+        return
+    assert bool(covered[0, 0]) == (mass >= top_p)
+    if covered[0, 0]:
+        assert float(found[0, 0]) == want
+    else:  # the nucleus reaches past the k-th id
+        assert np.sum(np.asarray(row) >= want) > k
+
+
+def _mass_of_top(row: np.ndarray, k: int) -> float:
+    """The probability mass of a row's k largest logits, in float64."""
+    z = np.sort(row[np.isfinite(row)].astype(np.float64))[::-1]
+    p = np.exp(z - z[0])
+    return float(p[:k].sum() / p.sum())
+
+
+@pytest.mark.parametrize("scale,covered", [(6.0, True), (3.0, False)])
+def test_nucleus_threshold_on_a_vocabulary_row(scale, covered):
+    """Over SmolLM2's 49,152 ids, several rows at once, per-row top_p, one jitted call:
+    logits spread as a model's (nuclei of 1-20 ids, the top-k path) and flatter (nuclei of
+    hundreds to thousands, the bisection)."""
+    x = scale * jax.random.normal(jax.random.PRNGKey(0), (4, 49_152))
     top_p = jnp.asarray([[0.1], [0.5], [0.9], [0.99]], jnp.float32)
+    bound, top = _nucleus_mass(x, top_p)
+    assert bool(jnp.all(_nucleus_among_top(x, bound, top, 256)[1])) == covered
     got = np.asarray(jax.jit(nucleus_threshold)(x, top_p))[:, 0]
     checked = 0
     for r in range(4):
@@ -253,7 +295,7 @@ def test_sampling_cost_example_times_both_ways_and_writes_json(tmp_path, monkeyp
         for name in ("jax.random.categorical", "gumbel + first_argmax", "specjax categorical",
                      "jnp.argmax", "first_argmax", "top-k 50 by lax.top_k",
                      "top-k 50 by kth_largest", "top-p 0.9 by sort",
-                     "top-p 0.9 by nucleus_threshold"):
+                     "top-p 0.9 by bisection", "top-p 0.9 by nucleus_threshold"):
             assert row[name]["called"]["runs"] == 2
             # No bound against the called time: timings are the benchmark's, and a loop of
             # one run on a busy machine once read 64x the called median here.
