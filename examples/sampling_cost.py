@@ -23,8 +23,8 @@ function is then timed two ways:
 
 Logits are ``--scale`` times standard normals. A model's are sharper than the default 3
 (SmolLM2's nucleus at top-p 0.9: 9 ids at the median; 1,491 here over 49,152 ids), which
-times nucleus_threshold's fallback; ``--scale 5`` (5 ids; 99 over Gemma 3's 262,144) its
-top-k path.
+times nucleus_threshold's fallback. ``--scale 5`` over 49,152 ids (5) and ``--scale 6`` over
+Gemma 3's 262,144 (17) time its top-k path; at 5, two of six 262k rows still fall back.
 
 Rows: 1 is vanilla decoding's token and speculative decoding's bonus token; 4 and 14 are
 the shipped greedy tree's verify rows without and with its lookup chain (greedy
@@ -32,7 +32,7 @@ verification takes the argmax of every row); 6 the rows of SmolLM2's tree for sa
 temperature 1 (sampled verification filters every row's logits).
 
     python examples/sampling_cost.py --out results/sampling_cost.json
-    python examples/sampling_cost.py --vocab 262144 --rows 1,6 --scale 5
+    python examples/sampling_cost.py --vocab 262144 --rows 1,6 --scale 6
 """
 
 from __future__ import annotations

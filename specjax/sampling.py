@@ -120,10 +120,16 @@ def nucleus_threshold(x: Array, top_p: Array, candidates: int = NUCLEUS_CANDIDAT
     * else, for all rows, a bisection over the whole row (:func:`_bisect_nucleus`), 32
       passes of masked sums.
 
-    One ``lax.cond`` picks, so a step pays the bisection only where some row's nucleus is
-    wider than ``candidates``. The two keep the same ids except within float32 rounding of
-    top_p: both sum in float32, in other orders than a float64 reference (ids of a
-    millionth of the mass at top_p 0.9999; none at 0.9 on every row tested).
+    One ``lax.cond`` over all rows picks, so a step pays the bisection only where some
+    row's nucleus is wider than ``candidates`` (under ``vmap`` a ``cond`` runs both ways;
+    the loops call this on whole [B, T, V] blocks, unmapped). The two keep the same ids
+    except within float32 rounding of top_p: both sum in float32, in other orders than a
+    float64 reference (ids of a millionth of the mass at top_p 0.9999; none at 0.9 on
+    every row tested).
+
+    Args:
+      candidates: how many of the largest logits the first way reads (tests pass fewer
+        to reach the bisection).
     """
     bound, top = _nucleus_mass(x, top_p)
     found, covered = _nucleus_among_top(x, bound, top, min(candidates, x.shape[-1]))
