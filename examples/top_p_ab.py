@@ -42,11 +42,13 @@ BLOCKS = ("bisection", "top-k path", "top-k path", "bisection")
 
 def nucleus_widths(logits: np.ndarray, top_p: float) -> np.ndarray:
     """How many ids the sorted rule keeps in each row: logits [N, V] -> [N] int (float64;
-    ties kept whole as in :func:`specjax.sampling.filter_logits` up to rounding)."""
+    ties kept whole as in :func:`specjax.sampling.filter_logits`: the last id whose mass
+    before it is < top_p carries the smallest kept logit, and every id at it is kept)."""
     z = -np.sort(-logits.astype(np.float64), axis=-1)
     p = np.exp(z - z[:, :1])
     p /= p.sum(-1, keepdims=True)
-    return ((np.cumsum(p, -1) - p) < top_p).sum(-1)
+    last = ((np.cumsum(p, -1) - p) < top_p).sum(-1) - 1
+    return (z >= z[np.arange(len(z)), last][:, None]).sum(-1)
 
 
 def thresholds(traces: dict[str, int]) -> dict[str, Any]:

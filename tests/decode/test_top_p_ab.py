@@ -25,6 +25,12 @@ def test_nucleus_widths_count_the_ids_top_p_keeps():
         kept = np.asarray((x >= nucleus_threshold(x, jnp.float32(top_p))).sum(-1))
         np.testing.assert_array_equal(top_p_ab.nucleus_widths(np.asarray(x), top_p), kept)
     assert (top_p_ab.nucleus_widths(np.asarray(x), 1e-6) == 1).all()
+    # Ties are kept whole: three ids share the top logit, so a tiny top_p keeps all three.
+    tied = np.array([[2.0, 5.0, 5.0, 1.0, 5.0]])
+    np.testing.assert_array_equal(top_p_ab.nucleus_widths(tied, 1e-6), [3])
+    np.testing.assert_array_equal(
+        (tied >= np.asarray(nucleus_threshold(jnp.asarray(tied, jnp.float32), 1e-6))).sum(-1),
+        [3])
 
 
 def test_both_thresholds_agree_and_count_their_traces():
