@@ -34,7 +34,9 @@ decode the same number of tokens), and no equality is counted. Saved, such a run
 becomes the sampled batch defaults at T, which sampling drafts at the temperatures nearer T
 than any other measured one (as the trees for sampling at batch 1 are chosen); a lookup
 chain accepted at greedy batches is accepted less the higher the temperature, so the
-choice moves with it.
+choice moves with it. ``--top-p P`` filters every draw of a sampled run (vanilla's and the
+verifier's alike); the defaults are keyed by temperature alone, so such a run measures but
+is not saved.
 
 Per-batch results go to ``<out stem>.partial.jsonl``; a rerun skips those done, and those of
 a finished run at ``--out`` with the same settings (batch sizes aside): adding a size to a
@@ -98,6 +100,7 @@ class BatchBenchConfig:
       max_new_tokens: the budget of every row (EOS also stops a row, greedy).
       temperature, seed: 0 greedy; > 0 sampled, the batch of index k drawn with seed + k by
         vanilla and every tree alike, without the EOS stop.
+      top_p: the nucleus mass every sampled draw keeps (1 = off; < 1 needs temperature > 0).
       out: JSON path; the PNG goes beside it.
       resume: reuse matching records of an interrupted run's partial file, or of a finished
         run at ``out`` with the same settings but other batch sizes.
@@ -114,6 +117,7 @@ class BatchBenchConfig:
     calibration: int = 0
     max_new_tokens: int = 128
     temperature: float = 0.0
+    top_p: float = 1.0
     seed: int = 0
     out: str | Path = "results/bench_batch.json"
     resume: bool = True
@@ -126,6 +130,9 @@ class BatchBenchConfig:
                              f"{self.calibration}")
         if not self.temperature >= 0:  # also refuses NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1 or (self.top_p < 1 and self.temperature == 0):
+            raise ValueError(f"top_p is in (0, 1] and filters sampled draws (--temperature > "
+                             f"0), got {self.top_p} at temperature {self.temperature}")
         if self.per_task < 1 or self.max_new_tokens < 1:
             raise ValueError("need per_task >= 1 and max_new_tokens >= 1")
 
@@ -165,15 +172,15 @@ class _Runner:
     """Runs one method on one batch, compiling each (method, B, prompt bucket) untimed first."""
 
     def __init__(self, target: Target, drafter: Drafter, head: VocabHead, max_new_tokens: int,
-                 temperature: float = 0.0):
+                 temperature: float = 0.0, top_p: float = 1.0):
         self.target, self.drafter, self.head = target, drafter, head
-        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.warm: set[tuple[str, int, int]] = set()
 
     def __call__(self, tree: TreeSpec | None, ids: list[list[int]],
                  seed: int = 0) -> dict[str, Any]:
-        kw: dict[str, Any] = {"temperature": self.temperature, "seed": seed,
-                              "stop_on_eos": self.temperature == 0}
+        kw: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p,
+                              "seed": seed, "stop_on_eos": self.temperature == 0}
         if tree is not None:
             kw |= {"drafter": self.drafter, "tree": tree, "vocab": self.head}
         key = ("vanilla" if tree is None else tree_label(tree), len(ids),
@@ -245,6 +252,8 @@ def run_batch_bench(cfg: BatchBenchConfig, *, prompts: Sequence[dict[str, Any]] 
         "labels": labels, "per_task": cfg.per_task, "tasks": list(cfg.tasks),
         "max_new_tokens": cfg.max_new_tokens, "greedy": greedy, "stop_on_eos": greedy,
         **({} if greedy else {"temperature": cfg.temperature, "seed": cfg.seed}),
+        # Only where it filters, so that earlier runs' resume keys stay valid.
+        **({} if cfg.top_p == 1 else {"top_p": cfg.top_p}),
         "questions": None if qpath is None else str(qpath),
         **({} if calib is None else {"calibration": calib}),
         "prompts": [p["question_id"] for p in order]}))
@@ -258,7 +267,7 @@ def run_batch_bench(cfg: BatchBenchConfig, *, prompts: Sequence[dict[str, Any]] 
         old = finished_records(out, resume_key, key) + old
     done = {(r["b"], r["batch"]): r for r in old if r.get("key") == key}
 
-    runner = _Runner(target, drafter, head, cfg.max_new_tokens, cfg.temperature)
+    runner = _Runner(target, drafter, head, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
     plan = [(b, k, batch) for b in cfg.batch_sizes for k, batch in enumerate(batches(order, b))]
     records = []
     t0 = time.perf_counter()
@@ -374,6 +383,10 @@ def save_batch_defaults(r: dict[str, Any], drafter_dir: str | Path,
     if greedy and not r["all_rows_equal"]:
         raise ValueError("a row differed from vanilla's greedy output in this run; not "
                          "saving batch defaults from it")
+    if r["config"].get("top_p", 1.0) < 1:
+        raise ValueError("the sampled batch defaults are keyed by temperature alone and "
+                         "chosen without a top-p filter; run again without --top-p to "
+                         "choose them")
     choice = batch_choice(r)
     if not choice:
         raise ValueError("the run measured no batch size of 2 or more; add one to "
@@ -423,9 +436,8 @@ def summary(r: dict[str, Any]) -> str:
     if r["timed_compiles"]:
         lines.append(f"warning: {r['timed_compiles']} XLA compiles inside timed calls")
     if not r["config"]["greedy"]:
-        lines.append(f"sampled at temperature {r['config']['temperature']:g} (batch k: seed "
-                     f"{r['config']['seed']} + k, shared by every method), no EOS stop: no "
-                     "row is compared with vanilla's")
+        lines.append(f"sampled at {_how(r)} (batch k: seed {r['config']['seed']} + k, shared "
+                     "by every method), no EOS stop: no row is compared with vanilla's")
     elif not r["all_rows_equal"]:
         lines.append("!!! some rows differ from vanilla's greedy output (see per_batch) !!!")
     return "\n".join(lines)
@@ -456,11 +468,18 @@ def plot_batch(r: dict[str, Any], path: Path) -> Path:
         a.set_xlabel("batch size")
         a.set_ylabel(ylabel)
         a.legend(fontsize=8)
-    how = ("greedy" if r["config"]["greedy"]
-           else f"temperature {r['config']['temperature']:g}")
-    ax.set_title(f"{how}, {r['config']['max_new_tokens']} tokens a row; vanilla at B="
+    ax.set_title(f"{_how(r)}, {r['config']['max_new_tokens']} tokens a row; vanilla at B="
                  f"{bs[0]}: {first['vanilla_decode_tokens_per_s']:.1f} tok/s", fontsize=9)
     return save_figure(fig, path)
+
+
+def _how(r: dict[str, Any]) -> str:
+    """How a run decoded: "greedy", "temperature T" or "temperature T, top-p P"."""
+    c = r["config"]
+    if c["greedy"]:
+        return "greedy"
+    return f"temperature {c['temperature']:g}" + (f", top-p {c['top_p']:g}" if "top_p" in c
+                                                  else "")
 
 
 def add_batch_args(p: argparse.ArgumentParser) -> None:
@@ -490,6 +509,9 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
                         "sampled, one seed a batch shared by vanilla and every tree, no EOS "
                         "stop (default trees: the drafter's tree for sampling at T, a chain, and "
                         "the trees of its batch defaults)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="with --temperature > 0: keep the smallest set of ids holding P of "
+                        "each draw's mass (default 1: off); such a run is not saved")
     p.add_argument("--seed", type=int, default=0,
                    help="with --temperature > 0: the first batch's seed (default 0)")
     p.add_argument("--no-resume", action="store_true",
@@ -508,6 +530,9 @@ def run_batch_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Run :func:`run_batch_bench` from :func:`add_batch_args`' flags (and save)."""
     if args.save_default_tree and args.drafter == "random":
         raise ValueError("--save-default-tree needs a trained drafter, not 'random'")
+    if args.save_default_tree and args.top_p < 1:
+        raise ValueError("--save-default-tree chooses the sampled batch defaults at a "
+                         "temperature, without a top-p filter; drop --top-p to choose them")
     if args.save_default_tree and not args.calibration:
         raise ValueError("--save-default-tree chooses on calibration prompts, never on "
                          "Spec-Bench's (the evaluation): add --calibration 24")
@@ -549,7 +574,7 @@ def config_from_args(args: argparse.Namespace) -> BatchBenchConfig:
         vocab=args.vocab, per_task=args.per_task, tasks=[t for t in args.tasks.split(",") if t],
         questions=args.questions, calibration=args.calibration,
         max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, seed=args.seed, out=Path(args.out),
+        temperature=args.temperature, top_p=args.top_p, seed=args.seed, out=Path(args.out),
         resume=not args.no_resume)
 
 

@@ -136,6 +136,38 @@ def test_sampled_batches_share_a_seed_a_batch(tiny_target, tmp_path):
                                             TreeSpec("chain", depth=3), lookup]
 
 
+def test_sampled_batches_filter_with_top_p(tiny_target, tmp_path):
+    """``top_p`` < 1 filters every draw: each batch's vanilla and speculative rows are direct
+    calls' with the same ``top_p`` and seed; the run says so, keys its resume on it, and is
+    not saved as a batch default (those are keyed by temperature alone)."""
+    drafter = random_drafter(tiny_target)
+    tree = TreeSpec("chain", depth=2)
+    cfg = BatchBenchConfig(tiny_target.path, batch_sizes=(2,), trees=(tree,), max_new_tokens=5,
+                           temperature=1.0, top_p=0.5, seed=3, out=tmp_path / "p.json")
+    r = run_batch_bench(cfg, prompts=PROMPTS, drafter=drafter)
+    assert r["config"]["top_p"] == 0.5
+    kw = {"max_new_tokens": 5, "temperature": 1.0, "top_p": 0.5, "stop_on_eos": False}
+    for k, rec in enumerate(r["per_batch"]):
+        ids = [PROMPTS[0]["ids"], PROMPTS[2]["ids"]] if k == 0 else [PROMPTS[1]["ids"]]
+        assert rec["vanilla"]["tokens"] == specjax.generate(tiny_target, ids, seed=3 + k,
+                                                            **kw).tokens
+        assert rec["chain d2"]["tokens"] == specjax.generate(
+            tiny_target, ids, drafter=drafter, tree=tree, vocab="full", seed=3 + k,
+            **kw).tokens
+    # Filtered and unfiltered draws differ: the filter is in the resume key.
+    unfiltered = dataclasses.replace(cfg, top_p=1.0, out=tmp_path / "u.json")
+    u = run_batch_bench(unfiltered, prompts=PROMPTS, drafter=drafter)
+    assert "top_p" not in u["config"] and u["resume_key"] != r["resume_key"]
+    assert "sampled at temperature 1, top-p 0.5 (batch k" in batch_bench.summary(r)
+    with pytest.raises(ValueError, match="without --top-p"):
+        batch_bench.save_batch_defaults(r | {"config": r["config"] | {"calibration": {"n": 2}}},
+                                        tmp_path)
+    with pytest.raises(ValueError, match="top_p is in"):
+        BatchBenchConfig("m", top_p=0.9)  # greedy: nothing to filter
+    with pytest.raises(ValueError, match="top_p is in"):
+        BatchBenchConfig("m", temperature=1.0, top_p=0.0)
+
+
 def test_defaults_and_flags(tiny_target):
     drafter = random_drafter(tiny_target)
     assert default_trees(drafter) == [TreeSpec(), TreeSpec("chain", depth=1)]
@@ -155,6 +187,11 @@ def test_defaults_and_flags(tiny_target):
     with pytest.raises(ValueError, match="add --calibration 24"):
         batch_bench.run_batch_from_args(p.parse_args(["--save-default-tree"]))
     assert config_from_args(p.parse_args(["--calibration", "24"])).calibration == 24
+    assert config_from_args(p.parse_args(["--temperature", "1", "--top-p", "0.9"])).top_p == 0.9
+    with pytest.raises(ValueError, match="drop --top-p"):  # before any work
+        batch_bench.run_batch_from_args(p.parse_args(
+            ["--temperature", "1", "--top-p", "0.9", "--calibration", "24",
+             "--save-default-tree"]))
     with pytest.raises(ValueError, match="calibration takes a number of prompts >= 0"):
         BatchBenchConfig("m", calibration=-2)
 
