@@ -46,8 +46,10 @@ useless drafter gives 1.0).
 Per-prompt results are appended to ``<out stem>.partial.jsonl`` as they finish, and a
 restarted run with the same configuration skips them (and reuses the tree selection).
 
-The tree choice (the estimate, the paired A/B) is in :mod:`~specjax.bench.spec_select`, the
-printed table and the plot in :mod:`~specjax.bench.spec_report`. The pieces this run shares
+The tree choice (the estimate, the paired A/B) is in :mod:`~specjax.bench.spec_select`, a
+prompt's decoding and the pooled figures in :mod:`~specjax.bench.spec_records`, the printed
+table and the plot in :mod:`~specjax.bench.spec_report`, the flags and saving the chosen tree
+in :mod:`~specjax.bench.spec_cli`. The pieces this run shares
 with the other benchmarks live beside it: the questions in
 :mod:`~specjax.bench.questions`, timing and the latency curve in
 :mod:`~specjax.bench.timing`, the draft phase and drafters in :mod:`~specjax.bench.phases`,
@@ -57,7 +59,6 @@ tree flags and names in :mod:`~specjax.bench.trees`, the partial file in
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -70,26 +71,21 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-import specjax
-from specjax.bench.common import (
-    MAL_NOTE,
-    as_command,
-    first_mismatch,
-    generation_record,
-    jsonable,
-    machine_info,
-    paired_speedup,
-    write_json,
-)
+from specjax.bench.common import MAL_NOTE, jsonable, machine_info, write_json
 from specjax.bench.partial import append_record, drafter_stamp, resume_from
 from specjax.bench.phases import load_models
 from specjax.bench.questions import (
     CALIB_PROMPTS,
-    QUESTIONS_ENV,
     TASKS,
     calibration_prompts,
-    follow_up_ids,
     spec_bench_prompts,
+)
+from specjax.bench.spec_records import (
+    PromptRunner,
+    aggregate,
+    follow_up,
+    run_turn,
+    turn_count,
 )
 from specjax.bench.spec_report import SAMPLING_NOTE, plot_spec, summary
 from specjax.bench.spec_select import (
@@ -99,19 +95,10 @@ from specjax.bench.spec_select import (
     paired_ab,
     select_tree,
     tie_break,
-    with_lookup,
 )
-from specjax.bench.timing import (
-    cache_geometry,
-    count_compiles,
-    ensure_warm,
-    latency_curve,
-    warmup_tokens,
-)
-from specjax.bench.trees import add_tree_args, tree_dict, tree_from_args, tree_label
-from specjax.defaults import resolve_model
+from specjax.bench.timing import cache_geometry, latency_curve
+from specjax.bench.trees import tree_dict, tree_label
 from specjax.loaded import Drafter, Target
-from specjax.loop import bucket
 from specjax.speculative import TreeSpec, spare_rows
 from specjax.tree.default import nearest_temperature
 from specjax.vocab.head import VocabHead
@@ -137,146 +124,6 @@ DEFAULT_GRID = (
 TURNS_NOTE = {"first": "first turn only",
               "all": "every turn (Spec-Bench's protocol), each later one after vanilla "
                      "decoding's answers to the turns before"}
-
-
-# --------------------------------------------------------------------------------------
-# Evaluation
-# --------------------------------------------------------------------------------------
-
-
-class _Runner:
-    """Runs one method on one prompt, warming each (method, prompt bucket) up first."""
-
-    def __init__(self, target: Target, drafter: Drafter, tree: TreeSpec, max_new_tokens: int,
-                 stop_on_eos: bool, head: VocabHead, temperature: float = 0.0,
-                 top_p: float = 1.0):
-        self.target, self.drafter, self.tree, self.head = target, drafter, tree, head
-        self.max_new_tokens, self.stop_on_eos = max_new_tokens, stop_on_eos
-        self.temperature, self.top_p = temperature, top_p
-        self.warm: set[tuple[str, int]] = set()
-        self.warmup_s = 0.0
-
-    def __call__(self, method: str, ids: list[int], seed: int = 0) -> dict[str, Any]:
-        kw: dict[str, Any] = {"stop_on_eos": self.stop_on_eos, "temperature": self.temperature,
-                              "top_p": self.top_p, "seed": seed}
-        if method != "vanilla":
-            kw |= {"drafter": self.drafter, "tree": self.tree, "vocab": self.head,
-                   "mode": "eager" if method == "eager" else "compiled"}
-        t0 = time.perf_counter()
-        ensure_warm(self.warm, (method, bucket(len(ids))), lambda: specjax.generate(
-            self.target, [ids], max_new_tokens=warmup_tokens(self.max_new_tokens), **kw))
-        self.warmup_s += time.perf_counter() - t0
-        with count_compiles() as n:
-            res = specjax.generate(self.target, [ids], max_new_tokens=self.max_new_tokens, **kw)
-        return generation_record(res, n[0])
-
-
-def _turn_count(p: dict[str, Any]) -> int:
-    """How many turns of evaluation prompt ``p`` a run asks: one, or with ``--turns all``
-    every turn of the question (``"turns"``; tests: 1 + ``len(p["later_ids"])``)."""
-    if "turns" in p:
-        return len(p["turns"])
-    return 1 + len(p.get("later_ids", []))
-
-
-def _follow_up(target: Target, p: dict[str, Any], ids: list[int],
-               answers: Sequence[list[int]]) -> list[int]:
-    """Prompt ids of turn ``len(answers) + 1`` of ``p``, its earlier turns answered by
-    ``answers``: through the chat template (:func:`follow_up_ids`), or in tests the
-    previous turn's ids, its answer and the next turn's given ids, as they are."""
-    if "turns" in p:
-        return follow_up_ids(target, p["turns"], answers)
-    return [*ids, *answers[-1], *p["later_ids"][len(answers) - 1]]
-
-
-def _run_turn(runner: _Runner, p: dict[str, Any], ids: list[int], turn: int, *, seed: int,
-              eager: bool, greedy: bool, bar: tqdm) -> dict[str, Any]:
-    """One turn of one evaluation prompt: vanilla, speculative and maybe eager decoding of
-    ``ids``, checked token for token against vanilla where greedy (a mismatch is shouted,
-    and recorded)."""
-    qid = p["question_id"]
-    bar.set_description(f"q{qid} {p['task']}" + (f" turn {turn}" if turn > 1 else ""))
-    rec = {"question_id": qid, "turn": turn, "task": p["task"], "category": p["category"],
-           "prompt_tokens": len(ids), "seed": seed}
-    rec["vanilla"] = runner("vanilla", ids, seed)
-    rec["spec"] = runner("spec", ids, seed)
-    ref = rec["vanilla"]["tokens"] if greedy else None
-    rec["first_mismatch"] = first_mismatch(rec["spec"]["tokens"], ref) if greedy else None
-    rec["greedy_match"] = rec["first_mismatch"] is None if greedy else None
-    bar.update()
-    rec["eager"] = rec["eager_first_mismatch"] = rec["eager_match"] = None
-    if eager:
-        bar.set_description(f"q{qid} {p['task']} eager")
-        rec["eager"] = runner("eager", ids, seed)
-        if greedy:
-            rec["eager_first_mismatch"] = first_mismatch(rec["eager"]["tokens"], ref)
-            rec["eager_match"] = rec["eager_first_mismatch"] is None
-        bar.update()
-    for name, pos in (("speculative", rec["first_mismatch"]),
-                      ("eager speculative", rec["eager_first_mismatch"])):
-        if pos is not None:
-            tqdm.write(f"!!! GREEDY MISMATCH: question {qid} turn {turn} ({p['task']}): {name} "
-                       f"output differs from vanilla at new token {pos} !!!")
-    return rec
-
-
-def _pool(recs: Sequence[dict[str, Any]], method: str) -> dict[str, float | None]:
-    """Ratio-of-sums rates over the prompts that ran ``method``."""
-    rs = [r[method] for r in recs if r.get(method)]
-    if not rs:
-        return {"decode_tokens_per_s": None, "tokens_per_s": None}
-    dec_tokens = sum(r["new_tokens"] - 1 for r in rs)  # the first token comes from prefill
-    dec_s = sum(r["decode_s"] for r in rs)
-    return {"decode_tokens_per_s": dec_tokens / dec_s if dec_s > 0 else None,
-            "tokens_per_s": sum(r["new_tokens"] for r in rs) / sum(r["wall_s"] for r in rs)}
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or not b else a / b
-
-
-def _speedup_ci95(records: Sequence[dict[str, Any]]) -> list[float] | None:
-    """The speedup's 95% interval over the prompts (:func:`paired_speedup`), or None."""
-    sp = paired_speedup([r["vanilla"] for r in records], [r["spec"] for r in records])
-    return None if sp is None else sp["ci95"]
-
-
-def _count(records: Sequence[dict[str, Any]], key: str) -> int | None:
-    """How many records have ``key`` True; None where it was not checked (sampling)."""
-    flags = [r[key] for r in records]
-    return None if any(f is None for f in flags) else sum(flags)
-
-
-def aggregate(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Pooled figures of a group of prompt records.
-
-    MAL pools every step: accepted tokens / target forwards (bonus included). Rates are
-    ratios of sums (tokens / seconds), so long outputs weigh more than short ones. The
-    equality counts are None when sampling (nothing to compare token for token).
-    """
-    spec = [r["spec"] for r in records]
-    fwd = sum(s["target_forwards"] for s in spec)
-    eager_recs = [r for r in records if r.get("eager")]
-    v, s = _pool(records, "vanilla"), _pool(records, "spec")
-    s_on_eager, e = _pool(eager_recs, "spec"), _pool(eager_recs, "eager")
-    draft = sum(r["eager"]["draft_s"] for r in eager_recs)
-    verify = sum(r["eager"]["verify_s"] for r in eager_recs)
-    return {
-        "prompts": len(records), "matched": _count(records, "greedy_match"),
-        "mal": sum(x["accepted_tokens"] for x in spec) / fwd if fwd else None,
-        "vanilla_decode_tokens_per_s": v["decode_tokens_per_s"],
-        "spec_decode_tokens_per_s": s["decode_tokens_per_s"],
-        "speedup": _ratio(s["decode_tokens_per_s"], v["decode_tokens_per_s"]),
-        "speedup_ci95": _speedup_ci95(records),
-        "e2e_speedup": _ratio(s["tokens_per_s"], v["tokens_per_s"]),
-        "eager_prompts": len(eager_recs),
-        "eager_matched": _count(eager_recs, "eager_match"),
-        "eager_decode_tokens_per_s": e["decode_tokens_per_s"],
-        "eager_speedup": _ratio(e["decode_tokens_per_s"],
-                                _pool(eager_recs, "vanilla")["decode_tokens_per_s"]),
-        "compiled_vs_eager": _ratio(s_on_eager["decode_tokens_per_s"], e["decode_tokens_per_s"]),
-        "eager_draft_fraction": draft / (draft + verify) if draft + verify > 0 else None,
-    }
 
 
 # --------------------------------------------------------------------------------------
@@ -586,7 +433,7 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
     # The bar's steps: the curve's sizes, each tree's calibration and the A/B when greedy;
     # the A/B alone when sampled; then every turn asked (the first twice when it also runs
     # eager).
-    n_steps = sum(map(_turn_count, evals)) + len(eager_qids)
+    n_steps = sum(map(turn_count, evals)) + len(eager_qids)
     if choosing:
         n_steps += (len(config["latency_sizes"]) + len(grid) + bool(cfg.ab_trees) if greedy
                     else 1)
@@ -618,21 +465,21 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
             and (r["eager"] is not None) == (r["question_id"] in eager_qids
                                              and r.get("turn", 1) == 1)}
 
-    runner = _Runner(target, drafter, chosen_tree, max_new_tokens, stop_on_eos, head,
+    runner = PromptRunner(target, drafter, chosen_tree, max_new_tokens, stop_on_eos, head,
                      cfg.temperature, cfg.top_p)
     records = []
     for i, p in enumerate(evals):
         qid, ids, answers = p["question_id"], p["ids"], []
-        for turn in range(1, _turn_count(p) + 1):
+        for turn in range(1, turn_count(p) + 1):
             if turn > 1:  # the conversation so far, answered by vanilla (the target)
-                ids = _follow_up(target, p, ids, answers)
+                ids = follow_up(target, p, ids, answers)
             eager = qid in eager_qids and turn == 1
             if (qid, turn) in done:
                 rec = done[(qid, turn)]
                 bar.update(2 if eager else 1)
             else:
                 # One seed a prompt, shared by its methods (it does not matter when greedy).
-                rec = _run_turn(runner, p, ids, turn, seed=cfg.seed + i + len(evals) * (
+                rec = run_turn(runner, p, ids, turn, seed=cfg.seed + i + len(evals) * (
                     turn - 1), eager=eager, greedy=greedy, bar=bar)
                 rec |= {"kind": "prompt", "key": run_key}
                 append_record(ppath, rec)
@@ -684,209 +531,3 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
     ppath.unlink(missing_ok=True)
     print(summary(result))
     return result
-
-
-# --------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------
-
-
-def add_spec_args(p: argparse.ArgumentParser) -> None:
-    """Attach ``specjax bench spec``'s flags to a (sub)parser."""
-    p.add_argument("--model", default=None,
-                   help="converted target folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", default=None,
-                   help="drafter folder (default: the shipped drafter); 'random' = an "
-                        "untrained drafter, to check the pipeline")
-    p.add_argument("--per-task", type=int, default=4,
-                   help="evaluation prompts per task: the first N of each (default 4)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    add_tree_args(p, auto=True)
-    p.add_argument("--questions", default=None,
-                   help=f"Spec-Bench question.jsonl (default: ${QUESTIONS_ENV}, else "
-                        "../shared/data/spec_bench/question.jsonl from the repository root)")
-    p.add_argument("--tasks", default=",".join(TASKS),
-                   help=f"comma-separated tasks (default {','.join(TASKS)})")
-    p.add_argument("--eager-per-task", type=int, default=1,
-                   help="prompts per task also run in eager mode (default 1)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="cast parameters at load (default: as stored)")
-    p.add_argument("--vocab", default=None,
-                   help="drafter vocabulary head: full, fr:N, pafr:N, dynaspec, ... (default: "
-                        "the drafter's measured head, else full)")
-    p.add_argument("--no-resume", action="store_true",
-                   help="ignore and remove the partial results of an interrupted run")
-    p.add_argument("--grid-max-nodes", type=int, default=max(t.num_nodes for t in DEFAULT_GRID),
-                   help="--tree auto: calibrate only the grid's trees of at most this many "
-                        "nodes, root included, before any lookup chain (default: all; each "
-                        "tree compiles its own programs, and XLA:CPU ran out of memory "
-                        "mappings after ~25 trees with gated chains here)")
-    p.add_argument("--grid-add-default", action="store_true",
-                   help="--tree auto: also consider the drafter's stored greedy tree (its "
-                        "default_tree.json), so the run says whether it still wins; with "
-                        "--ab-trees it always runs in the paired A/B")
-    p.add_argument("--ab-trees", type=int, default=0, metavar="K",
-                   help="--tree auto: run the K best estimated trees (those within "
-                        "--ab-within of the best) end to end on --ab-prompts calibration "
-                        "prompts, paired, and choose the fastest, or at a speed tie the "
-                        "resolved higher MAL (default 0: the estimate decides; it cannot "
-                        "order trees within a few percent)")
-    p.add_argument("--ab-within", type=float, default=0.05, metavar="F",
-                   help="with --ab-trees: how far below the best estimate (a fraction) a "
-                        "tree may be and still run (default 0.05)")
-    p.add_argument("--ab-prompts", type=int, default=24, metavar="N",
-                   help="with --ab-trees (or --add-tree when sampling): about N calibration "
-                        "prompts (ShareGPT's calibration range, a third with a long text; "
-                        "never Spec-Bench) (default 24)")
-    p.add_argument("--add-tree", action="append", default=[], metavar="JSON",
-                   help="a candidate tree as TreeSpec JSON (repeat for more): greedy, it joins "
-                        "the grid and with --ab-trees always runs in the A/B; at --temperature "
-                        "> 0 it runs end to end, paired, against the tree for sampling on "
-                        "--ab-prompts calibration prompts, and the chosen one is evaluated")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                   help="0 (default): greedy, the output checked against vanilla's token for "
-                        "token; > 0: sampled, vanilla and speculative decoding with one seed a "
-                        "prompt and no EOS stop, the speedup with a 95%% interval over prompts; "
-                        "the tree is --tree's, or with auto the drafter's stored tree for "
-                        "sampling, or the winner of a paired A/B against --add-tree's")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                   help="with --temperature > 0: nucleus filtering of every draw, vanilla's "
-                        "and the verifier's (default 1: off); the tree for sampling is the "
-                        "one stored for the temperature, measured without a filter")
-    p.add_argument("--turns", default="first", choices=["first", "all"],
-                   help="first (default): each question's first turn (the issue's 24 "
-                        "prompts); all: Spec-Bench's protocol, MT-bench's second turns too, "
-                        "asked after vanilla's answer to the first (reported per turn)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="with --temperature > 0: the first prompt's seed, then one more a "
-                        "prompt (default 0)")
-    p.add_argument("--save-default-tree", action="store_true",
-                   help="store the chosen tree and this run's head in the drafter's folder "
-                        "(default_tree.json): generate then uses them when given none; at "
-                        "--temperature > 0 (with --add-tree) the winner becomes the tree for "
-                        "sampling, beside the greedy tree and head")
-    p.add_argument("--out", default="results/bench_spec.json")
-
-
-def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
-    """The :class:`SpecBenchConfig` that :func:`add_spec_args`'s flags describe."""
-    return SpecBenchConfig(resolve_model(args.model), args.drafter, per_task=args.per_task,
-                           max_new_tokens=args.max_new_tokens, tree=tree_from_args(args),
-                           grid=with_lookup([t for t in DEFAULT_GRID
-                                             if t.num_nodes <= args.grid_max_nodes],
-                                            args.tree_lookup, args.tree_lookup_min),
-                           questions=args.questions, out=Path(args.out),
-                           tasks=[t for t in args.tasks.split(",") if t],
-                           eager_per_task=args.eager_per_task, dtype=args.dtype,
-                           resume=not args.no_resume, vocab=args.vocab,
-                           grid_add_default=args.grid_add_default, ab_trees=args.ab_trees,
-                           ab_within=args.ab_within, ab_prompts=args.ab_prompts,
-                           add_trees=tuple(TreeSpec.from_json_text(t, "--add-tree")
-                                           for t in args.add_tree),
-                           temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                           turns=args.turns)
-
-
-def save_default_tree(result: dict[str, Any], drafter_dir: str | Path,
-                      results_path: str | Path | None = None) -> Path:
-    """Store the tree a ``bench spec`` run chose as the drafter's default
-    (``<drafter_dir>/default_tree.json``, see :mod:`specjax.tree.default`), with what was
-    measured: the candidates' estimates and paired speeds, the chosen tree's realised speed,
-    the machine. A greedy run stores its tree and the head it drafted with; a sampled run
-    whose paired A/B chose the tree stores it as the tree for sampling, beside the greedy
-    default and its head (which both trees share).
-
-    Raises:
-      ValueError: the run did not choose its tree, drafted with a head that names an
-        artifact outside the drafter folder (or, sampled, another head than the folder's),
-        or found a greedy mismatch (a default must be lossless).
-    """
-    from specjax.tree.default import (
-        check_portable_vocab,
-        read_default_vocab,
-        write_default_tree,
-        write_sampled_default_tree,
-    )
-
-    conf = result["config"]
-    greedy = conf.get("greedy", True)
-    if greedy and conf.get("tree_mode") != "auto":
-        raise ValueError("this run was given its tree; a default must be chosen by "
-                         "measurement: run `specjax bench spec` without --tree")
-    if not greedy and conf.get("tree_mode") != "paired":
-        raise ValueError(f"this run sampled with a tree it did not choose ({conf['tree_mode']}"
-                         "); give the trees to compare it with as --add-tree")
-    vocab = check_portable_vocab(conf.get("vocab", "full"))
-    if greedy and not result["greedy_equality"]["all_match"]:
-        raise ValueError("greedy output differed from vanilla in this run; not saving a "
-                         "default from it")
-    sel = result["tree_selection"]
-    ab = sel.get("ab")
-    paired = None if not ab or "results" not in ab else {
-        r["label"]: {"speed_vs_first": round(r["vs_first"]["ratio"], 4),
-                     "ci95": [round(x, 4) for x in r["vs_first"]["ci95"]]}
-        for r in ab["results"]}
-    measured = {
-        "chosen": result["tree_label"], "paired": paired,
-        "realized_speedup": result["overall"]["speedup"],
-        "speedup_ci95": result["overall"].get("speedup_ci95"),  # absent before the 75th session
-        "mal": result["overall"]["mal"],
-        "prompts": result["overall"]["prompts"], "model": conf["model"],
-        "machine": {k: result["machine"].get(k) for k in ("cpu_model", "nproc", "jax_backend",
-                                                          "versions")},
-        "results": None if results_path is None else str(results_path),
-        "date": time.strftime("%Y-%m-%d", time.gmtime()),
-    }
-    rule = "the fastest wins, or at a speed tie the higher MAL where resolved"
-    tree = TreeSpec.from_json(result["tree"])
-    if not greedy:
-        stored = read_default_vocab(drafter_dir)
-        if stored != vocab:
-            raise ValueError(f"this run drafted with the head {vocab!r}, but the drafter's "
-                             f"trees share {stored!r}; run again with --vocab {stored}")
-        how = (f"bench spec --temperature {conf['temperature']:g}: the {len(ab['candidates'])}"
-               f" trees run end to end at that temperature, paired, on {ab['prompts']} "
-               f"calibration prompts: {rule} ({ab['decided_by']})")
-        return write_sampled_default_tree(drafter_dir, tree, {"how": how, **measured},
-                                          temperature=conf["temperature"])
-    how = "bench spec: calibration MAL / (verify(T) + draft time), highest wins"
-    if paired is not None:
-        how += (f"; then the {len(ab['candidates'])} best within {ab['within']:.0%} run end "
-                f"to end, paired, on {ab['prompts']} calibration prompts: {rule} "
-                f"({ab['decided_by']})")
-    measured = {"how": how, **measured, "est_speedup": sel["chosen"]["est_speedup"],
-                "candidates": {c["label"]: round(c["est_speedup"], 4) for c in sel["grid"]}}
-    return write_default_tree(drafter_dir, tree, measured, vocab=vocab)
-
-
-def run_spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """Run :func:`run_spec_bench` from :func:`add_spec_args`'s flags."""
-    # What --save-default-tree would refuse after the run is refused before it.
-    if args.save_default_tree and args.drafter == "random":
-        raise ValueError("--save-default-tree needs a trained drafter, not 'random'")
-    if args.save_default_tree and args.temperature > 0 and not args.add_tree:
-        raise ValueError("--save-default-tree at --temperature > 0 stores the tree for sampling "
-                         "that a paired A/B chose: give the trees to compare the current one "
-                         "with as --add-tree")
-    if args.save_default_tree and args.top_p < 1:
-        raise ValueError("--save-default-tree stores trees by temperature alone, measured "
-                         "without a top-p filter; drop --top-p to choose one")
-    if args.save_default_tree and args.vocab is not None:
-        from specjax.tree.default import check_portable_vocab
-
-        check_portable_vocab(args.vocab)
-    res = run_spec_bench(config_from_args(args))
-    if args.save_default_tree:
-        where = save_default_tree(res, res["config"]["drafter"], args.out)
-        what = ("default tree" if res["config"]["greedy"] else "tree for sampling")
-        print(f"{what} {res['tree_label']} (head {res['config']['vocab']}) saved to {where}")
-    return res
-
-
-def add_parser(bench: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``spec`` to ``specjax bench``'s subparsers; ``args.run`` runs it."""
-    p = bench.add_parser("spec",
-                         help="Spec-Bench subset: MAL, speedup, greedy equality (JSON + plot)")
-    add_spec_args(p)
-    p.set_defaults(run=as_command(run_spec_from_args))
-    return p

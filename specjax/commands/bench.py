@@ -17,14 +17,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         latency,
         mips,
         oracle,
-        spec,
+        spec_cli,
         tree_compare,
         vocab,
     )
 
     b = subparsers.add_parser("bench", help="benchmarks (results as JSON + plot)")
     bench = b.add_subparsers(dest="bench", required=True)
-    for module in (decode, spec, batch, tree_compare, breakdown, vocab, gemm, latency, oracle,
+    for module in (decode, spec_cli, batch, tree_compare, breakdown, vocab, gemm, latency, oracle,
                    evospec, mips, lane):
         module.add_parser(bench)
     return b

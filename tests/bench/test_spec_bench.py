@@ -14,6 +14,7 @@ import pytest
 
 import specjax
 from specjax.bench import spec as spec_bench
+from specjax.bench import spec_cli, spec_records
 from specjax.bench.breakdown import (
     Expansion,
     add_breakdown_args,
@@ -34,7 +35,8 @@ from specjax.bench.questions import (
     resolve_questions,
     select_questions,
 )
-from specjax.bench.spec import SpecBenchConfig, add_spec_args, run_spec_bench
+from specjax.bench.spec import SpecBenchConfig, run_spec_bench
+from specjax.bench.spec_cli import add_spec_args
 from specjax.bench.spec_report import summary
 from specjax.bench.spec_select import tie_candidates, with_lookup
 from specjax.bench.timing import monotone_fit, warmup_tokens
@@ -196,22 +198,22 @@ def test_spec_bench_pipeline_on_a_tiny_model(tiny_model, tmp_path, monkeypatch, 
     kw = dict(prompts=PROMPTS, calib_prompts=CALIB)
 
     # Interrupt the first run inside the second prompt: the partial file keeps the rest.
-    real_call = spec_bench._Runner.__call__
+    real_call = spec_bench.PromptRunner.__call__
 
     def interrupted(self, method, ids, seed=0):
         if ids == PROMPTS[1]["ids"]:
             raise KeyboardInterrupt
         return real_call(self, method, ids, seed)
 
-    monkeypatch.setattr(spec_bench._Runner, "__call__", interrupted)
+    monkeypatch.setattr(spec_bench.PromptRunner, "__call__", interrupted)
     with pytest.raises(KeyboardInterrupt):
         run_spec_bench(cfg, **kw)
     kinds = [json.loads(x)["kind"] for x in partial_path(out).read_text().splitlines()]
     assert kinds == ["selection", "prompt"]
 
     # Resume; corrupt the second prompt's speculative tokens to exercise the mismatch path.
-    monkeypatch.setattr(spec_bench._Runner, "__call__", real_call)
-    real_record = spec_bench.generation_record
+    monkeypatch.setattr(spec_bench.PromptRunner, "__call__", real_call)
+    real_record = spec_records.generation_record
 
     def corrupt(res, compiles):
         rec = real_record(res, compiles)
@@ -219,7 +221,7 @@ def test_spec_bench_pipeline_on_a_tiny_model(tiny_model, tmp_path, monkeypatch, 
             rec["tokens"] = rec["tokens"][:3] + [(rec["tokens"][3] + 1) % 256] + rec["tokens"][4:]
         return rec
 
-    monkeypatch.setattr(spec_bench, "generation_record", corrupt)
+    monkeypatch.setattr(spec_records, "generation_record", corrupt)
     res = run_spec_bench(cfg, **kw)
     printed = capsys.readouterr()
     assert "GREEDY MISMATCH: question 9" in printed.out + printed.err
@@ -337,7 +339,7 @@ def test_sampled_spec_bench_draws_one_seed_a_prompt_to_the_budget(tiny_model, tm
                          prompts=PROMPTS[:1], drafter=drafter)
     assert res["tree"] == tree_dict(chain) and res["config"]["tree_mode"] == "given"
     with pytest.raises(ValueError, match="did not choose"):
-        spec_bench.save_default_tree(res, tmp_path)
+        spec_cli.save_default_tree(res, tmp_path)
     # The tree for sampling where the drafter stores one, else its greedy tree.
     stored = dataclasses.replace(drafter, default_tree=chain)
     assert spec_bench._sampled_tree_source(stored, 1.0).startswith("the drafter's greedy tree")
@@ -410,7 +412,7 @@ def test_sampled_paired_ab_chooses_the_tree_for_sampling(tiny_model, tmp_path):
     for d in ("d", "e"):
         (tmp_path / d).mkdir()
     write_default_tree(tmp_path / "d", static, {"how": "test"}, vocab="full")
-    spec_bench.save_default_tree(res, tmp_path / "d", "ab.json")
+    spec_cli.save_default_tree(res, tmp_path / "d", "ab.json")
     greedy_tree, vocab, sampled = read_defaults(tmp_path / "d")[:3]
     assert (greedy_tree, vocab) == (static, "full")
     assert sampled == ((1.0, TreeSpec.from_json(res["tree"])),)  # at the run's temperature
@@ -420,7 +422,7 @@ def test_sampled_paired_ab_chooses_the_tree_for_sampling(tiny_model, tmp_path):
     assert set(stored["measured"]["paired"]) == {"static 0 1", "chain d1"}
     write_default_tree(tmp_path / "e", static, {"how": "test"}, vocab="fr:64")
     with pytest.raises(ValueError, match="run again with --vocab fr:64"):
-        spec_bench.save_default_tree(res, tmp_path / "e")
+        spec_cli.save_default_tree(res, tmp_path / "e")
 
 
 def test_sampled_settings_are_checked(tiny_model):
@@ -439,23 +441,23 @@ def test_sampled_settings_are_checked(tiny_model):
     add_spec_args(p)
     a = p.parse_args(["--model", str(tiny_model), "--temperature", "0.7", "--seed", "3",
                       "--save-default-tree"])
-    cfg = spec_bench.config_from_args(a)
+    cfg = spec_cli.config_from_args(a)
     assert (cfg.temperature, cfg.seed, cfg.greedy, cfg.add_trees) == (0.7, 3, False, ())
     with pytest.raises(ValueError, match="give the trees to compare"):
-        spec_bench.run_spec_from_args(a)  # refused before any model loads
+        spec_cli.run_spec_from_args(a)  # refused before any model loads
     a = p.parse_args(["--model", str(tiny_model), "--temperature", "1", "--add-tree",
                       '{"kind": "chain", "depth": 1}', "--drafter", "random",
                       "--save-default-tree"])
-    assert spec_bench.config_from_args(a).add_trees == (TreeSpec("chain", depth=1),)
+    assert spec_cli.config_from_args(a).add_trees == (TreeSpec("chain", depth=1),)
     with pytest.raises(ValueError, match="needs a trained drafter"):
-        spec_bench.run_spec_from_args(a)
+        spec_cli.run_spec_from_args(a)
     a = p.parse_args(["--model", str(tiny_model), "--temperature", "1", "--top-p", "0.9",
                       "--add-tree", '{"kind": "chain", "depth": 1}', "--save-default-tree"])
-    assert spec_bench.config_from_args(a).top_p == 0.9
+    assert spec_cli.config_from_args(a).top_p == 0.9
     with pytest.raises(ValueError, match="stores trees by temperature alone"):
-        spec_bench.run_spec_from_args(a)  # refused before any model loads
+        spec_cli.run_spec_from_args(a)  # refused before any model loads
     with pytest.raises(ValueError, match="--add-tree"):
-        spec_bench.config_from_args(p.parse_args(["--add-tree", "{bad"]))
+        spec_cli.config_from_args(p.parse_args(["--add-tree", "{bad"]))
 
 
 def test_paired_speedup_scales_the_base_to_the_run_tokens():
@@ -572,7 +574,7 @@ def test_tie_break_settings_are_checked(tiny_model, tmp_path):
     add_spec_args(p)
     a = p.parse_args(["--model", str(tiny_model), "--ab-trees", "3", "--ab-within", "0.02",
                       "--grid-add-default"])
-    cfg = spec_bench.config_from_args(a)
+    cfg = spec_cli.config_from_args(a)
     assert (cfg.ab_trees, cfg.ab_within, cfg.ab_prompts, cfg.grid_add_default) == (
         3, 0.02, 24, True)
 
@@ -716,17 +718,17 @@ def test_later_turns_follow_vanilla_answers_and_are_reported_per_turn(tiny_model
     kw = dict(prompts=prompts, calib_prompts=CALIB, drafter=drafter)
     # Interrupted at the second turn, then resumed: the first turn's record is reused and
     # its vanilla answer starts the second turn's conversation.
-    run_turn = spec_bench._run_turn
+    run_turn = spec_bench.run_turn
 
     def stop_at_turn_2(runner, p, ids, turn, **kw):
         if turn == 2:
             raise KeyboardInterrupt
         return run_turn(runner, p, ids, turn, **kw)
 
-    monkeypatch.setattr(spec_bench, "_run_turn", stop_at_turn_2)
+    monkeypatch.setattr(spec_bench, "run_turn", stop_at_turn_2)
     with pytest.raises(KeyboardInterrupt):
         run_spec_bench(cfg, **kw)
-    monkeypatch.setattr(spec_bench, "_run_turn", run_turn)
+    monkeypatch.setattr(spec_bench, "run_turn", run_turn)
     res = run_spec_bench(cfg, **kw)
     assert res["resumed_prompts"] == 1
     recs = res["per_prompt"]

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import specjax
-from specjax.bench.spec import save_default_tree
+from specjax.bench.spec_cli import save_default_tree
 from specjax.commands.generate import _add_tree, _tree
 from specjax.drafter import DrafterConfig, EagleDrafter, save_drafter
 from specjax.speculative import TreeSpec
