@@ -581,7 +581,7 @@ def config_from_args(args: argparse.Namespace) -> BatchBenchConfig:
 def add_parser(bench: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``batch`` to ``specjax bench``'s subparsers; ``args.run`` runs it."""
     p = bench.add_parser(
-        "batch", help="speculative speedup against the batch size (Spec-Bench prompts, greedy)")
+        "batch", help="speculative speedup against the batch size (greedy or sampled)")
     add_batch_args(p)
     p.set_defaults(run=as_command(run_batch_from_args))
     return p
