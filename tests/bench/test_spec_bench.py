@@ -762,9 +762,9 @@ def test_follow_up_turns_render_the_conversation_through_the_chat_template(tiny_
     from tokenizers import decoders
 
     from specjax.bench.questions import follow_up_ids, spec_bench_prompts
-    from tests.train.test_train_drafter import _char_tokenizer
+    from tests.train.tiny_data import char_tokenizer
 
-    tok = _char_tokenizer()
+    tok = char_tokenizer()
     tok.backend_tokenizer.decoder = decoders.Fuse()  # characters back to text, unspaced
     chat = dataclasses.replace(tiny_target, tokenizer=tok)
     answer = tok.encode("fine, thanks") + [tok.convert_tokens_to_ids("<|im_end|>")]

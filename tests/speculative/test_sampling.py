@@ -181,22 +181,35 @@ def test_a_lookup_chain_keeps_the_target_distribution(small_vocab, exact_lookup,
     assert pvalue(counts, exact_lookup) > 1e-3
 
 
+@pytest.fixture(scope="module")
+def echo_prompt(small_vocab) -> list[int]:
+    """PROMPT, the target's greedy continuation of it, then PROMPT again: after the first
+    new token the lookup chain copies that continuation, which the target draws often at a
+    low temperature. (On PROMPT alone a chain is found only after a 1, and whether such a
+    step is ever verified turned on the fitted drafter's float rounding: an AVX2 machine
+    verified none.)"""
+    target, _ = small_vocab
+    return PROMPT + specjax.generate(target, [PROMPT], max_new_tokens=3,
+                                     stop_on_eos=False).tokens[0] + PROMPT
+
+
 @pytest.mark.parametrize("name", ["static-sampled-lookup", "chain-sampled-lookup"])
-def test_a_low_temperature_keeps_the_target_distribution(small_vocab, name):
+def test_a_low_temperature_keeps_the_target_distribution(small_vocab, echo_prompt, name):
     """At temperature 0.3 (where the shipped drafters draft their greedy trees, lookup
     chain included) the output follows softmax(z / 0.3), not the temperature-1 law the
     drafter was fitted to (a verifier that accepted against the untempered p would draw
-    that one). On PROMPT, where the drafter was fitted, so drafts are accepted."""
+    that one). On a prompt ending as the drafter's fitting prompts do, and repeating the
+    target's own continuation, so that drafts and chains are both accepted."""
     target, drafter = small_vocab
-    res = specjax.generate(target, [PROMPT] * N, max_new_tokens=3, temperature=0.3,
+    res = specjax.generate(target, [echo_prompt] * N, max_new_tokens=3, temperature=0.3,
                            stop_on_eos=False, drafter=drafter, tree=LOOKUP_TREES[name], seed=7)
     assert res.stats["mean_accepted_length"] > 1.2, "drafts must be accepted"
-    # About 2% of steps (some 800) verify a chain: PROMPT repeats only its 1.
-    assert res.stats["chained_fraction"] > 0.01, "the lookup chain must be verified"
+    # About three steps in four verify a chain (0.74-0.75 when written).
+    assert res.stats["chained_fraction"] > 0.3, "the lookup chain must be verified"
     counts = pair_counts(res.tokens)
-    assert pvalue(counts, exact_second_third(target, PROMPT, 0.3)) > 1e-3
+    assert pvalue(counts, exact_second_third(target, echo_prompt, 0.3)) > 1e-3
     # The same counts are far from the temperature-1 law: the test can tell them apart.
-    assert pvalue(counts, exact_second_third(target, PROMPT, 1.0)) < 1e-6
+    assert pvalue(counts, exact_second_third(target, echo_prompt, 1.0)) < 1e-6
 
 
 @pytest.mark.parametrize("name,top_k,top_p", [

@@ -22,7 +22,7 @@ from specjax.train.data import (
     row_loss_mask,
     target_fingerprint,
 )
-from tests.train.tiny_data import hidden_cache, scaled_target, sequences
+from tests.train.tiny_data import char_tokenizer, hidden_cache, scaled_target, sequences
 
 
 @pytest.fixture(scope="module")
@@ -159,26 +159,8 @@ def test_normalize_messages_shapes():
     assert normalize_messages({"messages": [{"role": "robot", "content": "x"}]}) is None
 
 
-def _char_tokenizer():
-    """A character-level fast tokenizer with a ChatML template (ids < 256)."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    vocab = {"[UNK]": 0, "<|im_start|>": 1, "<|im_end|>": 2} | {c: i + 3 for i, c in
-                                                                enumerate(chars)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
-                "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}"
-                "{{ '<|im_start|>assistant\n' }}{% endif %}")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template,
-                                   unk_token="[UNK]")
-
-
 def test_chat_rendering_masks_assistant_turns(tmp_path):
-    tok = _char_tokenizer()
+    tok = char_tokenizer()
     rec = {"conversations": [{"from": "human", "value": "hi there"},
                              {"from": "gpt", "value": "hello!"},
                              {"from": "human", "value": "and?"},

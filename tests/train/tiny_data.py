@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -11,6 +12,9 @@ import specjax
 from specjax.loaded import Target
 from specjax.train.data import Example, cache_hidden_states
 from tests.tiny import make_hf_checkpoint
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 MAX_LEN = 32
 
@@ -51,3 +55,21 @@ def hidden_cache(target: Target, d: Path) -> Path:
                         token_budget=128, batches_per_shard=2, hidden_dtype="float32",
                         progress=False)
     return d
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level fast tokenizer with a ChatML template (ids < 256)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {"[UNK]": 0, "<|im_start|>": 1, "<|im_end|>": 2} | {c: i + 3 for i, c in
+                                                                enumerate(chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
+                "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}"
+                "{{ '<|im_start|>assistant\n' }}{% endif %}")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template,
+                                   unk_token="[UNK]")
