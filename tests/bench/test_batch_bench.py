@@ -158,6 +158,8 @@ def test_sampled_batches_filter_with_top_p(tiny_target, tmp_path):
     unfiltered = dataclasses.replace(cfg, top_p=1.0, out=tmp_path / "u.json")
     u = run_batch_bench(unfiltered, prompts=PROMPTS, drafter=drafter)
     assert "top_p" not in u["config"] and u["resume_key"] != r["resume_key"]
+    assert ([rec["vanilla"]["tokens"] for rec in u["per_batch"]]
+            != [rec["vanilla"]["tokens"] for rec in r["per_batch"]])
     assert "sampled at temperature 1, top-p 0.5 (batch k" in batch_bench.summary(r)
     with pytest.raises(ValueError, match="without --top-p"):
         batch_bench.save_batch_defaults(r | {"config": r["config"] | {"calibration": {"n": 2}}},
