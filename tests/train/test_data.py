@@ -22,17 +22,7 @@ from specjax.train.data import (
     row_loss_mask,
     target_fingerprint,
 )
-from tests.train.tiny_data import char_tokenizer, hidden_cache, scaled_target, sequences
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return scaled_target(tmp_path_factory.mktemp("data_target"))
-
-
-@pytest.fixture(scope="module")
-def cache(target, tmp_path_factory):
-    return hidden_cache(target, tmp_path_factory.mktemp("hidden_cache"))
+from tests.train.tiny_data import char_tokenizer, sequences
 
 
 def _direct_hidden(target, tokens: np.ndarray) -> np.ndarray:

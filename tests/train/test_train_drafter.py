@@ -35,17 +35,7 @@ from specjax.train.drafter import (
     write_drafter,
 )
 from tests.tiny import make_hf_checkpoint
-from tests.train.tiny_data import hidden_cache, scaled_target, sequences
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return scaled_target(tmp_path_factory.mktemp("train_target"))
-
-
-@pytest.fixture(scope="module")
-def cache(target, tmp_path_factory):
-    return hidden_cache(target, tmp_path_factory.mktemp("hidden_cache"))
+from tests.train.tiny_data import sequences
 
 
 def test_training_buckets_keep_short_splits_and_stay_fine_for_long_ones():
