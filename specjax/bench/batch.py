@@ -64,6 +64,7 @@ from specjax.bench.common import (
     machine_info,
     paired_speedup,
     pyplot,
+    sampling_label,
     save_figure,
     write_json,
 )
@@ -475,11 +476,7 @@ def plot_batch(r: dict[str, Any], path: Path) -> Path:
 
 def _how(r: dict[str, Any]) -> str:
     """How a run decoded: "greedy", "temperature T" or "temperature T, top-p P"."""
-    c = r["config"]
-    if c["greedy"]:
-        return "greedy"
-    return f"temperature {c['temperature']:g}" + (f", top-p {c['top_p']:g}" if "top_p" in c
-                                                  else "")
+    return "greedy" if r["config"]["greedy"] else f"temperature {sampling_label(r['config'])}"
 
 
 def add_batch_args(p: argparse.ArgumentParser) -> None:

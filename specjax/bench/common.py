@@ -248,6 +248,13 @@ def pyplot() -> Any:
     return plt
 
 
+def sampling_label(conf: dict[str, Any]) -> str:
+    """A sampled run's temperature, with its top-p filter where one was on ("1, top-p 0.9";
+    a config without ``top_p``, as older results and unfiltered batch runs hold, has none)."""
+    top_p = conf.get("top_p", 1.0)
+    return f"{conf['temperature']:g}" + (f", top-p {top_p:g}" if top_p < 1 else "")
+
+
 def dash(x: float | None, fmt: str = ".2f") -> str:
     """``x`` formatted for a summary table, or ``-`` where it was not measured."""
     return "-" if x is None else format(x, fmt)

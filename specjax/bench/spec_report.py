@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from specjax.bench.common import MAL_NOTE, dash, pyplot, save_figure
+from specjax.bench.common import MAL_NOTE, dash, pyplot, sampling_label, save_figure
 
 SAMPLING_NOTE = ("sampled: outputs differ from vanilla's by design, so none is compared token "
                  "for token; that their distribution is the target's is checked by the "
@@ -59,12 +59,12 @@ def plot_spec(r: dict[str, Any], path: Path) -> Path:
     m = r["greedy_equality"]
     ax.set_title("Speedup per task; " + (
         f"greedy equal {m['matched']}/{m['prompts']} prompts" if m is not None else
-        f"sampled at temperature {_sampling(r['config'])}"), fontsize=10)
+        f"sampled at temperature {sampling_label(r['config'])}"), fontsize=10)
     ax.legend(fontsize=8, loc="lower right")
     if greedy:
         _plot_selection(r, axes[1, 0], axes[1, 1])
     mach = r["machine"]
-    how = ("greedy" if greedy else f"sampled (T={_sampling(r['config'])})")
+    how = ("greedy" if greedy else f"sampled (T={sampling_label(r['config'])})")
     fig.suptitle(f"{r['model_name']} + drafter {Path(r['config']['drafter']).name}, tree "
                  f"{r['tree_label']}, {r['config']['max_new_tokens']} {how} tokens, "
                  f"{mach['nproc']} CPUs ({mach['cpu_model']})", fontsize=10)
@@ -154,17 +154,11 @@ def _equality_lines(r: dict[str, Any]) -> list[str]:
                 for m in eq["mismatches"]) + " !!!"]
 
 
-def _sampling(conf: dict[str, Any]) -> str:
-    """The temperature, with the top-p filter where one was on (older results hold none)."""
-    top_p = conf.get("top_p", 1.0)
-    return f"{conf['temperature']:g}" + (f", top-p {top_p:g}" if top_p < 1 else "")
-
-
 def summary(r: dict[str, Any]) -> str:
     """A human-readable table of one result."""
     conf = r["config"]
     how = ("greedy new tokens" if conf["greedy"] else
-           f"new tokens sampled at temperature {_sampling(conf)} (no EOS stop, "
+           f"new tokens sampled at temperature {sampling_label(conf)} (no EOS stop, "
            f"seeds {conf['seed']}+)")
     lines = [f"{r['model_name']}, drafter {conf['drafter']} (vocab {conf.get('vocab', 'full')}), "
              f"{conf['max_new_tokens']} {how}, batch 1"]
