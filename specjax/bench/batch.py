@@ -59,6 +59,7 @@ from tqdm import tqdm
 import specjax
 from specjax.bench.common import (
     as_command,
+    check_sampling,
     dash,
     first_mismatch,
     machine_info,
@@ -129,11 +130,7 @@ class BatchBenchConfig:
         if self.calibration < 0:
             raise ValueError(f"calibration takes a number of prompts >= 0, got "
                              f"{self.calibration}")
-        if not self.temperature >= 0:  # also refuses NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1 or (self.top_p < 1 and self.temperature == 0):
-            raise ValueError(f"top_p is in (0, 1] and filters sampled draws (--temperature > "
-                             f"0), got {self.top_p} at temperature {self.temperature}")
+        check_sampling(self.temperature, self.top_p)
         if self.per_task < 1 or self.max_new_tokens < 1:
             raise ValueError("need per_task >= 1 and max_new_tokens >= 1")
 

@@ -248,6 +248,17 @@ def pyplot() -> Any:
     return plt
 
 
+def check_sampling(temperature: float, top_p: float = 1.0) -> None:
+    """Refuse a benchmark's sampling settings before any model loads: a negative or NaN
+    temperature, a top_p outside (0, 1], or a filter on greedy decoding (nothing to filter).
+    """
+    if not temperature >= 0:  # also refuses NaN
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1 or (top_p < 1 and temperature == 0):
+        raise ValueError(f"top_p is in (0, 1] and filters sampled draws (--temperature > 0), "
+                         f"got {top_p} at temperature {temperature}")
+
+
 def sampling_label(conf: dict[str, Any]) -> str:
     """A sampled run's temperature, with its top-p filter where one was on ("1, top-p 0.9";
     a config without ``top_p``, as older results and unfiltered batch runs hold, has none)."""

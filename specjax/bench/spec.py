@@ -71,7 +71,13 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from specjax.bench.common import MAL_NOTE, jsonable, machine_info, write_json
+from specjax.bench.common import (
+    MAL_NOTE,
+    check_sampling,
+    jsonable,
+    machine_info,
+    write_json,
+)
 from specjax.bench.partial import append_record, drafter_stamp, resume_from
 from specjax.bench.phases import load_models
 from specjax.bench.questions import (
@@ -223,11 +229,7 @@ class SpecBenchConfig:
             raise ValueError(f"turns is 'first' or 'all', got {self.turns!r}")
         if self.per_task < 1 or self.max_new_tokens < 1 or self.eager_per_task < 0:
             raise ValueError("need per_task >= 1, max_new_tokens >= 1 and eager_per_task >= 0")
-        if not self.temperature >= 0:  # also refuses NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1 or (self.top_p < 1 and self.temperature == 0):
-            raise ValueError(f"top_p is in (0, 1] and filters sampled draws (--temperature > "
-                             f"0), got {self.top_p} at temperature {self.temperature}")
+        check_sampling(self.temperature, self.top_p)
         if self.temperature > 0 and (self.ab_trees or self.grid_add_default):
             raise ValueError(
                 "at temperature > 0 bench spec estimates nothing (its latency model prices "

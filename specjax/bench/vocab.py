@@ -59,6 +59,7 @@ from tqdm import tqdm
 import specjax
 from specjax.bench.common import (
     as_command,
+    check_sampling,
     first_mismatch,
     machine_info,
     paired_speedup,
@@ -190,8 +191,7 @@ def run_vocab_bench(model_dir: str | Path, drafter_dir: str | Path | None, *,
     and ``per_task`` unused; the prompts' kinds are the tasks); ``calibration_given``: their
     ids, in tests.
     """
-    if not temperature >= 0:  # also refuses NaN
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    check_sampling(temperature)
     if calibration < 0:  # before the models load
         raise ValueError(f"calibration takes a number of prompts >= 0, got {calibration}")
     greedy = temperature == 0
