@@ -1,13 +1,15 @@
-"""The CPU rowdot kernel of a git revision against the working tree's, on the target's
-forward: the same SmolLM2-135M forward (30 layers + LM head + argmax) over T = 1..16 rows
-of a ``--context``-row cache, traced once with each kernel and timed call by call in turn;
-best and median of ``--runs`` calls each. Each kernel's forward donates its cache and gets
-the written one back for the next call, as the decode loop carries it (a cache passed in
-and kept would be copied to take the new rows: about 1 ms a forward at 300 rows, 15 at
-900, which would dilute the kernels' ratio). Writes JSON. ``--products``: only the forward's
-weight products instead (30 layers' Q/K/V, O, gate/up and down, then the LM head, on random
-weights of those shapes), streamed from memory, or with ``--cached`` one 960 x 576 matrix
-120 times over (2.2 MB, in the last-level cache: the kernel's compute rate alone).
+"""The CPU rowdot kernel of a git revision against the working tree's, on the target's forward:
+the same SmolLM2-135M forward (30 layers + LM head + argmax) over T = 1..16 rows of a
+``--context``-row cache, traced once with each kernel and timed call by call in turn (ABBA);
+best and median of ``--runs`` calls each, and the median of the runs' paired ratios with a
+95% interval (adjacent calls share the host's drift). Each kernel's forward donates its
+cache and gets the written one back for the next call, as the decode loop carries it (a
+cache passed in and kept would be copied to take the new rows: about 1 ms a forward at 300
+rows, 15 at 900, which would dilute the kernels' ratio). Writes JSON. ``--products``: only
+the forward's weight products instead (30 layers' Q/K/V, O, gate/up and down, then the LM
+head, on random weights of those shapes), streamed from memory, or with ``--cached`` one 960
+x 576 matrix 120 times over (2.2 MB, in the last-level cache: the kernel's compute rate
+alone).
 
     python examples/rowdot_revision_ab.py --rev HEAD~1 --out results/rowdot_ab.json
     python examples/rowdot_revision_ab.py --rev HEAD~1 --products --rows 6,12,14
@@ -125,6 +127,17 @@ def products_case(args) -> tuple:
     return make, example, lambda example, out: example, what
 
 
+def paired_ratio(base_ms: np.ndarray, new_ms: np.ndarray, draws: int = 10_000) -> dict:
+    """The median over runs of new / base, each run's two calls adjacent in time, and its 95%
+    interval from resampling runs. The host's speed drifts by tens of percent within a
+    minute (other tenants, clocks); adjacent calls share the drift, so their ratio cancels
+    it where the two kernels' separate medians do not."""
+    ratios = new_ms / base_ms
+    pick = np.random.default_rng(0).integers(0, len(ratios), (draws, len(ratios)))
+    lo, hi = np.percentile(np.median(ratios[pick], axis=1), [2.5, 97.5])
+    return {"ratio": float(np.median(ratios)), "ci95": [float(lo), float(hi)]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rev", default="HEAD", help="git revision to compare with (default HEAD)")
@@ -167,18 +180,22 @@ def main() -> None:
                    for o in outs.values() for a, b in zip(o, first, strict=True)), \
             "the kernels disagree"
         ms = {k: [] for k in fns}
+        order = list(fns)
         for _ in range(args.runs):
-            for k, f in fns.items():
+            for k in order:
                 t = time.perf_counter()
-                out = jax.block_until_ready(f(*examples[k]))
+                out = jax.block_until_ready(fns[k](*examples[k]))
                 ms[k].append(1e3 * (time.perf_counter() - t))
                 examples[k] = carry(examples[k], out)
+            order.reverse()  # ABBA: neither kernel always runs right after the other
         rows[m] = {k: {"best_ms": min(v), "median_ms": float(np.median(v))}
                    for k, v in ms.items()}
-        a, b = (rows[m][k]["median_ms"] for k in kernels)
-        print(f"T={m:>2}: " + "   ".join(f"{k} {v['best_ms']:.1f} / {v['median_ms']:.1f} ms"
-                                         for k, v in rows[m].items())
-              + f"   (best / median; working tree / {args.rev}, medians: {b / a:.3f})")
+        rows[m]["paired"] = paired_ratio(*(np.array(ms[k]) for k in kernels))
+        p = rows[m]["paired"]
+        print(f"T={m:>2}: " + "   ".join(f"{k} {rows[m][k]['best_ms']:.1f} / "
+                                         f"{rows[m][k]['median_ms']:.1f} ms" for k in kernels)
+              + f"   (best / median; working tree / {args.rev}, call by call: "
+                f"{p['ratio']:.3f} [{p['ci95'][0]:.3f}, {p['ci95'][1]:.3f}])")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(
