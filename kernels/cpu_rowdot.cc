@@ -73,15 +73,18 @@ static_assert(16 % kLanes == 0, "K % 16 == 0 must make every row whole vectors")
 // tile's own loads, which then hit in L2.
 constexpr int kLineFloats = 16;  // one 64-byte cache line
 
-// Two changes of the seventieth session pay where loads are 512 bits wide: x's vector pinned
-// in a register (kPinX, Tile) and the next tile's prefetch shared among the passes over x's
-// rows (kSharedPrefetch, Rows). The AVX2 build, run on this Zen 4 host (no AVX2-only machine
-// was at hand), was slower with them: 1.03 of its products' time at 6 rows with the pin,
-// 1.04-1.13 at 8-14 rows with the shared prefetch. It keeps the loop it had.
+// x's vector pinned in a register (Tile's kPin) pays in every pass where loads are 512 bits
+// wide. In the AVX2 build it pays only in the passes after the first, which compute from L1
+// and would wait on the load ports: a 256-bit load folded into an FMA costs the first pass,
+// paced by the weights' stream, nothing, and the pin there cost 1.02-1.03 of the products'
+// time at 1-6 rows on a Zen 3 host (AVX2, no AVX-512). Pinned in the later passes only, with
+// the shared prefetch (Rows), a SmolLM2 forward at 10-16 rows took 0.93-0.94 of the old AVX2
+// loop's time there, and 1-6 rows were level (docs/benchmarks.md, eighty-fifth session). The
+// seventieth session had found both changes slower in the AVX2 build, but ran it on a Zen 4.
 #if defined(__AVX512F__)
-constexpr bool kPinX = true, kSharedPrefetch = true;
+constexpr bool kPinFirst = true;
 #else
-constexpr bool kPinX = false, kSharedPrefetch = false;
+constexpr bool kPinFirst = false;
 #endif
 
 // Where output column j's weight row lives. Dense: row j of w (rowdot). Gathered: row
@@ -112,8 +115,9 @@ struct Gathered {
 // MR rows of x times the weight rows of columns [n0, n0 + NT), into y (row stride
 // ``src.cols``). ``kPrefetch``: also ask for this tile's share of the rows of columns
 // [n0 + NT, n0 + 2 NT): cache line i of each row where i % passes == pass (a template
-// argument: a ragged end's single columns, and on AVX2 a tile's later passes, run without it).
-template <int MR, int NT, bool kPrefetch, class Src>
+// argument: a ragged end's single columns run without it). ``kPin``: hold x's vector in a
+// register (kPinFirst, above).
+template <int MR, int NT, bool kPrefetch, bool kPin, class Src>
 void Tile(const float* x, const Src& src, float* y, int64_t K, int64_t m0, int64_t n0,
           int64_t pass, int64_t passes) {
   Vec acc[MR][NT];
@@ -149,7 +153,7 @@ void Tile(const float* x, const Src& src, float* y, int64_t K, int64_t m0, int64
       // per 24 FMAs on a 6x4 tile, plus the prefetches, so the tile waits on the load ports
       // at about 70% of the FMA peak even with w in L1 (a standalone copy of this loop on
       // Zen 4, one core: 40 -> 54 GFMA/s from L1, 27 -> 53 from L2, 21 -> 38 from memory).
-      if constexpr (kPinX) KeepInRegister(xv);
+      if constexpr (kPin) KeepInRegister(xv);
 #pragma GCC unroll 8
       for (int t = 0; t < NT; ++t) acc[r][t] = Fma(xv, wv[t], acc[r][t]);
     }
@@ -184,17 +188,17 @@ void Tile(const float* x, const Src& src, float* y, int64_t K, int64_t m0, int64
 }
 
 // One pass: rows [m, m + rows) of x, rows <= kRowTile, against columns [n0, n0 + NT).
-template <int NT, bool kPrefetch, class Src>
+template <int NT, bool kPrefetch, bool kPin, class Src>
 void Pass(const float* x, const Src& src, float* y, int64_t rows, int64_t K, int64_t m,
           int64_t n0, int64_t pass, int64_t passes) {
   static_assert(kRowTile == 6, "the cases below are 6..1");
   switch (rows) {
-    case 6: return Tile<6, NT, kPrefetch>(x, src, y, K, m, n0, pass, passes);
-    case 5: return Tile<5, NT, kPrefetch>(x, src, y, K, m, n0, pass, passes);
-    case 4: return Tile<4, NT, kPrefetch>(x, src, y, K, m, n0, pass, passes);
-    case 3: return Tile<3, NT, kPrefetch>(x, src, y, K, m, n0, pass, passes);
-    case 2: return Tile<2, NT, kPrefetch>(x, src, y, K, m, n0, pass, passes);
-    case 1: return Tile<1, NT, kPrefetch>(x, src, y, K, m, n0, pass, passes);
+    case 6: return Tile<6, NT, kPrefetch, kPin>(x, src, y, K, m, n0, pass, passes);
+    case 5: return Tile<5, NT, kPrefetch, kPin>(x, src, y, K, m, n0, pass, passes);
+    case 4: return Tile<4, NT, kPrefetch, kPin>(x, src, y, K, m, n0, pass, passes);
+    case 3: return Tile<3, NT, kPrefetch, kPin>(x, src, y, K, m, n0, pass, passes);
+    case 2: return Tile<2, NT, kPrefetch, kPin>(x, src, y, K, m, n0, pass, passes);
+    case 1: return Tile<1, NT, kPrefetch, kPin>(x, src, y, K, m, n0, pass, passes);
     default: return;
   }
 }
@@ -208,22 +212,19 @@ void Pass(const float* x, const Src& src, float* y, int64_t rows, int64_t K, int
 // x's vector held in a register: without it, the later passes' extra prefetches made them
 // slower, 1.04 / 1.06). The first pass takes kRowTile rows and the rest share the others
 // evenly: 14 rows as 6 + 4 + 4 took 0.95 of 6 + 6 + 2's time, whose last pass of 2 rows
-// loads 6 vectors for 8 FMAs (docs/benchmarks.md, seventieth session).
-// Without kSharedPrefetch (AVX2): passes of kRowTile rows, the first asking for the whole
-// next tile, the later ones for nothing.
+// loads 6 vectors for 8 FMAs (docs/benchmarks.md, seventieth session). The later passes
+// always hold x in a register; the first does where kPinFirst says.
 template <int NT, bool kPrefetch, class Src>
 void Rows(const float* x, const Src& src, float* y, int64_t M, int64_t K, int64_t n0) {
   const int64_t passes = (M + kRowTile - 1) / kRowTile;
   for (int64_t m = 0, pass = 0; pass < passes; ++pass) {
     const int64_t left = passes - pass;  // passes left, this one included
-    const int64_t rows = kSharedPrefetch && pass > 0 ? (M - m + left - 1) / left
-                                                     : std::min<int64_t>(M - m, kRowTile);
-    if constexpr (kSharedPrefetch) {
-      Pass<NT, kPrefetch>(x, src, y, rows, K, m, n0, pass, passes);
-    } else if (pass == 0) {
-      Pass<NT, kPrefetch>(x, src, y, rows, K, m, n0, 0, 1);
+    const int64_t rows =
+        pass > 0 ? (M - m + left - 1) / left : std::min<int64_t>(M - m, kRowTile);
+    if (pass == 0) {
+      Pass<NT, kPrefetch, kPinFirst>(x, src, y, rows, K, m, n0, pass, passes);
     } else {
-      Pass<NT, false>(x, src, y, rows, K, m, n0, 0, 1);
+      Pass<NT, kPrefetch, true>(x, src, y, rows, K, m, n0, pass, passes);
     }
     m += rows;
   }
