@@ -75,12 +75,13 @@ constexpr int kLineFloats = 16;  // one 64-byte cache line
 
 // x's vector pinned in a register (Tile's kPin) pays in every pass where loads are 512 bits
 // wide. In the AVX2 build it pays only in the passes after the first, which compute from L1
-// and would wait on the load ports: a 256-bit load folded into an FMA costs the first pass,
-// paced by the weights' stream, nothing, and the pin there cost 1.02-1.03 of the products'
-// time at 1-6 rows on a Zen 3 host (AVX2, no AVX-512). Pinned in the later passes only, with
-// the shared prefetch (Rows), a SmolLM2 forward at 10-16 rows took 0.93-0.94 of the old AVX2
-// loop's time there, and 1-6 rows were level (docs/benchmarks.md, eighty-fifth session). The
-// seventieth session had found both changes slower in the AVX2 build, but ran it on a Zen 4.
+// and would wait on the load ports. In the first pass, paced by the weights' stream, the pin
+// cost 1.02-1.03 of the products' time at 1-6 rows on a Zen 3 host (AVX2, no AVX-512); likely
+// a 256-bit load folded into an FMA costs nothing while the loop waits on memory. Pinned in
+// the later passes only, with the shared prefetch (Rows), a SmolLM2 forward at 10-16 rows took
+// 0.93-0.94 of the old AVX2 loop's time there, and 1-6 rows were level (docs/benchmarks.md,
+// eighty-fifth session). The seventieth session had found both changes slower in the AVX2
+// build, but ran it on a Zen 4.
 #if defined(__AVX512F__)
 constexpr bool kPinFirst = true;
 #else
