@@ -63,6 +63,13 @@ def _cpu_isa(flags: frozenset[str]) -> str | None:
     return None
 
 
+@functools.cache
+def cpu_isa() -> str | None:
+    """This host's kernel ISA: "avx512f", "avx2" (with FMA), or None where the kernels do not
+    build; what a CPU's verify-cost curve, and so its fastest tree, depends on."""
+    return _cpu_isa(_cpu_flags())
+
+
 def _compiler() -> str | None:
     """The C++ compiler that builds the kernels ($CXX, else g++): its path, None if absent."""
     return shutil.which(os.environ.get("CXX", "g++"))

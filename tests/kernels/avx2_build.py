@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from specjax.kernels.cpu_build import _cpu_flags, _cpu_isa
+from specjax.kernels.cpu_build import cpu_isa
 
 _HASWELL_BUILD = """
 from specjax.kernels import cpu_build
@@ -30,7 +30,7 @@ def run_on_the_avx2_build(body: str, home: Path) -> None:
     """Run ``body`` (Python that imports the kernels, asserts, and prints "ok") with the
     kernels built for Haswell in ``home``; skips where this CPU cannot run AVX2 code, or
     runs nothing but AVX2 code natively."""
-    isa = _cpu_isa(_cpu_flags())
+    isa = cpu_isa()
     if isa is None:
         pytest.skip("this CPU cannot run AVX2 code")
     if isa == "avx2":

@@ -22,7 +22,7 @@ from specjax.kernels.cpu_attention import (
     cache_attention_reference,
     use_cpu_attention,
 )
-from specjax.kernels.cpu_build import _cpu_flags, _cpu_isa, available
+from specjax.kernels.cpu_build import available, cpu_isa
 from tests.kernels.avx2_build import run_on_the_avx2_build
 
 OK, WHY = available()
@@ -116,7 +116,7 @@ def test_auto_takes_lanes_where_the_groups_fill_three_quarters(t, g):
     where a KV head's T * G queries, cut into as few groups of up to a vector as they fit
     and as even as they fit, fill at least 3/4 of the lanes (on AVX-512: 12, 15, 27 or 36
     queries, not 9 or 18), and "dots" elsewhere."""
-    lanes = 16 if _cpu_isa(_cpu_flags()) == "avx512f" else 8
+    lanes = 16 if cpu_isa() == "avx512f" else 8
     queries = t * g
     groups = -(-queries // lanes)
     takes_lanes = 4 * -(-queries // groups) >= 3 * lanes
