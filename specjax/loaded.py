@@ -49,9 +49,10 @@ class Drafter:
     params: Any  # DrafterParams or Eagle3Params, as cfg says
     path: Path | None = None
     meta: dict | None = None
-    # The tree and vocabulary head measured fastest for this drafter on some machine (its
-    # folder's default_tree.json; see specjax.tree.default); generate uses them when given
-    # none. default_vocab is a head spec that reads only the folder's own artifacts;
+    # The tree and vocabulary head measured fastest for this drafter (its folder's
+    # default_tree.json; see specjax.tree.default): the greedy tree measured on this
+    # machine's class where the file stores one, else its main tree; generate uses them
+    # when given none. default_vocab is a head spec that reads only the folder's own artifacts;
     # sampled_trees, where the file has them, are the trees measured for sampling, as
     # (temperature, tree) by temperature (specjax.tree.default.sampled_tree_at).
     default_tree: TreeSpec | None = None

@@ -81,6 +81,7 @@ def test_env_reports_backend_versions_and_caches(capsys, monkeypatch, tmp_path):
     assert main(["env", "--json"]) == 0
     env = json.loads(capsys.readouterr().out)
     assert env["backend"] == jax.default_backend()
+    assert env["machine_class"] in ("cpu", "cpu-avx2", "cpu-avx512f")  # the suite runs on CPU
     assert len(env["devices"]) == jax.device_count()
     assert env["versions"]["jax"] == jax.__version__
     assert env["caches"] == {"specjax_home": str(tmp_path),
@@ -88,7 +89,8 @@ def test_env_reports_backend_versions_and_caches(capsys, monkeypatch, tmp_path):
     assert env["env"]["SPECJAX_HOME"] == str(tmp_path)
     assert main(["env"]) == 0
     text = capsys.readouterr().out
-    assert f"backend: {jax.default_backend()}" in text and f"  jax: {jax.__version__}" in text
+    assert f"backend: {jax.default_backend()} (machine class {env['machine_class']})" in text
+    assert f"  jax: {jax.__version__}" in text
 
 
 def _main_running(monkeypatch, run):

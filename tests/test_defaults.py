@@ -53,6 +53,8 @@ def test_each_shipped_drafter_is_found_for_its_target_and_no_other(tiny_target):
         assert shipped_drafter_for(cfg.target) == folder
         # Its measured defaults parse, and its head's artifacts are in the folder.
         assert read_default_tree(folder) is not None
+        assert all(read_default_tree(folder, machine=m) is not None
+                   for m in ("cpu-avx2", "cpu-avx512f", "gpu"))  # each class's, or the main
         assert all(t > 0 for t, _ in read_defaults(folder).sampled_trees)
         tables = [read_batch_trees(folder)] + [t for _, t in read_defaults(folder)
                                                .sampled_batch_trees]

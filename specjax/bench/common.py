@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.model import Params
+from specjax.tree.default import machine_class
 
 MB = 2**20
 MAL_NOTE = ("MAL = tokens committed per target forward, the target's bonus token included "
@@ -142,7 +143,8 @@ def machine_info() -> dict[str, Any]:
         "caches": _caches(), "mem_gb": mem_gb, "platform": platform.platform(),
         "python": platform.python_version(),
         "versions": _versions(["jax", "jaxlib", "numpy", "torch", "transformers", "specjax"]),
-        "jax_backend": jax.default_backend(), "jax_devices": [str(d) for d in jax.devices()],
+        "jax_backend": jax.default_backend(), "class": machine_class(),
+        "jax_devices": [str(d) for d in jax.devices()],
         "xla_flags": os.environ.get("XLA_FLAGS"),
     }
 

@@ -106,7 +106,7 @@ from specjax.bench.timing import cache_geometry, latency_curve
 from specjax.bench.trees import tree_dict, tree_label
 from specjax.loaded import Drafter, Target
 from specjax.speculative import TreeSpec, spare_rows
-from specjax.tree.default import nearest_temperature
+from specjax.tree.default import nearest_temperature, stored_greedy_trees
 from specjax.vocab.head import VocabHead
 from specjax.vocab.resolve import resolve_head
 
@@ -166,10 +166,10 @@ class SpecBenchConfig:
         :func:`specjax.vocab.resolve_head`) or a built head, used for calibration, draft
         timing and evaluation; None: the drafter's measured default head, else full.
         Verification is always over the full vocabulary.
-      grid_add_default: also consider the drafter's stored greedy tree (its
-        ``default_tree.json``; a static tree, say, which the grid lacks), so a run can say
-        whether the shipped default still wins; with ``ab_trees`` it always runs in the
-        paired A/B.
+      grid_add_default: also consider the drafter's stored greedy trees (its
+        ``default_tree.json``'s main tree and each machine class's; a static tree, say,
+        which the grid lacks), so a run can say whether the shipped default still wins on
+        this machine; with ``ab_trees`` they always run in the paired A/B.
       ab_trees: 0, or how many of the best estimated trees (those within ``ab_within``, a
         fraction, of the best estimate) run end to end on ``ab_prompts`` calibration
         prompts of Spec-Bench's mix of lengths to choose from (:func:`tie_break`).
@@ -270,7 +270,8 @@ def candidates(cfg: SpecBenchConfig, drafter: Drafter,
     """(the trees a run considers, the indices among them that always run in a paired A/B).
 
     Greedy: the grid (or the given tree), then ``add_trees`` and with ``grid_add_default``
-    the drafter's stored greedy tree, each once; those added always run. At temperature > 0:
+    the drafter's stored greedy trees (this machine's, then every other its folder stores),
+    each once; those added always run. At temperature > 0:
     the tree for sampling (given, else the drafter's), then ``add_trees``: all of them run.
 
     Raises:
@@ -283,6 +284,8 @@ def candidates(cfg: SpecBenchConfig, drafter: Drafter,
                 raise ValueError(f"drafter {drafter_name} stores no default tree to add to "
                                  "the grid (its default_tree.json); drop --grid-add-default")
             added.append(drafter.default_tree)
+            if drafter.path is not None:
+                added.extend(stored_greedy_trees(drafter.path))
     else:
         first, added = (cfg.tree or drafter.tree_for(cfg.temperature),), list(cfg.add_trees)
     grid: list[TreeSpec] = []

@@ -92,6 +92,11 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "(default_tree.json): generate then uses them when given none; at "
                         "--temperature > 0 (with --add-tree) the winner becomes the tree for "
                         "sampling, beside the greedy tree and head")
+    p.add_argument("--for-this-machine", action="store_true",
+                   help="with --save-default-tree, greedy: store the tree as the greedy "
+                        "default of this machine's class (e.g. cpu-avx2: jax's backend and "
+                        "the CPU kernels' vector ISA), beside the main one, which machines "
+                        "of other classes keep drafting")
     p.add_argument("--out", default="results/bench_spec.json")
 
 
@@ -115,23 +120,27 @@ def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
 
 
 def save_default_tree(result: dict[str, Any], drafter_dir: str | Path,
-                      results_path: str | Path | None = None) -> Path:
+                      results_path: str | Path | None = None, *,
+                      machine: str | None = None) -> Path:
     """Store the tree a ``bench spec`` run chose as the drafter's default
     (``<drafter_dir>/default_tree.json``, see :mod:`specjax.tree.default`), with what was
     measured: the candidates' estimates and paired speeds, the chosen tree's realised speed,
-    the machine. A greedy run stores its tree and the head it drafted with; a sampled run
-    whose paired A/B chose the tree stores it as the tree for sampling, beside the greedy
-    default and its head (which both trees share).
+    the machine. A greedy run stores its tree and the head it drafted with, or with
+    ``machine`` (the run's machine class) the tree as that class's greedy default beside
+    the main one; a sampled run whose paired A/B chose the tree stores it as the tree for
+    sampling, beside the greedy default and its head (which every tree shares).
 
     Raises:
       ValueError: the run did not choose its tree, drafted with a head that names an
-        artifact outside the drafter folder (or, sampled, another head than the folder's),
-        or found a greedy mismatch (a default must be lossless).
+        artifact outside the drafter folder (or, sampled or for a machine class, another
+        head than the folder's), found a greedy mismatch (a default must be lossless), or
+        was given a machine class and sampled, or ran on another class.
     """
     from specjax.tree.default import (
         check_portable_vocab,
         read_default_vocab,
         write_default_tree,
+        write_machine_default_tree,
         write_sampled_default_tree,
     )
 
@@ -160,17 +169,24 @@ def save_default_tree(result: dict[str, Any], drafter_dir: str | Path,
         "mal": result["overall"]["mal"],
         "prompts": result["overall"]["prompts"], "model": conf["model"],
         "machine": {k: result["machine"].get(k) for k in ("cpu_model", "nproc", "jax_backend",
-                                                          "versions")},
+                                                          "class", "versions")},
         "results": None if results_path is None else str(results_path),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
     }
     rule = "the fastest wins, or at a speed tie the higher MAL where resolved"
     tree = TreeSpec.from_json(result["tree"])
-    if not greedy:
-        stored = read_default_vocab(drafter_dir)
-        if stored != vocab:
+    if machine is not None:
+        ran_on = result["machine"].get("class")
+        if not greedy or ran_on != machine:
+            raise ValueError(f"a machine class's default is a greedy tree measured on that "
+                             f"class; this run {'sampled' if not greedy else 'ran'} on "
+                             f"{ran_on!r}, not {machine!r}")
+    if not greedy or machine is not None:
+        stored = read_default_vocab(drafter_dir)  # None: no file, which the write refuses
+        if stored is not None and stored != vocab:
             raise ValueError(f"this run drafted with the head {vocab!r}, but the drafter's "
                              f"trees share {stored!r}; run again with --vocab {stored}")
+    if not greedy:
         how = (f"bench spec --temperature {conf['temperature']:g}: the {len(ab['candidates'])}"
                f" trees run end to end at that temperature, paired, on {ab['prompts']} "
                f"calibration prompts: {rule} ({ab['decided_by']})")
@@ -183,6 +199,8 @@ def save_default_tree(result: dict[str, Any], drafter_dir: str | Path,
                 f"({ab['decided_by']})")
     measured = {"how": how, **measured, "est_speedup": sel["chosen"]["est_speedup"],
                 "candidates": {c["label"]: round(c["est_speedup"], 4) for c in sel["grid"]}}
+    if machine is not None:
+        return write_machine_default_tree(drafter_dir, tree, measured, machine=machine)
     return write_default_tree(drafter_dir, tree, measured, vocab=vocab)
 
 
@@ -198,14 +216,23 @@ def run_spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.save_default_tree and args.top_p < 1:
         raise ValueError("--save-default-tree stores trees by temperature alone, measured "
                          "without a top-p filter; drop --top-p to choose one")
+    if args.for_this_machine and (not args.save_default_tree or args.temperature > 0):
+        raise ValueError("--for-this-machine stores a greedy tree: give it with "
+                         "--save-default-tree and without --temperature")
     if args.save_default_tree and args.vocab is not None:
         from specjax.tree.default import check_portable_vocab
 
         check_portable_vocab(args.vocab)
+    machine = None
+    if args.for_this_machine:
+        from specjax.tree.default import machine_class
+
+        machine = machine_class()
     res = run_spec_bench(config_from_args(args))
     if args.save_default_tree:
-        where = save_default_tree(res, res["config"]["drafter"], args.out)
+        where = save_default_tree(res, res["config"]["drafter"], args.out, machine=machine)
         what = ("default tree" if res["config"]["greedy"] else "tree for sampling")
+        what += f" of {machine} machines" if machine else ""
         print(f"{what} {res['tree_label']} (head {res['config']['vocab']}) saved to {where}")
     return res
 

@@ -28,6 +28,7 @@ def environment() -> dict[str, Any]:
     from specjax.compat import pallas_gpu_available
     from specjax.compile_cache import default_cache_path
     from specjax.defaults import cache_dir
+    from specjax.tree.default import machine_class
 
     versions = {}
     for name in PACKAGES:
@@ -41,6 +42,8 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "backend": jax.default_backend(),
+        # which of a drafter's measured greedy trees this machine drafts (default_tree.json)
+        "machine_class": machine_class(),
         "devices": [f"{d.platform}:{d.id} {d.device_kind}" for d in jax.devices()],
         "process": {"index": jax.process_index(), "count": jax.process_count()},
         "pallas_gpu": pallas_gpu_available(),
@@ -55,7 +58,7 @@ def environment() -> dict[str, Any]:
 def format_environment(env: dict[str, Any]) -> str:
     """``environment()`` as aligned ``key: value`` lines."""
     lines = [f"python: {env['python']} ({env['platform']}, {env['cpu_count']} CPUs)",
-             f"backend: {env['backend']}",
+             f"backend: {env['backend']} (machine class {env['machine_class']})",
              f"devices: {', '.join(env['devices'])}",
              f"processes: {env['process']['index']} of {env['process']['count']}",
              f"pallas on GPU: {'yes' if env['pallas_gpu'] else 'no (interpret mode only)'}"]

@@ -36,18 +36,30 @@ them sampling drafts the greedy batch trees. A file written before the eighty-fi
 session holds one table, ``{"trees", "measured"}``, measured at temperature 1, and reads
 as that.
 
+The greedy tree at batch 1 may also be stored by machine class (``"machines"``: by
+:func:`machine_class`, e.g. ``"cpu-avx2"``, each ``{"tree", "measured"}``, written by
+``specjax bench spec --save-default-tree --for-this-machine``): the verify forward's cost
+against its rows is the hardware's, and a CPU without AVX-512 computes a tile's extra rows
+at half the vector width (SmolLM2 on a Zen 3: 8 rows 1.37-1.50 of one row's forward, on a
+Zen 4 1.18), so the wider tree that ties on AVX-512 loses there. A machine of a class the
+file names drafts that class's tree; any other machine the file's main tree. The head is
+the file's for all of them.
+
 A stored head names only artifacts inside the drafter's folder (``fr:8192``, never
 ``fr:8192:/some/path``), so the folder can be copied or shipped whole.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
+
+import jax
 
 from specjax.checkpoint import write_json_atomic
 from specjax.tree.spec import TreeSpec
@@ -58,13 +70,13 @@ BatchTrees = tuple[tuple[int, TreeSpec | None], ...]
 SampledTrees = tuple[tuple[float, TreeSpec], ...]
 SampledBatchTrees = tuple[tuple[float, BatchTrees], ...]
 # The entries measured beside the greedy tree, drafting with the head it stores.
-_MEASURED_WITH_THE_HEAD = ("sampled", "batch", "sampled_batch")
+_MEASURED_WITH_THE_HEAD = ("sampled", "batch", "sampled_batch", "machines")
 
 
 class Defaults(NamedTuple):
     """A drafter folder's defaults, from one read of its file (:func:`read_defaults`)."""
 
-    tree: TreeSpec | None  # greedy, batch 1; None without a file
+    tree: TreeSpec | None  # greedy, batch 1, for the machine read for; None without a file
     vocab: str | None  # the head every tree drafts with; None without a file
     # (temperature > 0 it was measured at, tree) by temperature, batch 1; (): the greedy tree
     sampled_trees: SampledTrees = ()
@@ -72,6 +84,22 @@ class Defaults(NamedTuple):
     batch_trees: BatchTrees = ()
     # (temperature > 0 it was measured at, such a table) by temperature; (): the greedy one
     sampled_batch_trees: SampledBatchTrees = ()
+    # The machine class whose own greedy tree ``tree`` is; None: the file's main tree.
+    machine: str | None = None
+
+
+@functools.cache
+def machine_class() -> str:
+    """The class of machine a greedy default is measured for: jax's backend, and on a CPU the
+    vector instructions the kernels are built for (``"cpu-avx512f"``, ``"cpu-avx2"``;
+    ``"cpu"`` where they build for neither), e.g. ``"gpu"``."""
+    backend = jax.default_backend()
+    if backend != "cpu":
+        return backend
+    from specjax.kernels.cpu_build import cpu_isa  # kernels import jax's FFI; load lazily
+
+    isa = cpu_isa()
+    return f"cpu-{isa}" if isa else "cpu"
 
 
 def check_portable_vocab(spec: str) -> str:
@@ -109,6 +137,8 @@ def _read(folder: str | Path) -> dict[str, Any] | None:
             d["sampled_batch"] = _by_temperature("sampled_batch", d["sampled_batch"], "trees",
                                                  lambda e: {**e, "trees": _batch_trees(
                                                      "sampled_batch", e)})
+        if "machines" in d:
+            d["machines"] = _machine_trees(d["machines"])
         vocab = d.get("vocab", "full")
         if not isinstance(vocab, str):
             raise ValueError(f"vocab must be a head spec string, got {vocab!r}")
@@ -118,6 +148,18 @@ def _read(folder: str | Path) -> dict[str, Any] | None:
         raise ValueError(f"{path} is not a valid default tree ({e}); delete it to use "
                          "TreeSpec's defaults and the full head, or measure one again with "
                          "`specjax bench spec --save-default-tree`") from None
+
+
+def _machine_trees(value: Any) -> dict[str, dict[str, Any]]:
+    """The ``"machines"`` entry, ``{class: {"tree", "measured"}}``, with parsed trees."""
+    if not isinstance(value, dict) or not value:
+        raise ValueError("machines must be an object with a tree by machine class")
+    out = {}
+    for name, entry in value.items():
+        if not isinstance(entry, dict) or "tree" not in entry:
+            raise ValueError(f"machines[{name!r}] must be an object with a tree")
+        out[str(name)] = {**entry, "tree": TreeSpec.from_json(entry["tree"])}
+    return out
 
 
 def _batch_trees(entry: str, batch: Any) -> BatchTrees:
@@ -190,9 +232,11 @@ def read_batch_trees(folder: str | Path, *, temperature: float = 0.0) -> BatchTr
             else sampled_batch_at(d.sampled_batch_trees, temperature))
 
 
-def read_defaults(folder: str | Path) -> Defaults:
-    """``folder``'s defaults from one read of its file: all None and () without a file; the
-    head "full" when the file names none; an entry the file lacks None or ().
+def read_defaults(folder: str | Path, machine: str | None = None) -> Defaults:
+    """``folder``'s defaults from one read of its file, for a machine of class ``machine``
+    (default: this one's, :func:`machine_class`): all None and () without a file; the head
+    "full" when the file names none; an entry the file lacks None or (); the greedy tree
+    the class's own where the file stores one, else the main one.
 
     Raises:
       ValueError: the file exists but is not a valid default (names the file and how to
@@ -201,18 +245,33 @@ def read_defaults(folder: str | Path) -> Defaults:
     d = _read(folder)
     if d is None:
         return Defaults(None, None)
-    return Defaults(d["tree"], d["vocab"],
+    machine = machine or machine_class()
+    own = d.get("machines", {}).get(machine)
+    return Defaults(d["tree"] if own is None else own["tree"], d["vocab"],
                     tuple((t, e["tree"]) for t, e in d.get("sampled", {}).items()),
                     d["batch"]["trees"] if "batch" in d else (),
-                    tuple((t, e["trees"]) for t, e in d.get("sampled_batch", {}).items()))
+                    tuple((t, e["trees"]) for t, e in d.get("sampled_batch", {}).items()),
+                    None if own is None else machine)
 
 
-def read_default_tree(folder: str | Path, *, temperature: float = 0.0) -> TreeSpec | None:
-    """The greedy tree stored in ``folder``, or at ``temperature`` > 0 the tree for sampling
-    measured nearest it (:func:`sampled_tree_at`; None where the file has none; see
-    :func:`read_defaults`, which raises the same errors)."""
-    d = read_defaults(folder)
+def read_default_tree(folder: str | Path, *, temperature: float = 0.0,
+                      machine: str | None = None) -> TreeSpec | None:
+    """The greedy tree stored in ``folder`` for a machine of class ``machine`` (default:
+    this one's), or at ``temperature`` > 0 the tree for sampling measured nearest it
+    (:func:`sampled_tree_at`; None where the file has none; see :func:`read_defaults`,
+    which raises the same errors)."""
+    d = read_defaults(folder, machine)
     return d.tree if temperature == 0 else sampled_tree_at(d.sampled_trees, temperature)
+
+
+def stored_greedy_trees(folder: str | Path) -> tuple[TreeSpec, ...]:
+    """Every greedy batch-1 tree ``folder`` stores, each once: the main one, then each
+    machine class's (what a re-measurement on any class compares); () without a file."""
+    d = _read(folder)
+    if d is None:
+        return ()
+    return tuple(dict.fromkeys([d["tree"], *(e["tree"] for e in
+                                             d.get("machines", {}).values())]))
 
 
 def read_default_vocab(folder: str | Path) -> str | None:
@@ -223,8 +282,9 @@ def read_default_vocab(folder: str | Path) -> str | None:
 def write_default_tree(folder: str | Path, tree: TreeSpec, measured: dict[str, Any],
                        vocab: str = "full") -> Path:
     """Store ``tree`` and the head ``vocab`` as ``folder``'s defaults, with ``measured``
-    (how they were chosen). The trees for sampling and the batch defaults already in a valid
-    file are kept, each measured on its own, where they drafted with the same head; with
+    (how they were chosen). The trees for sampling, the batch defaults and the machine
+    classes' trees already in a valid file are kept, each measured on its own, where they
+    drafted with the same head; with
     another they are dropped (with a warning that says how to measure them again): they
     were measured with the old head, which every tree in the file shares. Raises
     ValueError for a head that names an outside path."""
@@ -239,7 +299,9 @@ def write_default_tree(folder: str | Path, tree: TreeSpec, measured: dict[str, A
                       f"{vocab!r}, so its entries {stale} (measured with the old head) were "
                       "dropped; measure them again with this head (`specjax bench spec "
                       "--temperature T --add-tree ... --save-default-tree`, `specjax bench "
-                      "batch --calibration 24 [--temperature T] --save-default-tree`)",
+                      "batch --calibration 24 [--temperature T] --save-default-tree`, on "
+                      "another machine class `specjax bench spec --save-default-tree "
+                      "--for-this-machine`)",
                       stacklevel=2)
         old = {k: v for k, v in old.items() if k not in stale}
     return _write(folder, old | {"tree": tree, "vocab": vocab, "measured": measured})
@@ -302,6 +364,22 @@ def write_batch_trees(folder: str | Path, trees: dict[int, TreeSpec | None],
         old.get("sampled_batch", {}), temperature, table)})
 
 
+def write_machine_default_tree(folder: str | Path, tree: TreeSpec, measured: dict[str, Any],
+                               *, machine: str) -> Path:
+    """Store ``tree`` as the greedy default of machines of class ``machine`` (where it was
+    measured, :func:`machine_class`), with ``measured``, beside the file's main tree (which
+    machines of other classes keep drafting), its head and the other entries.
+
+    Raises:
+      ValueError: an empty class; the folder has no default tree yet, or an invalid one.
+    """
+    if not isinstance(machine, str) or not machine:
+        raise ValueError(f"a machine class is a name such as 'cpu-avx2', got {machine!r}")
+    old = _read_measured(folder, "every tree uses")
+    return _write(folder, old | {"machines": {**old.get("machines", {}), machine: {
+        "tree": tree, "measured": measured}}})
+
+
 def _with_temperature(entries: dict[float, Any], temperature: float,
                       entry: Any) -> dict[float, Any]:
     """``entries`` (by temperature, as :func:`_read` returns them) with ``entry`` at
@@ -343,8 +421,8 @@ def _temperature_key(temperature: float) -> str:
 
 def _write(folder: str | Path, d: dict[str, Any]) -> Path:
     """The file, atomically, from ``d`` as :func:`_read` returns it (the greedy tree, head
-    and ``measured``; ``sampled`` and ``sampled_batch`` (by temperature) and ``batch``
-    where present)."""
+    and ``measured``; ``sampled`` and ``sampled_batch`` (by temperature), ``batch`` and
+    ``machines`` (by class) where present)."""
     data = {"format": FORMAT, "tree": d["tree"].to_json(), "vocab": d["vocab"],
             "measured": d.get("measured", {})}
     if "sampled" in d:
@@ -356,6 +434,9 @@ def _write(folder: str | Path, d: dict[str, Any]) -> Path:
     if "sampled_batch" in d:
         data["sampled_batch"] = {"temperatures": {
             _temperature_key(t): _batch_json(e) for t, e in d["sampled_batch"].items()}}
+    if "machines" in d:
+        data["machines"] = {m: {**e, "tree": e["tree"].to_json()}
+                            for m, e in sorted(d["machines"].items())}
     path = Path(folder) / FILE
     write_json_atomic(path, data)
     return path

@@ -72,11 +72,11 @@ def test_save_choice_greedy_keeps_head_and_sampled_tree(tmp_path):
     write_sampled_default_tree(tmp_path, n2, {"how": "t=1"}, temperature=1.0)
     two = TreeSpec("static", paths=((0,), (1,)), lookup=8, lookup_min=2)
     calib.save_choice(tmp_path, two, {"how": "t=0"}, temperature=0.0)
-    assert read_defaults(tmp_path) == (two, "fr:8192", ((1.0, n2),), (), ())
+    assert read_defaults(tmp_path) == (two, "fr:8192", ((1.0, n2),), (), (), None)
     calib.save_choice(tmp_path, chain, {"how": "t=1 again"}, temperature=1.0)
-    assert read_defaults(tmp_path) == (two, "fr:8192", ((1.0, chain),), (), ())
+    assert read_defaults(tmp_path) == (two, "fr:8192", ((1.0, chain),), (), (), None)
     calib.save_choice(tmp_path, two, {"how": "t=0.3"}, temperature=0.3)  # beside the one at 1
-    assert read_defaults(tmp_path) == (two, "fr:8192", ((0.3, two), (1.0, chain)), (), ())
+    assert read_defaults(tmp_path) == (two, "fr:8192", ((0.3, two), (1.0, chain)), (), (), None)
 
 
 @pytest.mark.parametrize("flags", [["--timing-reps", "1"], ["--timing-prompts", "0"]])

@@ -557,6 +557,25 @@ def test_paired_tie_break_chooses_the_fastest_end_to_end(tiny_model, tmp_path, m
     assert "paired A/B skipped" in summary(res)
 
 
+def test_every_stored_greedy_tree_joins_the_grid_and_the_ab(tiny_model, tmp_path):
+    """``grid_add_default``: this machine's stored tree, then the folder's main one and every
+    other machine class's, so a run on any class compares them all."""
+    from specjax.tree.default import write_default_tree, write_machine_default_tree
+
+    static = TreeSpec("static", paths=((0,), (1,), (0, 0)), lookup=8, lookup_min=2)
+    other = TreeSpec("chain", depth=1, lookup=4, lookup_min=2)
+    write_default_tree(tmp_path, static, {}, vocab="fr:16")
+    write_machine_default_tree(tmp_path, other, {}, machine="cpu-elsewhere")
+    write_machine_default_tree(tmp_path, GRID[0], {}, machine="cpu-again")  # in the grid
+    drafter = dataclasses.replace(random_drafter(specjax.load(tiny_model)), path=tmp_path,
+                                  default_tree=static)
+    cfg = SpecBenchConfig(tiny_model, grid=GRID, grid_add_default=True, ab_trees=2,
+                          out=tmp_path / "b.json")
+    trees, keep = spec_bench.candidates(cfg, drafter, "d")
+    assert trees == (*GRID, static, other)
+    assert [trees[i] for i in keep] == [static, GRID[0], other]  # classes by name
+
+
 def test_tie_break_settings_are_checked(tiny_model, tmp_path):
     for kw, match in (({"ab_trees": 1}, "at least 2 trees"),
                       ({"ab_trees": 2, "ab_within": 1.5}, "0 < ab_within < 1"),

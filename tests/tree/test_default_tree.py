@@ -20,6 +20,7 @@ from specjax.drafter import DrafterConfig, EagleDrafter, save_drafter
 from specjax.speculative import TreeSpec
 from specjax.tree.default import (
     FILE,
+    machine_class,
     read_batch_trees,
     read_default_tree,
     read_default_vocab,
@@ -27,6 +28,7 @@ from specjax.tree.default import (
     unmeasured_drafting_sizes,
     write_batch_trees,
     write_default_tree,
+    write_machine_default_tree,
     write_sampled_default_tree,
 )
 
@@ -359,10 +361,12 @@ def test_a_new_head_drops_the_entries_measured_with_the_old_one(tmp_path):
         write_default_tree(tmp_path, TreeSpec("chain", depth=3), {}, vocab="fr:8192")
     d = read_defaults(tmp_path)
     assert d.sampled_trees and d.batch_trees and d.sampled_batch_trees
+    write_machine_default_tree(tmp_path, chain, {}, machine="cpu-avx2")
     with pytest.warns(UserWarning, match=r"head changed from 'fr:8192' to 'full'.*"
-                                         r"\['sampled', 'batch', 'sampled_batch'\]"):
+                                         r"\['sampled', 'batch', 'sampled_batch', 'machines'\]"):
         write_default_tree(tmp_path, TreeSpec("chain", depth=3), {}, vocab="full")
-    assert read_defaults(tmp_path) == (TreeSpec("chain", depth=3), "full", (), (), ())
+    assert read_defaults(tmp_path) == (TreeSpec("chain", depth=3), "full", (), (), (), None)
+    assert read_defaults(tmp_path, "cpu-avx2").tree == TreeSpec("chain", depth=3)
 
 
 def test_sampled_batch_tables_by_temperature(tmp_path):
@@ -481,3 +485,67 @@ def test_generate_follows_the_batch_defaults(tiny_target, tmp_path):
     beyond = run(4, drafter=upto3, vocab="full")
     assert beyond.tokens == vanilla.tokens
     assert "measured trees up to 3 rows only" in beyond.stats["speculation_off"]
+
+
+def test_a_machine_class_drafts_its_own_greedy_tree(tmp_path):
+    """A tree stored for a machine class serves machines of that class, greedy at batch 1;
+    every other class, and every other entry, reads the file's main ones."""
+    static = TreeSpec("static", paths=((0,), (1,), (0, 0)), lookup=8, lookup_min=2)
+    chain, wide = TreeSpec("chain", depth=2, lookup=8, lookup_min=2), TreeSpec(
+        "dyspec-threshold", depth=1, total_tokens=5, threshold=0.001)
+    with pytest.raises(ValueError, match="does not exist; measure the greedy default first"):
+        write_machine_default_tree(tmp_path, chain, {}, machine="cpu-avx2")
+    write_default_tree(tmp_path, static, {"on": "avx512"}, vocab="fr:8192")
+    write_sampled_default_tree(tmp_path, wide, {}, temperature=1.0)
+    write_batch_trees(tmp_path, {2: chain}, {})
+    write_machine_default_tree(tmp_path, chain, {"on": "avx2"}, machine="cpu-avx2")
+    mine = read_defaults(tmp_path, "cpu-avx2")
+    assert (mine.tree, mine.machine, mine.vocab) == (chain, "cpu-avx2", "fr:8192")
+    assert mine.sampled_trees == ((1.0, wide),) and mine.batch_trees == ((2, chain),)
+    other = read_defaults(tmp_path, "cpu-avx512f")
+    assert (other.tree, other.machine) == (static, None)
+    assert read_default_tree(tmp_path, machine="gpu") == static
+    assert read_default_tree(tmp_path, machine="cpu-avx2", temperature=1.0) == wide
+    # Re-measuring the main tree with the same head keeps the classes' trees.
+    write_default_tree(tmp_path, static, {}, vocab="fr:8192")
+    assert read_default_tree(tmp_path, machine="cpu-avx2") == chain
+    text = json.loads((tmp_path / FILE).read_text())
+    assert text["machines"]["cpu-avx2"]["measured"] == {"on": "avx2"}
+    with pytest.raises(ValueError, match="machine class is a name"):
+        write_machine_default_tree(tmp_path, chain, {}, machine="")
+    # This process reads its own class's entry (the suite runs on a CPU).
+    assert machine_class() in ("cpu", "cpu-avx2", "cpu-avx512f")
+    write_machine_default_tree(tmp_path, wide, {}, machine=machine_class())
+    assert read_defaults(tmp_path).tree == wide
+    (tmp_path / FILE).write_text(json.dumps({**text, "machines": {"cpu-avx2": {}}}))
+    with pytest.raises(ValueError, match=r"not a valid default tree.*machines\['cpu-avx2'\]"):
+        read_defaults(tmp_path)
+
+
+def test_save_default_tree_for_a_machine_class(tmp_path):
+    """``bench spec --save-default-tree --for-this-machine``: the greedy run's tree goes to
+    its machine class's entry; a sampled run, a run on another class or with another head
+    than the folder's is refused."""
+    grid = [{"label": "chain d2", "est_speedup": 1.6}]
+    result = {"config": {"tree_mode": "auto", "vocab": "fr:8192", "model": "m"},
+              "greedy_equality": {"all_match": True}, "tree_label": "chain d2",
+              "tree": TreeSpec("chain", depth=2).to_json(),
+              "tree_selection": {"chosen": grid[0], "grid": grid},
+              "overall": {"speedup": 1.49, "mal": 2.28, "prompts": 24},
+              "machine": {"cpu_model": "x", "nproc": 2, "class": "cpu-avx2"}}
+    with pytest.raises(ValueError, match="does not exist"):
+        save_default_tree(result, tmp_path, machine="cpu-avx2")
+    write_default_tree(tmp_path, TreeSpec("chain", depth=3), {}, vocab="fr:8192")
+    saved = json.loads(save_default_tree(result, tmp_path, "r.json",
+                                         machine="cpu-avx2").read_text())
+    assert saved["tree"] == TreeSpec("chain", depth=3).to_json()  # the main tree stays
+    entry = saved["machines"]["cpu-avx2"]
+    assert entry["tree"] == TreeSpec("chain", depth=2).to_json()
+    assert entry["measured"]["machine"]["class"] == "cpu-avx2"
+    assert entry["measured"]["realized_speedup"] == 1.49
+    for change, msg in [({"machine": {"class": "cpu-avx512f"}}, "ran on 'cpu-avx512f'"),
+                        ({"config": {**result["config"], "greedy": False}}, "sampled"),
+                        ({"config": {**result["config"], "vocab": "full"}},
+                         "trees share 'fr:8192'")]:
+        with pytest.raises(ValueError, match=msg):
+            save_default_tree({**result, **change}, tmp_path, machine="cpu-avx2")
