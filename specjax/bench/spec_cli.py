@@ -93,10 +93,10 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "--temperature > 0 (with --add-tree) the winner becomes the tree for "
                         "sampling, beside the greedy tree and head")
     p.add_argument("--for-this-machine", action="store_true",
-                   help="with --save-default-tree, greedy: store the tree as the greedy "
-                        "default of this machine's class (e.g. cpu-avx2: jax's backend and "
-                        "the CPU kernels' vector ISA), beside the main one, which machines "
-                        "of other classes keep drafting")
+                   help="with --save-default-tree: store the tree (greedy, or for sampling "
+                        "at --temperature) for this machine's class only (e.g. cpu-avx2: "
+                        "jax's backend and the CPU kernels' vector ISA), beside the main "
+                        "trees, which machines of other classes keep drafting")
     p.add_argument("--out", default="results/bench_spec.json")
 
 
@@ -125,16 +125,16 @@ def save_default_tree(result: dict[str, Any], drafter_dir: str | Path,
     """Store the tree a ``bench spec`` run chose as the drafter's default
     (``<drafter_dir>/default_tree.json``, see :mod:`specjax.tree.default`), with what was
     measured: the candidates' estimates and paired speeds, the chosen tree's realised speed,
-    the machine. A greedy run stores its tree and the head it drafted with, or with
-    ``machine`` (the run's machine class) the tree as that class's greedy default beside
-    the main one; a sampled run whose paired A/B chose the tree stores it as the tree for
-    sampling, beside the greedy default and its head (which every tree shares).
+    the machine. A greedy run stores its tree and the head it drafted with; a sampled run
+    whose paired A/B chose the tree stores it as the tree for sampling at its temperature,
+    beside the greedy default and its head (which every tree shares). With ``machine``
+    (the run's machine class) either is stored for that class only, beside the main trees.
 
     Raises:
       ValueError: the run did not choose its tree, drafted with a head that names an
         artifact outside the drafter folder (or, sampled or for a machine class, another
         head than the folder's), found a greedy mismatch (a default must be lossless), or
-        was given a machine class and sampled, or ran on another class.
+        was given a machine class it did not run on.
     """
     from specjax.tree.default import (
         check_portable_vocab,
@@ -175,12 +175,9 @@ def save_default_tree(result: dict[str, Any], drafter_dir: str | Path,
     }
     rule = "the fastest wins, or at a speed tie the higher MAL where resolved"
     tree = TreeSpec.from_json(result["tree"])
-    if machine is not None:
-        ran_on = result["machine"].get("class")
-        if not greedy or ran_on != machine:
-            raise ValueError(f"a machine class's default is a greedy tree measured on that "
-                             f"class; this run {'sampled' if not greedy else 'ran'} on "
-                             f"{ran_on!r}, not {machine!r}")
+    if machine is not None and (ran_on := result["machine"].get("class")) != machine:
+        raise ValueError(f"a machine class's tree is measured on that class; this run ran "
+                         f"on {ran_on!r}, not {machine!r}")
     if not greedy or machine is not None:
         stored = read_default_vocab(drafter_dir)  # None: no file, which the write refuses
         if stored is not None and stored != vocab:
@@ -190,6 +187,10 @@ def save_default_tree(result: dict[str, Any], drafter_dir: str | Path,
         how = (f"bench spec --temperature {conf['temperature']:g}: the {len(ab['candidates'])}"
                f" trees run end to end at that temperature, paired, on {ab['prompts']} "
                f"calibration prompts: {rule} ({ab['decided_by']})")
+        if machine is not None:
+            return write_machine_default_tree(drafter_dir, tree, {"how": how, **measured},
+                                              machine=machine,
+                                              temperature=conf["temperature"])
         return write_sampled_default_tree(drafter_dir, tree, {"how": how, **measured},
                                           temperature=conf["temperature"])
     how = "bench spec: calibration MAL / (verify(T) + draft time), highest wins"
@@ -216,9 +217,9 @@ def run_spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.save_default_tree and args.top_p < 1:
         raise ValueError("--save-default-tree stores trees by temperature alone, measured "
                          "without a top-p filter; drop --top-p to choose one")
-    if args.for_this_machine and (not args.save_default_tree or args.temperature > 0):
-        raise ValueError("--for-this-machine stores a greedy tree: give it with "
-                         "--save-default-tree and without --temperature")
+    if args.for_this_machine and not args.save_default_tree:
+        raise ValueError("--for-this-machine says where --save-default-tree stores the tree: "
+                         "give both")
     if args.save_default_tree and args.vocab is not None:
         from specjax.tree.default import check_portable_vocab
 

@@ -36,14 +36,16 @@ them sampling drafts the greedy batch trees. A file written before the eighty-fi
 session holds one table, ``{"trees", "measured"}``, measured at temperature 1, and reads
 as that.
 
-The greedy tree at batch 1 may also be stored by machine class (``"machines"``: by
-:func:`machine_class`, e.g. ``"cpu-avx2"``, each ``{"tree", "measured"}``, written by
-``specjax bench spec --save-default-tree --for-this-machine``): the verify forward's cost
-against its rows is the hardware's, and a CPU without AVX-512 computes a tile's extra rows
-at half the vector width (SmolLM2 on a Zen 3: 8 rows 1.37-1.50 of one row's forward, on a
-Zen 4 1.18), so the wider tree that ties on AVX-512 loses there. A machine of a class the
-file names drafts that class's tree; any other machine the file's main tree. The head is
-the file's for all of them.
+The trees at batch 1 may also be stored by machine class (``"machines"``: by
+:func:`machine_class`, e.g. ``"cpu-avx2"``, each with a greedy ``{"tree", "measured"}``
+and trees for sampling ``"sampled"`` as above, written by ``specjax bench spec
+--save-default-tree --for-this-machine``): the verify forward's cost against its rows is
+the hardware's, and a CPU without AVX-512 computes a tile's extra rows at half the vector
+width (SmolLM2 on a Zen 3: 8 rows 1.37-1.50 of one row's forward, on a Zen 4 1.18), so
+the wider tree that ties on AVX-512 loses there. A machine of a class the file names
+drafts that class's greedy tree where it has one, and samples at a temperature with the
+class's tree where it has one measured there, the file's otherwise; any other machine
+drafts the file's. The head and the batch tables are the file's for all of them.
 
 A stored head names only artifacts inside the drafter's folder (``fr:8192``, never
 ``fr:8192:/some/path``), so the folder can be copied or shipped whole.
@@ -84,7 +86,8 @@ class Defaults(NamedTuple):
     batch_trees: BatchTrees = ()
     # (temperature > 0 it was measured at, such a table) by temperature; (): the greedy one
     sampled_batch_trees: SampledBatchTrees = ()
-    # The machine class whose own greedy tree ``tree`` is; None: the file's main tree.
+    # The machine class whose trees (some of ``tree`` and ``sampled_trees``) were read;
+    # None: the file names no trees for this machine's class.
     machine: str | None = None
 
 
@@ -129,8 +132,7 @@ def _read(folder: str | Path) -> dict[str, Any] | None:
             raise ValueError(f"not a {FORMAT!r} file")
         d["tree"] = TreeSpec.from_json(d["tree"])
         if "sampled" in d:
-            d["sampled"] = _by_temperature("sampled", d["sampled"], "tree", lambda e: {
-                **e, "tree": TreeSpec.from_json(e["tree"])})
+            d["sampled"] = _by_temperature("sampled", d["sampled"], "tree", _sampled_entry)
         if "batch" in d:
             d["batch"] = {**d["batch"], "trees": _batch_trees("batch", d["batch"])}
         if "sampled_batch" in d:
@@ -151,15 +153,26 @@ def _read(folder: str | Path) -> dict[str, Any] | None:
 
 
 def _machine_trees(value: Any) -> dict[str, dict[str, Any]]:
-    """The ``"machines"`` entry, ``{class: {"tree", "measured"}}``, with parsed trees."""
+    """The ``"machines"`` entry, ``{class: {"tree", "measured", "sampled"}}`` (a greedy
+    tree, trees for sampling, or both), with parsed trees."""
     if not isinstance(value, dict) or not value:
-        raise ValueError("machines must be an object with a tree by machine class")
+        raise ValueError("machines must be an object with trees by machine class")
     out = {}
     for name, entry in value.items():
-        if not isinstance(entry, dict) or "tree" not in entry:
-            raise ValueError(f"machines[{name!r}] must be an object with a tree")
-        out[str(name)] = {**entry, "tree": TreeSpec.from_json(entry["tree"])}
+        if not isinstance(entry, dict) or not {"tree", "sampled"} & set(entry):
+            raise ValueError(f"machines[{name!r}] must be an object with a tree or sampled")
+        e = dict(entry)
+        if "tree" in e:
+            e["tree"] = TreeSpec.from_json(e["tree"])
+        if "sampled" in e:
+            e["sampled"] = _by_temperature(f"machines[{name!r}].sampled", e["sampled"],
+                                           "tree", _sampled_entry)
+        out[str(name)] = e
     return out
+
+
+def _sampled_entry(e: dict[str, Any]) -> dict[str, Any]:
+    return {**e, "tree": TreeSpec.from_json(e["tree"])}
 
 
 def _batch_trees(entry: str, batch: Any) -> BatchTrees:
@@ -235,8 +248,9 @@ def read_batch_trees(folder: str | Path, *, temperature: float = 0.0) -> BatchTr
 def read_defaults(folder: str | Path, machine: str | None = None) -> Defaults:
     """``folder``'s defaults from one read of its file, for a machine of class ``machine``
     (default: this one's, :func:`machine_class`): all None and () without a file; the head
-    "full" when the file names none; an entry the file lacks None or (); the greedy tree
-    the class's own where the file stores one, else the main one.
+    "full" when the file names none; an entry the file lacks None or (); the greedy tree and
+    each temperature's tree for sampling the class's own where the file stores one, else
+    the main ones.
 
     Raises:
       ValueError: the file exists but is not a valid default (names the file and how to
@@ -246,12 +260,13 @@ def read_defaults(folder: str | Path, machine: str | None = None) -> Defaults:
     if d is None:
         return Defaults(None, None)
     machine = machine or machine_class()
-    own = d.get("machines", {}).get(machine)
-    return Defaults(d["tree"] if own is None else own["tree"], d["vocab"],
-                    tuple((t, e["tree"]) for t, e in d.get("sampled", {}).items()),
+    own = d.get("machines", {}).get(machine, {})
+    sampled = dict(sorted((d.get("sampled", {}) | own.get("sampled", {})).items()))
+    return Defaults(own.get("tree", d["tree"]), d["vocab"],
+                    tuple((t, e["tree"]) for t, e in sampled.items()),
                     d["batch"]["trees"] if "batch" in d else (),
                     tuple((t, e["trees"]) for t, e in d.get("sampled_batch", {}).items()),
-                    None if own is None else machine)
+                    machine if own else None)
 
 
 def read_default_tree(folder: str | Path, *, temperature: float = 0.0,
@@ -271,7 +286,7 @@ def stored_greedy_trees(folder: str | Path) -> tuple[TreeSpec, ...]:
     if d is None:
         return ()
     return tuple(dict.fromkeys([d["tree"], *(e["tree"] for e in
-                                             d.get("machines", {}).values())]))
+                                             d.get("machines", {}).values() if "tree" in e)]))
 
 
 def read_default_vocab(folder: str | Path) -> str | None:
@@ -365,19 +380,29 @@ def write_batch_trees(folder: str | Path, trees: dict[int, TreeSpec | None],
 
 
 def write_machine_default_tree(folder: str | Path, tree: TreeSpec, measured: dict[str, Any],
-                               *, machine: str) -> Path:
-    """Store ``tree`` as the greedy default of machines of class ``machine`` (where it was
-    measured, :func:`machine_class`), with ``measured``, beside the file's main tree (which
+                               *, machine: str, temperature: float = 0.0) -> Path:
+    """Store ``tree`` as the greedy default (``temperature`` 0) of machines of class
+    ``machine`` (where it was measured, :func:`machine_class`), or as their tree for
+    sampling at ``temperature``, with ``measured``, beside the file's main trees (which
     machines of other classes keep drafting), its head and the other entries.
 
     Raises:
-      ValueError: an empty class; the folder has no default tree yet, or an invalid one.
+      ValueError: an empty class; a temperature not >= 0; the folder has no default tree
+        yet, or an invalid one.
     """
     if not isinstance(machine, str) or not machine:
         raise ValueError(f"a machine class is a name such as 'cpu-avx2', got {machine!r}")
+    if not 0 <= temperature < math.inf:
+        raise ValueError(f"a tree is measured at a finite temperature >= 0, got "
+                         f"{temperature!r}")
     old = _read_measured(folder, "every tree uses")
-    return _write(folder, old | {"machines": {**old.get("machines", {}), machine: {
-        "tree": tree, "measured": measured}}})
+    own = dict(old.get("machines", {}).get(machine, {}))
+    if temperature == 0:
+        own |= {"tree": tree, "measured": measured}
+    else:
+        own["sampled"] = _with_temperature(own.get("sampled", {}), temperature,
+                                           {"tree": tree, "measured": measured})
+    return _write(folder, old | {"machines": {**old.get("machines", {}), machine: own}})
 
 
 def _with_temperature(entries: dict[float, Any], temperature: float,
@@ -426,20 +451,34 @@ def _write(folder: str | Path, d: dict[str, Any]) -> Path:
     data = {"format": FORMAT, "tree": d["tree"].to_json(), "vocab": d["vocab"],
             "measured": d.get("measured", {})}
     if "sampled" in d:
-        data["sampled"] = {"temperatures": {
-            _temperature_key(t): {**e, "tree": e["tree"].to_json()}
-            for t, e in d["sampled"].items()}}
+        data["sampled"] = _sampled_json(d["sampled"])
     if "batch" in d:
         data["batch"] = _batch_json(d["batch"])
     if "sampled_batch" in d:
         data["sampled_batch"] = {"temperatures": {
             _temperature_key(t): _batch_json(e) for t, e in d["sampled_batch"].items()}}
     if "machines" in d:
-        data["machines"] = {m: {**e, "tree": e["tree"].to_json()}
-                            for m, e in sorted(d["machines"].items())}
+        data["machines"] = {m: _machine_json(e) for m, e in sorted(d["machines"].items())}
     path = Path(folder) / FILE
     write_json_atomic(path, data)
     return path
+
+
+def _sampled_json(entries: dict[float, Any]) -> dict[str, Any]:
+    """Trees for sampling by temperature (as :func:`_read` returns them) as the file holds
+    them."""
+    return {"temperatures": {_temperature_key(t): {**e, "tree": e["tree"].to_json()}
+                             for t, e in entries.items()}}
+
+
+def _machine_json(entry: dict[str, Any]) -> dict[str, Any]:
+    """A machine class's entry (as :func:`_read` returns it) as the file holds it."""
+    out = dict(entry)
+    if "tree" in out:
+        out["tree"] = out["tree"].to_json()
+    if "sampled" in out:
+        out["sampled"] = _sampled_json(out["sampled"])
+    return out
 
 
 def _batch_json(table: dict[str, Any]) -> dict[str, Any]:

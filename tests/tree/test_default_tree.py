@@ -25,6 +25,7 @@ from specjax.tree.default import (
     read_default_tree,
     read_default_vocab,
     read_defaults,
+    stored_greedy_trees,
     unmeasured_drafting_sizes,
     write_batch_trees,
     write_default_tree,
@@ -487,9 +488,10 @@ def test_generate_follows_the_batch_defaults(tiny_target, tmp_path):
     assert "measured trees up to 3 rows only" in beyond.stats["speculation_off"]
 
 
-def test_a_machine_class_drafts_its_own_greedy_tree(tmp_path):
-    """A tree stored for a machine class serves machines of that class, greedy at batch 1;
-    every other class, and every other entry, reads the file's main ones."""
+def test_a_machine_class_drafts_its_own_trees(tmp_path):
+    """Trees stored for a machine class serve machines of that class at batch 1 (greedy, and
+    sampling at the temperatures it has trees for); every other class, and every other
+    entry, reads the file's main ones."""
     static = TreeSpec("static", paths=((0,), (1,), (0, 0)), lookup=8, lookup_min=2)
     chain, wide = TreeSpec("chain", depth=2, lookup=8, lookup_min=2), TreeSpec(
         "dyspec-threshold", depth=1, total_tokens=5, threshold=0.001)
@@ -513,6 +515,23 @@ def test_a_machine_class_drafts_its_own_greedy_tree(tmp_path):
     assert text["machines"]["cpu-avx2"]["measured"] == {"on": "avx2"}
     with pytest.raises(ValueError, match="machine class is a name"):
         write_machine_default_tree(tmp_path, chain, {}, machine="")
+    # A class may store trees for sampling: by temperature, over the file's own, which
+    # serve the temperatures the class has none at.
+    hot = TreeSpec("dyspec-threshold", depth=1, total_tokens=3, threshold=0.001)
+    write_sampled_default_tree(tmp_path, static, {}, temperature=0.3)
+    write_machine_default_tree(tmp_path, hot, {"t": 1}, machine="cpu-avx2", temperature=1.0)
+    mine = read_defaults(tmp_path, "cpu-avx2")
+    assert mine.sampled_trees == ((0.3, static), (1.0, hot)) and mine.tree == chain
+    assert read_defaults(tmp_path, "cpu-avx512f").sampled_trees == ((0.3, static), (1.0, wide))
+    write_machine_default_tree(tmp_path, chain, {}, machine="cpu-sampled", temperature=0.7)
+    only = read_defaults(tmp_path, "cpu-sampled")
+    assert (only.tree, only.machine) == (static, "cpu-sampled")  # no greedy tree of its own
+    assert only.sampled_trees == ((0.3, static), (0.7, chain), (1.0, wide))
+    assert stored_greedy_trees(tmp_path) == (static, chain)  # the main one, then classes'
+    text = json.loads((tmp_path / FILE).read_text())
+    assert text["machines"]["cpu-avx2"]["sampled"]["temperatures"]["1"]["measured"] == {"t": 1}
+    with pytest.raises(ValueError, match="finite temperature >= 0"):
+        write_machine_default_tree(tmp_path, hot, {}, machine="cpu-avx2", temperature=-1.0)
     # This process reads its own class's entry (the suite runs on a CPU).
     assert machine_class() in ("cpu", "cpu-avx2", "cpu-avx512f")
     write_machine_default_tree(tmp_path, wide, {}, machine=machine_class())
@@ -523,9 +542,9 @@ def test_a_machine_class_drafts_its_own_greedy_tree(tmp_path):
 
 
 def test_save_default_tree_for_a_machine_class(tmp_path):
-    """``bench spec --save-default-tree --for-this-machine``: the greedy run's tree goes to
-    its machine class's entry; a sampled run, a run on another class or with another head
-    than the folder's is refused."""
+    """``bench spec --save-default-tree --for-this-machine``: the run's tree goes to its
+    machine class's entry (greedy, or for sampling at its temperature); a run on another
+    class or with another head than the folder's is refused."""
     grid = [{"label": "chain d2", "est_speedup": 1.6}]
     result = {"config": {"tree_mode": "auto", "vocab": "fr:8192", "model": "m"},
               "greedy_equality": {"all_match": True}, "tree_label": "chain d2",
@@ -544,8 +563,24 @@ def test_save_default_tree_for_a_machine_class(tmp_path):
     assert entry["measured"]["machine"]["class"] == "cpu-avx2"
     assert entry["measured"]["realized_speedup"] == 1.49
     for change, msg in [({"machine": {"class": "cpu-avx512f"}}, "ran on 'cpu-avx512f'"),
-                        ({"config": {**result["config"], "greedy": False}}, "sampled"),
                         ({"config": {**result["config"], "vocab": "full"}},
                          "trees share 'fr:8192'")]:
         with pytest.raises(ValueError, match=msg):
             save_default_tree({**result, **change}, tmp_path, machine="cpu-avx2")
+    # A sampled run's tree, chosen by its paired A/B, is the class's tree for sampling.
+    ab = {"candidates": ["n5", "n3"], "prompts": 23, "decided_by": "speed",
+          "results": [{"label": "n5", "vs_first": {"ratio": 1.0, "ci95": [1.0, 1.0]}},
+                      {"label": "n3", "vs_first": {"ratio": 1.04, "ci95": [1.002, 1.08]}}]}
+    n3 = TreeSpec("dyspec-threshold", depth=1, total_tokens=3, threshold=0.001)
+    sampled = {**result, "config": {**result["config"], "greedy": False, "temperature": 1.0,
+                                    "tree_mode": "paired"},
+               "tree": n3.to_json(), "tree_label": "n3",
+               "tree_selection": {**result["tree_selection"], "ab": ab}}
+    saved = json.loads(save_default_tree(sampled, tmp_path, machine="cpu-avx2").read_text())
+    entry = saved["machines"]["cpu-avx2"]
+    assert entry["tree"] == TreeSpec("chain", depth=2).to_json()  # its greedy tree stays
+    assert "sampled" not in saved  # the main trees for sampling are untouched
+    one = entry["sampled"]["temperatures"]["1"]
+    assert one["tree"] == n3.to_json() and "bench spec --temperature 1" in one["measured"]["how"]
+    assert read_default_tree(tmp_path, machine="cpu-avx2", temperature=1.0) == n3
+    assert read_default_tree(tmp_path, machine="cpu-avx512f", temperature=1.0) is None
