@@ -172,6 +172,7 @@ def _machine_trees(value: Any) -> dict[str, dict[str, Any]]:
 
 
 def _sampled_entry(e: dict[str, Any]) -> dict[str, Any]:
+    """A tree for sampling's entry, ``{"tree", "measured"}``, with its tree parsed."""
     return {**e, "tree": TreeSpec.from_json(e["tree"])}
 
 
