@@ -184,25 +184,26 @@ def save_default_tree(result: dict[str, Any], drafter_dir: str | Path,
             raise ValueError(f"this run drafted with the head {vocab!r}, but the drafter's "
                              f"trees share {stored!r}; run again with --vocab {stored}")
     if not greedy:
-        how = (f"bench spec --temperature {conf['temperature']:g}: the {len(ab['candidates'])}"
-               f" trees run end to end at that temperature, paired, on {ab['prompts']} "
-               f"calibration prompts: {rule} ({ab['decided_by']})")
-        if machine is not None:
-            return write_machine_default_tree(drafter_dir, tree, {"how": how, **measured},
-                                              machine=machine,
-                                              temperature=conf["temperature"])
-        return write_sampled_default_tree(drafter_dir, tree, {"how": how, **measured},
-                                          temperature=conf["temperature"])
-    how = "bench spec: calibration MAL / (verify(T) + draft time), highest wins"
-    if paired is not None:
-        how += (f"; then the {len(ab['candidates'])} best within {ab['within']:.0%} run end "
-                f"to end, paired, on {ab['prompts']} calibration prompts: {rule} "
-                f"({ab['decided_by']})")
-    measured = {"how": how, **measured, "est_speedup": sel["chosen"]["est_speedup"],
-                "candidates": {c["label"]: round(c["est_speedup"], 4) for c in sel["grid"]}}
+        measured = {"how": (f"bench spec --temperature {conf['temperature']:g}: the "
+                            f"{len(ab['candidates'])} trees run end to end at that "
+                            f"temperature, paired, on {ab['prompts']} calibration prompts: "
+                            f"{rule} ({ab['decided_by']})"), **measured}
+    else:
+        how = "bench spec: calibration MAL / (verify(T) + draft time), highest wins"
+        if paired is not None:
+            how += (f"; then the {len(ab['candidates'])} best within {ab['within']:.0%} run "
+                    f"end to end, paired, on {ab['prompts']} calibration prompts: {rule} "
+                    f"({ab['decided_by']})")
+        measured = {"how": how, **measured, "est_speedup": sel["chosen"]["est_speedup"],
+                    "candidates": {c["label"]: round(c["est_speedup"], 4)
+                                   for c in sel["grid"]}}
+    temperature = 0.0 if greedy else conf["temperature"]
     if machine is not None:
-        return write_machine_default_tree(drafter_dir, tree, measured, machine=machine)
-    return write_default_tree(drafter_dir, tree, measured, vocab=vocab)
+        return write_machine_default_tree(drafter_dir, tree, measured, machine=machine,
+                                          temperature=temperature)
+    if greedy:
+        return write_default_tree(drafter_dir, tree, measured, vocab=vocab)
+    return write_sampled_default_tree(drafter_dir, tree, measured, temperature=temperature)
 
 
 def run_spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
