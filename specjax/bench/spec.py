@@ -8,10 +8,11 @@ One command, one run, one JSON + one PNG:
    So the run measures the target's forward latency (jitted ``forward_hidden`` +
    ``lm_head`` + argmax, B=1, a cache as long as the evaluation's) for T = 1..32 tokens,
    measures the drafter's whole draft phase for each candidate tree of a small grid, takes
-   each tree's MAL from a short calibration run on ShareGPT prompts (never Spec-Bench's:
-   :func:`specjax.bench.questions.calibration_prompts`),
-   and picks the tree maximising ``MAL / (verify_latency(T) + draft_time)``. That estimate
-   cannot order trees within a few percent of each other (its calibration is short);
+   each tree's MAL from a calibration run on a few ShareGPT prompts (never Spec-Bench's:
+   :func:`specjax.bench.questions.calibration_prompts`) over the evaluation's budget of
+   new tokens, and picks the tree maximising ``MAL / (verify_latency(T) + draft_time)``.
+   That estimate cannot order trees within a few percent of each other (its calibration
+   is a few prompts);
    ``--ab-trees K`` then runs the K best estimated trees (those within ``--ab-within`` of
    the best) end to end on more calibration prompts, paired prompt by prompt
    (:mod:`specjax.bench.paired`), and the fastest there is chosen, or at a speed tie the
@@ -156,7 +157,11 @@ class SpecBenchConfig:
       eager_per_task: prompts per task also run in eager mode (slow).
       grid: the candidate trees when ``tree`` is None.
       calib_num_prompts, calib_max_new_tokens: how many calibration prompts (ShareGPT, see
-        :func:`specjax.bench.questions.calibration_prompts`) and their budget.
+        :func:`specjax.bench.questions.calibration_prompts`) and their budget (None:
+        ``max_new_tokens``, as the A/B and the evaluation decode). A shorter budget
+        under-counts the lookup chain, which copies more the longer a greedy answer runs
+        (eighty-eighth session: at 48 tokens Gemma 3's chain d1 + lookup 8 counted MAL 2.37
+        and 3.81 at 128; the estimate ranked it last of three, the A/B first).
       latency_sizes: T values of the latency curve (every tree's node count is added).
       runs: timed repeats of each micro-benchmark (after one untimed compile call).
       stop_on_eos: whether EOS ends a prompt's generation before ``max_new_tokens``.
@@ -207,7 +212,7 @@ class SpecBenchConfig:
     eager_per_task: int = 1
     grid: Sequence[TreeSpec] = DEFAULT_GRID
     calib_num_prompts: int = CALIB_PROMPTS
-    calib_max_new_tokens: int = 48
+    calib_max_new_tokens: int | None = None
     latency_sizes: Sequence[int] = LATENCY_SIZES
     runs: int = 7
     stop_on_eos: bool = True
@@ -229,6 +234,9 @@ class SpecBenchConfig:
             raise ValueError(f"turns is 'first' or 'all', got {self.turns!r}")
         if self.per_task < 1 or self.max_new_tokens < 1 or self.eager_per_task < 0:
             raise ValueError("need per_task >= 1, max_new_tokens >= 1 and eager_per_task >= 0")
+        if self.calib_max_new_tokens is not None and self.calib_max_new_tokens < 1:
+            raise ValueError(f"calib_max_new_tokens is None (max_new_tokens) or >= 1, got "
+                             f"{self.calib_max_new_tokens}")
         check_sampling(self.temperature, self.top_p)
         if self.temperature > 0 and (self.ab_trees or self.grid_add_default):
             raise ValueError(
@@ -263,6 +271,12 @@ class SpecBenchConfig:
         sizes = sorted({int(t) for t in self.latency_sizes} | {1})
         largest = max(t.num_nodes for t in trees)
         return sizes + [largest] if largest > sizes[-1] else sizes
+
+    @property
+    def calib_new_tokens(self) -> int:
+        """The calibration's budget of new tokens: ``calib_max_new_tokens``, else the
+        evaluation's."""
+        return self.calib_max_new_tokens or self.max_new_tokens
 
 
 def candidates(cfg: SpecBenchConfig, drafter: Drafter,
@@ -308,7 +322,7 @@ def _selection(cfg: SpecBenchConfig, target: Target, drafter: Drafter,
                           runs=cfg.runs, bar=bar)
     selection = select_tree(target, drafter, grid, calib_ids, curve, prompt_len=mean_prompt,
                             max_new_tokens=cfg.max_new_tokens,
-                            calib_max_new_tokens=cfg.calib_max_new_tokens,
+                            calib_max_new_tokens=cfg.calib_new_tokens,
                             stop_on_eos=stop_on_eos, runs=cfg.runs, head=head, bar=bar)
     if cfg.ab_trees:
         bar.set_description("paired A/B of the best estimates")
@@ -415,7 +429,7 @@ def run_spec_bench(cfg: SpecBenchConfig, *, prompts: Sequence[dict[str, Any]] | 
         spare = max(sizes[-1], *map(spare_rows, grid))
         context, capacity = cache_geometry(mean_prompt, max_new_tokens, spare)
         config |= {"grid": [tree_dict(t) for t in grid], "calibration": calib_info,
-                   "calib_max_new_tokens": cfg.calib_max_new_tokens, "latency_sizes": sizes,
+                   "calib_max_new_tokens": cfg.calib_new_tokens, "latency_sizes": sizes,
                    "runs": cfg.runs, "latency_context": context, "latency_capacity": capacity,
                    "ab_trees": cfg.ab_trees}
         if cfg.ab_trees:

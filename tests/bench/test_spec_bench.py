@@ -598,6 +598,26 @@ def test_tie_break_settings_are_checked(tiny_model, tmp_path):
         3, 0.02, 24, True)
 
 
+def test_calibration_decodes_the_evaluations_budget(tiny_model, tmp_path, monkeypatch):
+    """The estimate's MAL is counted over as many new tokens as the evaluation decodes
+    unless told otherwise: a shorter calibration under-counts the lookup chain, which
+    copies more the longer a greedy answer runs."""
+    with pytest.raises(ValueError, match="calib_max_new_tokens"):
+        SpecBenchConfig(tiny_model, calib_max_new_tokens=0)
+    assert SpecBenchConfig(tiny_model, max_new_tokens=64,
+                           calib_max_new_tokens=8).calib_new_tokens == 8
+    seen = []
+    real = spec_bench.select_tree
+    monkeypatch.setattr(spec_bench, "select_tree", lambda *a, **kw: (
+        seen.append(kw["calib_max_new_tokens"]) or real(*a, **kw)))
+    cfg = SpecBenchConfig(tiny_model, per_task=1, max_new_tokens=6, out=tmp_path / "b.json",
+                          grid=GRID[:1], latency_sizes=(1, 4), runs=1, eager_per_task=0,
+                          stop_on_eos=False)
+    res = run_spec_bench(cfg, prompts=PROMPTS[:1], calib_prompts=CALIB,
+                         drafter=random_drafter(specjax.load(tiny_model)))
+    assert seen == [6] and res["config"]["calib_max_new_tokens"] == 6
+
+
 @pytest.mark.parametrize("tree", [TreeSpec("chain", depth=1, copy_bias=(1.0, 2.0)),
                                   TreeSpec("chain", depth=1, lookup=3)])
 def test_draft_latency_times_trees_that_read_the_committed_text(tiny_model, tree):
