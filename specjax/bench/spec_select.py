@@ -36,6 +36,23 @@ def with_lookup(grid: Sequence[TreeSpec], lookups: Sequence[int],
                      for m in lookup_mins for k in lookups for t in grid if not t.lookup))
 
 
+def step_estimate(curve: dict[str, Any], tree: TreeSpec, *, mal: float,
+                  chained: float | None, draft_ms: float) -> dict[str, float]:
+    """:func:`select_tree`'s estimate for one tree: ``{"verify_ms", "step_ms",
+    "est_tokens_per_s", "est_speedup"}`` from its calibration ``mal``, the fraction of
+    steps that grafted its lookup chain (``chained``; None without one), its draft time
+    and the latency ``curve`` (``{"sizes", "fit_ms"}``, :func:`interp_latency`)."""
+    verify_ms = interp_latency(curve, tree.num_nodes)
+    if tree.lookup:
+        # A lookup chain is verified only on the steps that grafted it (TreeSpec.lookup_min);
+        # the others verify the tree without its rows.
+        verify_ms = (chained * verify_ms + (1 - chained)
+                     * interp_latency(curve, tree.num_nodes - tree.lookup))
+    step_ms = verify_ms + draft_ms
+    return {"verify_ms": verify_ms, "step_ms": step_ms, "est_tokens_per_s": 1e3 * mal / step_ms,
+            "est_speedup": mal * interp_latency(curve, 1) / step_ms}
+
+
 def select_tree(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
                 calib_ids: Sequence[list[int]], curve: dict[str, Any], *, prompt_len: int,
                 max_new_tokens: int, calib_max_new_tokens: int, stop_on_eos: bool, runs: int,
@@ -53,7 +70,7 @@ def select_tree(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
     head = head or full_head(target.cfg.vocab_size)
     ctx = curve["context"]
     vanilla_ms = interp_latency(curve, 1)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for tree in grid:
         if bar is not None:
             bar.set_description(f"calibrate {tree_label(tree)}")
@@ -63,22 +80,14 @@ def select_tree(target: Target, drafter: Drafter, grid: Sequence[TreeSpec],
         draft = draft_latency(target, drafter, tree, context=ctx,
                               capacity=cache_capacity(prompt_len, max_new_tokens, tree),
                               out_len=bucket(max_new_tokens), runs=runs, head=head)
-        # A lookup chain is verified only on the steps that grafted it (TreeSpec.lookup_min);
-        # the others verify the tree without its rows.
-        chained = res.stats["chained_fraction"] if tree.lookup else None
-        verify_ms = interp_latency(curve, tree.num_nodes)
-        if tree.lookup:
-            verify_ms = (chained * verify_ms + (1 - chained)
-                         * interp_latency(curve, tree.num_nodes - tree.lookup))
         mal = res.stats["mean_accepted_length"]
-        step_ms = verify_ms + draft["best_ms"]
+        chained = res.stats["chained_fraction"] if tree.lookup else None
         rows.append({"label": tree_label(tree), "tree": tree_dict(tree), "mal": mal,
                      "calib_target_forwards": res.stats["target_forwards"],
-                     "chained_fraction": chained,
-                     "draft_ms": draft["best_ms"], "draft_median_ms": draft["median_ms"],
-                     "verify_ms": verify_ms, "step_ms": step_ms,
-                     "est_tokens_per_s": 1e3 * mal / step_ms,
-                     "est_speedup": mal * vanilla_ms / step_ms})
+                     "chained_fraction": chained, "draft_ms": draft["best_ms"],
+                     "draft_median_ms": draft["median_ms"]}
+                    | step_estimate(curve, tree, mal=mal, chained=chained,
+                                    draft_ms=draft["best_ms"]))
         if bar is not None:
             bar.update()
     best = max(range(len(rows)), key=lambda i: rows[i]["est_tokens_per_s"])
