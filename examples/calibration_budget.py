@@ -8,8 +8,9 @@ prompts (ShareGPT's calibration range, never Spec-Bench; ``--long-share`` of the
 draft times (:func:`specjax.bench.spec_select.step_estimate`), and prints the estimate's
 order of the A/B's trees before and after beside the A/B's.
 
-Several runs of one model and drafter share the counts (greedy MAL does not depend on the
-machine), so they are counted once and cached in ``--out``:
+Several runs of one model and drafter share the counts (counted here, once, and cached in
+``--out``; greedy MAL moves little between machines, so runs from another host re-price
+with them too):
 
     python examples/calibration_budget.py results/bench_spec_s86_ab3.json \\
         results/bench_spec_s86_avx2_choice.json --new-tokens 128 --out results/calib_128.json
