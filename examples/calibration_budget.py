@@ -63,6 +63,7 @@ def count(result: dict[str, Any], labels: set[str], *, prompts: int, new_tokens:
     import specjax
     from specjax.bench.phases import load_models
     from specjax.bench.questions import calibration_prompts
+    from specjax.bench.spec_select import AB_MAX_PROMPT_TOKENS
     from specjax.speculative import TreeSpec
     from specjax.train.prompts import with_long_share
     from specjax.vocab import resolve_head
@@ -74,8 +75,10 @@ def count(result: dict[str, Any], labels: set[str], *, prompts: int, new_tokens:
     cfg = result["config"]
     target, drafter, _ = load_models(cfg["model"], None, None, cfg["drafter"])
     head = resolve_head(cfg["vocab"], target, drafter)
+    # Short prompts as bench spec's estimate takes them; with long ones, the A/B's limit.
+    longest = {"max_prompt_tokens": AB_MAX_PROMPT_TOKENS} if long_share else {}
     ids, _ = calibration_prompts(target, num=prompts, weights=with_long_share(long_share),
-                                 max_prompt_tokens=1024 if long_share else 320)
+                                 **longest)
     for g in tqdm(todo, unit="tree"):
         tree = TreeSpec.from_json(g["tree"])
         res = specjax.generate(target, ids, max_new_tokens=new_tokens, stop_on_eos=True,
