@@ -127,12 +127,17 @@ def tree_dict(tree: TreeSpec) -> dict[str, Any]:
 def tree_label(tree: TreeSpec) -> str:
     """A short name that fixes the tree's shape: ``eagle2 d4 k4 n8``, ``dyspec n8``, ...,
     then `` +lookup4`` for a grafted lookup chain (``+lookup4 m2``: grafted on a match of
-    two tokens or more) and `` +copy8`` for a copy gate on the root over suffixes of up to
-    eight tokens (:attr:`TreeSpec.copy_bias`)."""
+    two tokens or more; ``+lookup4 m2 g5``: matching suffixes of up to five tokens, where
+    the default is :attr:`TreeSpec.lookup_ngram`'s) and `` +copy8`` for a copy gate on the
+    root over suffixes of up to eight tokens (:attr:`TreeSpec.copy_bias`)."""
     label = _shape_label(tree)
     if tree.lookup:
         least = f" m{tree.lookup_min}" if tree.lookup_min > 1 else ""
-        label += f" +lookup{tree.lookup}{least}"
+        # Labels key calibration records and A/B rows: two trees that differ only in the
+        # suffix length they match must not share one.
+        longest = (f" g{tree.lookup_ngram}"
+                   if tree.lookup_ngram != TreeSpec().lookup_ngram else "")
+        label += f" +lookup{tree.lookup}{least}{longest}"
     return label + (f" +copy{len(tree.copy_bias)}" if tree.copy_bias else "")
 
 

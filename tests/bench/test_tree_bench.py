@@ -65,6 +65,8 @@ def test_trees_at_a_budget():
                                 copy_bias=(1.0, 3.0))
     assert tree_label(gated) == "chain d1 +lookup8 m2 +copy2"
     assert tree_label(dataclasses.replace(gated, lookup=0)) == "chain d1 +copy2"
+    longer = dataclasses.replace(gated, lookup_ngram=5)
+    assert tree_label(longer) == "chain d1 +lookup8 m2 g5 +copy2"
     assert tree_fields(tree_at("dyspec-topk", 8))["topk_children"] is True
     with pytest.raises(ValueError, match="needs its threshold"):
         tree_at("dyspec-threshold", 4)
