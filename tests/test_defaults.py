@@ -74,3 +74,31 @@ def test_generate_decodes_vanilla_for_a_target_without_a_shipped_drafter(tiny_ta
     assert "no drafter is shipped for the target" in capsys.readouterr().err
     with pytest.raises(ValueError, match="needs a drafter"):
         specjax.generate(tiny_target, [[1, 2]], max_new_tokens=2, vocab="fr:8")
+
+
+def test_each_shipped_records_chosen_label_names_its_stored_tree():
+    """A/B records key trees by ``tree_label``: the one a record says it chose must be the
+    label of the tree stored beside it, or a later label change left stale records."""
+    from specjax.bench.trees import tree_label
+    from specjax.speculative import TreeSpec
+
+    def entries(node):
+        if isinstance(node, dict):
+            measured = node.get("measured")
+            if isinstance(node.get("tree"), dict) and isinstance(measured, dict) \
+                    and isinstance(measured.get("chosen"), str):
+                yield node["tree"], measured
+            for v in node.values():
+                yield from entries(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from entries(v)
+
+    checked = 0
+    for path in sorted(SHIPPED_DRAFTERS.glob("*/default_tree.json")):
+        for tree, measured in entries(json.loads(path.read_text())):
+            label = tree_label(TreeSpec.from_json(tree))
+            assert measured["chosen"] == label, (path.parent.name, label)
+            assert label in measured.get("paired", {label: None}), (path.parent.name, label)
+            checked += 1
+    assert checked >= 8  # both drafters' temperature and machine-class entries

@@ -129,7 +129,9 @@ def tree_label(tree: TreeSpec) -> str:
     then `` +lookup4`` for a grafted lookup chain (``+lookup4 m2``: grafted on a match of
     two tokens or more; ``+lookup4 m2 g5``: matching suffixes of up to five tokens, where
     the default is :attr:`TreeSpec.lookup_ngram`'s) and `` +copy8`` for a copy gate on the
-    root over suffixes of up to eight tokens (:attr:`TreeSpec.copy_bias`)."""
+    root over suffixes of up to eight tokens (:attr:`TreeSpec.copy_bias`). A DySpec tree
+    whose last child per node is drafted greedily reads ``dyspec-threshold d1 n5 thr0.001
+    greedy1`` (:attr:`TreeSpec.greedy_children`)."""
     label = _shape_label(tree)
     if tree.lookup:
         least = f" m{tree.lookup_min}" if tree.lookup_min > 1 else ""
@@ -150,7 +152,10 @@ def _shape_label(tree: TreeSpec) -> str:
         return f"static n{len(tree.paths)} d{max(map(len, tree.paths))}"
     if tree.kind == "eagle2":
         return f"eagle2 d{tree.depth} k{tree.top_k} n{tree.total_tokens}"
-    topk = " top-k" if tree.topk_children else ""
+    # Sampled DySpec trees that draft the drafter's last g children greedily (g > 0) differ
+    # from their all-sampled twins in what they accept, so they get their own label.
+    topk = (" top-k" if tree.topk_children else "") + (
+        f" greedy{tree.greedy_children}" if tree.greedy_children else "")
     if tree.kind == "dyspec":
         return f"dyspec n{tree.total_tokens}{topk}"
     cap = f" f{tree.frontier}" if 0 < tree.frontier < tree.total_tokens else ""

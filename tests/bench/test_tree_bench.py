@@ -31,7 +31,7 @@ from specjax.bench.tree_compare import (
     tree_label,
     tree_tiles,
 )
-from specjax.tree import DraftTree, ancestors_from_parent, eagle2_sizes, normalize_paths
+from specjax.tree import DraftTree, TreeSpec, ancestors_from_parent, eagle2_sizes, normalize_paths
 from tests.speculative.conftest import PROMPTS as FITTED
 
 # Two evaluation prompts the fitted drafter has seen (so paths are accepted and trees are
@@ -61,6 +61,11 @@ def test_trees_at_a_budget():
     assert (capped.depth, capped.frontier) == eagle2_shape(8)
     assert tree_label(capped) == "dyspec-threshold d4 n8 f4 thr0.05"
     assert tree_label(tree_at("dyspec-topk", 8)) == "dyspec n8 top-k"
+    root5 = TreeSpec("dyspec-threshold", depth=1, total_tokens=5, threshold=0.001)
+    assert tree_label(root5) == "dyspec-threshold d1 n5 thr0.001"
+    # Labels key A/B rows and calibration records: the greedy-last twin needs its own.
+    assert (tree_label(dataclasses.replace(root5, greedy_children=1))
+            == "dyspec-threshold d1 n5 thr0.001 greedy1")
     gated = dataclasses.replace(tree_at("chain", 1), lookup=8, lookup_min=2,
                                 copy_bias=(1.0, 3.0))
     assert tree_label(gated) == "chain d1 +lookup8 m2 +copy2"
