@@ -13,6 +13,13 @@ Top-level API::
     result = specjax.generate(target, prompts, mesh="data=2,model=4")
 """
 
+# The imports below come after this call (E402): it must run before any of them imports
+# transformers.
+# ruff: noqa: E402
+from specjax.compat import keep_hub_kernels_importable
+
+keep_hub_kernels_importable()
+
 from specjax.api import Chunk, GenerationResult, generate, load, load_drafter, stream
 from specjax.config import ModelConfig
 from specjax.convert import convert

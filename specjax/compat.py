@@ -7,7 +7,10 @@ here, so a jax upgrade that moves an API changes this file and nothing else:
 * whether compiled Pallas GPU kernels can run here (a GPU backend), which picks the
   kernels' default implementation;
 * lowering a function for CUDA on any jaxlib, which the CPU suite uses to catch GPU-only
-  lowering errors without a GPU.
+  lowering errors without a GPU;
+* run from a source checkout, the Hugging Face ``kernels`` package that transformers >= 5.25
+  imports, which the checkout's top-level ``kernels/`` folder would otherwise shadow
+  (:func:`keep_hub_kernels_importable`).
 
 Checked on jax 0.10.2 (this machine's lock) and 0.11.2 (under Python 3.12), both on CPU:
 no GPU has run these paths yet.
@@ -15,7 +18,12 @@ no GPU has run these paths yet.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -46,3 +54,36 @@ def lower_for_cuda(fn: Callable, *args: Any, device_kind: str = ABSTRACT_GPU) ->
     mesh = jax.sharding.AbstractMesh((1,), ("_gpu",), abstract_device=gpu)
     with jax.sharding.use_abstract_mesh(mesh):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+# The repository root when specjax runs from a source checkout (an editable install, or the
+# tests): its top-level kernels/ folder is installed as specjax.kernels, but the root itself
+# is on sys.path whenever Python starts there (``python -m ...``, pytest's rootdir).
+_CHECKOUT = Path(__file__).resolve().parent.parent
+
+
+class _KernelsBesideTheCheckout(importlib.abc.MetaPathFinder):
+    """Finds a top-level ``kernels`` module on ``sys.path`` without the checkout's root.
+
+    transformers >= 5.25 depends on the Hugging Face ``kernels`` package and imports it with
+    its activations, so ``import kernels`` must not find this repository's folder (it has no
+    ``CUDAProperties``, and the tokenizer then fails to load). Where no such package is
+    installed this finds nothing and the usual finders run, as before."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "kernels" or path is not None:
+            return None
+        root = os.path.realpath(_CHECKOUT)
+        rest = [p for p in sys.path if os.path.realpath(p or os.getcwd()) != root]
+        return importlib.machinery.PathFinder.find_spec(name, rest)
+
+
+def keep_hub_kernels_importable() -> None:
+    """In a source checkout, make ``import kernels`` skip the checkout's own ``kernels/``.
+
+    Called first thing by ``import specjax``; a no-op for an installed wheel (whose kernels
+    live at ``specjax/kernels``), when called again, or once ``kernels`` is imported."""
+    if not (_CHECKOUT / "kernels" / "cpu_build.py").is_file() or "kernels" in sys.modules:
+        return
+    if not any(isinstance(f, _KernelsBesideTheCheckout) for f in sys.meta_path):
+        sys.meta_path.insert(0, _KernelsBesideTheCheckout())
