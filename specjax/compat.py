@@ -73,8 +73,8 @@ class _KernelsBesideTheCheckout(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if name != "kernels" or path is not None:
             return None
-        root = os.path.realpath(_CHECKOUT)
-        rest = [p for p in sys.path if os.path.realpath(p or os.getcwd()) != root]
+        # _CHECKOUT is resolved already; sys.path entries may be relative ("" is the cwd).
+        rest = [p for p in sys.path if os.path.realpath(p or os.getcwd()) != str(_CHECKOUT)]
         return importlib.machinery.PathFinder.find_spec(name, rest)
 
 

@@ -154,9 +154,9 @@ def _shape_label(tree: TreeSpec) -> str:
         return f"eagle2 d{tree.depth} k{tree.top_k} n{tree.total_tokens}"
     # Sampled DySpec trees that draft the drafter's last g children greedily (g > 0) differ
     # from their all-sampled twins in what they accept, so they get their own label.
-    topk = (" top-k" if tree.topk_children else "") + (
+    children = (" top-k" if tree.topk_children else "") + (
         f" greedy{tree.greedy_children}" if tree.greedy_children else "")
     if tree.kind == "dyspec":
-        return f"dyspec n{tree.total_tokens}{topk}"
+        return f"dyspec n{tree.total_tokens}{children}"
     cap = f" f{tree.frontier}" if 0 < tree.frontier < tree.total_tokens else ""
-    return f"{tree.kind} d{tree.depth} n{tree.total_tokens}{cap} thr{tree.threshold:g}{topk}"
+    return f"{tree.kind} d{tree.depth} n{tree.total_tokens}{cap} thr{tree.threshold:g}{children}"
