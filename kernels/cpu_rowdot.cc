@@ -115,9 +115,17 @@ struct Gathered {
 
 // MR rows of x times the weight rows of columns [n0, n0 + NT), into y (row stride
 // ``src.cols``). ``kPrefetch``: also ask for this tile's share of the rows of columns
-// [n0 + NT, n0 + 2 NT): cache line i of each row where i % passes == pass (a template
-// argument: a ragged end's single columns run without it). ``kPin``: hold x's vector in a
-// register (kPinFirst, above).
+// [n0 + NT, n0 + 2 NT): the pass-th of ``passes`` contiguous blocks of each row's cache
+// lines (a template argument: a ragged end's single columns run without it). ``kPin``: hold
+// x's vector in a register (kPinFirst, above).
+//
+// Blocks, not every passes-th line, since the ninety-first session: with two passes the
+// second pass asked for the odd lines, and an Intel core's L2 spatial prefetcher had
+// already fetched each of them as the partner of the first pass's even line, so the memory
+// idled through the second pass. On an Intel Xeon (AVX-512, two cores) a SmolLM2 forward
+// at 8-12 rows took 0.77-0.82 of its time with blocks, 14-16 rows 0.93, 1-6 rows level
+// (one pass asks for every line, as before; examples/rowdot_revision_ab.py,
+// docs/benchmarks.md). Not measured on an AMD host.
 template <int MR, int NT, bool kPrefetch, bool kPin, class Src>
 void Tile(const float* x, const Src& src, float* y, int64_t K, int64_t m0, int64_t n0,
           int64_t pass, int64_t passes) {
@@ -133,14 +141,20 @@ void Tile(const float* x, const Src& src, float* y, int64_t K, int64_t m0, int64
     row[t] = src.At(n0 + t);
     if constexpr (kPrefetch) next[t] = src.At(n0 + NT + t);
   }
-  int64_t due = pass * kLineFloats;  // the next k whose line this pass asks for
+  // This pass's share of the next rows' lines, a contiguous block of each: [at, at + share
+  // lines), one line per ``passes`` lines of its own loop, so it asks for exactly ``share``.
+  // A last block that runs past the row (lines % passes != 0) asks for the next row's first
+  // lines, which is harmless: a prefetch never faults.
+  const int64_t share = (K / kLineFloats + passes - 1) / passes;
+  int64_t at = pass * share * kLineFloats, due = 0;
   for (int64_t k = 0; k < K; k += kLanes) {
     if constexpr (kPrefetch) {
       if (k == due) {
         due += passes * kLineFloats;
 #pragma GCC unroll 8
         for (int t = 0; t < NT; ++t)
-          _mm_prefetch(reinterpret_cast<const char*>(next[t] + k), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(next[t] + at), _MM_HINT_T1);
+        at += kLineFloats;
       }
     }
     Vec wv[NT];
