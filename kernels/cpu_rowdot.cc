@@ -141,10 +141,10 @@ void Tile(const float* x, const Src& src, float* y, int64_t K, int64_t m0, int64
     row[t] = src.At(n0 + t);
     if constexpr (kPrefetch) next[t] = src.At(n0 + NT + t);
   }
-  // This pass's share of the next rows' lines, a contiguous block of each: [at, at + share
-  // lines), one line per ``passes`` lines of its own loop, so it asks for exactly ``share``.
-  // A last block that runs past the row (lines % passes != 0) asks for the next row's first
-  // lines, which is harmless: a prefetch never faults.
+  // This pass asks for lines [pass * share, (pass + 1) * share) of each next row, one line
+  // per ``passes`` lines of its own loop: ceil(lines / passes) = share requests. A last
+  // block that runs past the row (lines % passes != 0) asks for lines after it, the next
+  // row's or past the last row's end: harmless, a prefetch never faults.
   const int64_t share = (K / kLineFloats + passes - 1) / passes;
   int64_t at = pass * share * kLineFloats, due = 0;
   for (int64_t k = 0; k < K; k += kLanes) {
