@@ -13,6 +13,7 @@ alone).
 
     python examples/rowdot_revision_ab.py --rev HEAD~1 --out results/rowdot_ab.json
     python examples/rowdot_revision_ab.py --rev HEAD~1 --products --rows 6,12,14
+    python examples/rowdot_revision_ab.py --rev HEAD~1 --products --march haswell   # AVX2 build
 
 The revision's ``kernels/cpu_rowdot.cc`` is compiled with the flags ``cpu_rowdot`` uses, its
 handler symbol renamed, and registered as a second FFI target; the forward traced while
@@ -148,10 +149,18 @@ def main() -> None:
                     help="time the forward's weight products alone, not the forward")
     ap.add_argument("--cached", action="store_true",
                     help="with --products: one cache-resident matrix, the compute rate alone")
+    ap.add_argument("--march", default=None,
+                    help="build both kernels for this -march instead of the host's (e.g. "
+                         "haswell: the AVX2 build, on an AVX-512 host)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.cached and not args.products:
         ap.error("--cached goes with --products")
+    if args.march:
+        # Before either kernel is built: the working tree's build is keyed by its flags, so
+        # the host's own build stays where it is.
+        cpu_build._FLAGS = tuple(f"-march={args.march}" if f.startswith("-march=") else f
+                                 for f in cpu_build._FLAGS)
     ok, why = cpu_rowdot.available()
     if not ok:
         raise SystemExit(f"the rowdot kernel is not available here: {why}")
@@ -199,8 +208,8 @@ def main() -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(
-            {"rev": args.rev, "context": args.context, "runs": args.runs, "what": what,
-             "rows": rows}, indent=1))
+            {"rev": args.rev, "march": args.march or "native", "context": args.context,
+             "runs": args.runs, "what": what, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
