@@ -120,10 +120,11 @@ struct Gathered {
 // x's vector in a register (kPinFirst, above).
 //
 // Blocks, not every passes-th line, since the ninety-first session: with two passes the
-// second pass asked for the odd lines, and an Intel core's L2 spatial prefetcher had
-// already fetched each of them as the partner of the first pass's even line, so the memory
-// idled through the second pass. On an Intel Xeon (AVX-512, two cores) a SmolLM2 forward
-// at 8-12 rows took 0.77-0.82 of its time with blocks, 14-16 rows 0.93, 1-6 rows level
+// second pass asked for the odd lines, and (the likely cause: asking for whole line pairs
+// recovered most of the loss) an Intel core's L2 spatial prefetcher had already fetched
+// each of them as the partner of the first pass's even line, so the memory idled through
+// the second pass. On an Intel Xeon (AVX-512, two cores) a SmolLM2 forward at 8-12 rows
+// took 0.79-0.82 of its time with blocks, 14-16 rows 0.92-0.93, 1-6 rows level
 // (one pass asks for every line, as before; examples/rowdot_revision_ab.py,
 // docs/benchmarks.md). Not measured on an AMD host.
 template <int MR, int NT, bool kPrefetch, bool kPin, class Src>
