@@ -18,6 +18,28 @@ import specjax  # noqa: E402
 from tests.tiny import make_hf_checkpoint  # noqa: E402
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _shared_compilation_cache(pytestconfig, tmp_path_factory):
+    """One persistent compilation cache for every run of the suite in this checkout: both
+    xdist workers and the CLI children they start (through ``SPECJAX_JAX_CACHE``, which
+    children inherit) read and write ``.pytest_cache/d/jax-cache``.
+
+    A repeated run loads most programs instead of compiling them (compiles dominate the
+    suite's time), and the suite no longer writes into the user's ``~/.cache/specjax``
+    (the benchmark commands it runs turn the cache on). ``pytest --cache-clear`` empties
+    it; a clean clone (CI) starts cold. A ``SPECJAX_JAX_CACHE`` already set (``off``
+    included) is respected.
+    """
+    from specjax.compile_cache import ENV, enable_compilation_cache
+
+    cache = pytestconfig.cache  # None under ``-p no:cacheprovider``
+    path = cache.mkdir("jax-cache") if cache is not None else (
+        tmp_path_factory.getbasetemp() / "jax-cache")
+    os.environ.setdefault(ENV, str(path))
+    enable_compilation_cache()
+    yield
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
     """Drop each test module's compiled programs when it ends.
