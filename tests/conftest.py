@@ -25,10 +25,10 @@ def _shared_compilation_cache(pytestconfig, tmp_path_factory):
     children inherit) read and write ``.pytest_cache/d/jax-cache``.
 
     A repeated run loads most programs instead of compiling them (compiles dominate the
-    suite's time), and the suite no longer writes into the user's ``~/.cache/specjax``
-    (the benchmark commands it runs turn the cache on). ``pytest --cache-clear`` empties
-    it; a clean clone (CI) starts cold. A ``SPECJAX_JAX_CACHE`` already set (``off``
-    included) is respected.
+    suite's time), and the suite no longer writes compiled programs into the user's
+    ``~/.cache/specjax`` (the benchmark commands it runs turn the cache on).
+    ``pytest --cache-clear`` empties it; a clean clone (CI) starts cold. A
+    ``SPECJAX_JAX_CACHE`` already set (``off`` included) is respected.
     """
     from specjax.compile_cache import ENV, enable_compilation_cache
 

@@ -67,14 +67,14 @@ def main(target_dir: str, drafter_dir: str, out: str, cross: str = "") -> None:
     jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
 
     import specjax
+    from specjax import sharding as sh
+    from specjax.api import _pad_rows, _plan, _runner_on_mesh
     from specjax.compile_cache import ENV, enable_compilation_cache
+    from specjax.speculative import TreeSpec
+    from tests.speculative.conftest import PROMPTS
 
     if os.environ.get(ENV):  # the suite's cache (tests/conftest.py), never ~/.cache
         enable_compilation_cache()
-    from specjax import sharding as sh
-    from specjax.api import _pad_rows, _plan, _runner_on_mesh
-    from specjax.speculative import TreeSpec
-    from tests.speculative.conftest import PROMPTS
 
     tree = TreeSpec(**TREE)
     res: dict = {"devices": jax.device_count(), "cases": {}, "seconds": {}}
