@@ -37,7 +37,6 @@ def _shared_compilation_cache(pytestconfig, tmp_path_factory):
         tmp_path_factory.getbasetemp() / "jax-cache")
     os.environ.setdefault(ENV, str(path))
     enable_compilation_cache()
-    yield
 
 
 @pytest.fixture(autouse=True, scope="module")

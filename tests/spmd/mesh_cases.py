@@ -73,7 +73,7 @@ def main(target_dir: str, drafter_dir: str, out: str, cross: str = "") -> None:
     from specjax.speculative import TreeSpec
     from tests.speculative.conftest import PROMPTS
 
-    if os.environ.get(ENV):  # the suite's cache (tests/conftest.py), never ~/.cache
+    if os.environ.get(ENV):  # set by tests/conftest.py: a bare run never writes ~/.cache
         enable_compilation_cache()
 
     tree = TreeSpec(**TREE)
